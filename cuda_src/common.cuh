@@ -1,0 +1,71 @@
+// Shared device helpers. NVRTC has no host std headers: only cuda_bf16.h / cuda_fp8.h are included.
+// CupyBackend inlines this file in place of `#include "common.cuh"` (so cupy's source-keyed cache
+// sees header changes); nvcc in CI finds it with -I cuda_src.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+typedef unsigned int u32;
+typedef int i32;
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+__device__ __forceinline__ float bf2f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ __nv_bfloat16 f2bf(float v) { return __float2bfloat16_rn(v); }
+__device__ __forceinline__ float bits2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum for blockDim.x a multiple of 32 (<= 1024); `red` is 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : 0.f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* red) {
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) red[wid] = v;
+    __syncthreads();
+    v = lane < nw ? red[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+__device__ __forceinline__ float fp8_to_f(u8 b) {
+    __nv_fp8_e4m3 v;
+    v.__x = b;
+    return float(v);
+}
+
+__device__ __forceinline__ u8 f_to_fp8(float f) {
+    return (u8)__nv_cvt_float_to_fp8(f, __NV_SATFINITE, __NV_E4M3);
+}
+
+// E8M0 scale byte -> 2^(b-127); 0xFF is NaN.
+__device__ __forceinline__ float e8m0_to_f(u8 b) {
+    return b == 0xFF ? __int_as_float(0x7fc00000) : (b == 0 ? __uint_as_float(0x00400000u) : __uint_as_float(((u32)b) << 23));
+}
+
+// E2M1 nibble -> float via the fp16 bit trick (exact for every code, including the subnormal 0.5).
+__device__ __forceinline__ float e2m1_to_f(u32 n) {
+    const u16 h = (u16)(((n & 8u) << 12) | ((n & 7u) << 9));
+    return __half2float(__ushort_as_half(h)) * 16384.f;
+}

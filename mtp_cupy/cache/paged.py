@@ -1,0 +1,129 @@
+"""PagedKvCache: a pool of fixed-size blocks (16 rows each) on the device, shared by one or more caches
+(e.g. the MLA latent cache and the DSA indexer cache) that use the same block ids.
+
+A row of cache `c` at layer `l` for slot `s = block * block_size + offset` lives at
+    base[c] + ((l * num_blocks + block) * block_size + offset) * row_bytes[c]
+`slot_addr` is the one place that arithmetic is written."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import CapacityError, ConfigError, InputError
+from ..runtime.backend import Backend
+from ..runtime.dtypes import dtype as _dtype
+from ..runtime.ptr import DevicePtr
+
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    name: str
+    row_width: int          # elements per row (e.g. 512 + 64 for the MLA latent)
+    dtype: str = "bf16"     # "bf16" or "fp8" (+ an f32 scale row when scale_width > 0), "u8" for raw rows
+    num_layers: int = 1
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row_width * _dtype(self.dtype).itemsize
+
+
+class PagedKvCache:
+    def __init__(self, gpu: Backend, specs: list[CacheSpec] | CacheSpec, num_blocks: int | None = None,
+                 pool_bytes: int | None = None, block_size: int = BLOCK_SIZE):
+        specs = [specs] if isinstance(specs, CacheSpec) else list(specs)
+        if not specs:
+            raise ConfigError("PagedKvCache needs at least one CacheSpec")
+        for s in specs:
+            if s.dtype not in ("bf16", "fp8", "u8", "f32"):
+                raise ConfigError(f"cache {s.name}: dtype {s.dtype!r} is not bf16/fp8/u8/f32")
+        per_block = sum(s.row_bytes * s.num_layers for s in specs) * block_size
+        if num_blocks is None:
+            if pool_bytes is None:
+                raise ConfigError("PagedKvCache needs num_blocks or pool_bytes")
+            num_blocks = pool_bytes // per_block
+        if num_blocks <= 0:
+            raise ConfigError(f"PagedKvCache: {num_blocks} blocks (pool too small for one block of {per_block} bytes)")
+        self.gpu, self.specs, self.block_size, self.num_blocks = gpu, {s.name: s for s in specs}, block_size, num_blocks
+        self.bufs = {s.name: gpu.alloc(s.row_bytes * s.num_layers * num_blocks * block_size) for s in specs}
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        self._used = np.zeros(num_blocks, dtype=bool)
+
+    @staticmethod
+    def blocks_for(rows: int, block_size: int = BLOCK_SIZE) -> int:
+        return (rows + block_size - 1) // block_size
+
+    # -- pool ------------------------------------------------------------------------------------
+    @property
+    def free_count(self) -> int:
+        return len(self._free)
+
+    def alloc_block(self) -> int:
+        return self.alloc_blocks(1)[0]
+
+    def alloc_blocks(self, n: int) -> list[int]:
+        """All n blocks or none (CapacityError, pool unchanged)."""
+        if n > len(self._free):
+            raise CapacityError(f"KV pool exhausted: {n} blocks asked, {len(self._free)} of {self.num_blocks} free")
+        out = [self._free.pop() for _ in range(n)]
+        self._used[out] = True
+        return out
+
+    def free_blocks(self, blocks) -> None:
+        blocks = list(blocks)
+        for b in blocks:
+            if not 0 <= b < self.num_blocks or not self._used[b]:
+                raise InputError(f"block {b} is not allocated")
+        if len(set(blocks)) != len(blocks):
+            raise InputError("a block freed twice in one call")
+        for b in blocks:
+            self._used[b] = False
+            self._free.append(b)
+
+    # -- addressing ------------------------------------------------------------------------------
+    def base(self, cache: str, layer: int = 0) -> DevicePtr:
+        s = self.specs[cache]
+        if not 0 <= layer < s.num_layers:
+            raise InputError(f"cache {cache}: layer {layer} of {s.num_layers}")
+        return self.bufs[cache].ptr.offset(layer * self.num_blocks * self.block_size * s.row_bytes)
+
+    def slot_addr(self, cache: str, layer: int, slot: int) -> DevicePtr:
+        if not 0 <= slot < self.num_blocks * self.block_size:
+            raise InputError(f"slot {slot} outside the pool")
+        return self.base(cache, layer).offset(slot * self.specs[cache].row_bytes)
+
+    def slot_of(self, block_table, row: int) -> int:
+        return int(block_table[row // self.block_size]) * self.block_size + row % self.block_size
+
+
+class SeqBlocks:
+    """The block table of one sequence in a PagedKvCache, grown and trimmed with its row count."""
+
+    def __init__(self, cache: PagedKvCache):
+        self.cache, self.table, self.rows = cache, [], 0
+
+    def reserve(self, rows: int) -> None:
+        """Make room for `rows` rows (all blocks or none)."""
+        need = PagedKvCache.blocks_for(rows, self.cache.block_size) - len(self.table)
+        if need > 0:
+            self.table.extend(self.cache.alloc_blocks(need))
+
+    def slot(self, row: int) -> int:
+        return self.cache.slot_of(self.table, row)
+
+    def truncate(self, rows: int) -> None:
+        """Keep the first `rows` rows and give back blocks no longer needed."""
+        if not 0 <= rows <= self.rows:
+            raise InputError(f"truncate to {rows} rows of {self.rows}")
+        keep = PagedKvCache.blocks_for(rows, self.cache.block_size)
+        if keep < len(self.table):
+            self.cache.free_blocks(self.table[keep:])
+            del self.table[keep:]
+        self.rows = rows
+
+    def release(self) -> None:
+        if self.table:
+            self.cache.free_blocks(self.table)
+        self.table, self.rows = [], 0

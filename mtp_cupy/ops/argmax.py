@@ -1,0 +1,2 @@
+"""Launchers for cuda_src/argmax.cu."""
+__all__: list[str] = []

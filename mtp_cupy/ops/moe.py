@@ -1,0 +1,2 @@
+"""Launchers for cuda_src/moe.cu."""
+__all__: list[str] = []

@@ -1,0 +1,2 @@
+"""Launchers for cuda_src/rms_norm.cu."""
+__all__: list[str] = []

@@ -1,0 +1,31 @@
+"""Device model. Importing this does not import cupy: CUDA is found lazily by `device()`."""
+from __future__ import annotations
+
+import logging
+
+from ..errors import ConfigError
+from .backend import Backend, DeviceBuffer, KernelHandle, KernelLaunch, cuda_kernel_names, cuda_modules
+from .ptr import NULL, DevicePtr
+
+log = logging.getLogger("mtp_cupy")
+
+
+def device(kind: str = "auto", device_id: int = 0) -> Backend:
+    """`"cuda"`: CupyBackend on GPU `device_id`; `"ref"`: the NumPy device; `"auto"`: CUDA when present."""
+    from .cupy_backend import CupyBackend, cuda_available
+    if kind not in ("auto", "cuda", "ref"):
+        raise ConfigError(f"unknown device {kind!r}; choose auto, cuda or ref")
+    if kind == "ref":
+        from ..refdev import RefBackend
+        return RefBackend()
+    if cuda_available():
+        return CupyBackend(device_id)
+    if kind == "cuda":
+        raise ConfigError("device 'cuda' asked for, but no CUDA device is available (is cupy installed?)")
+    from ..refdev import RefBackend
+    log.warning("mtp_cupy: no CUDA device found; running on the NumPy reference device (slow, exact)")
+    return RefBackend()
+
+
+__all__ = ["Backend", "DeviceBuffer", "KernelHandle", "KernelLaunch", "DevicePtr", "NULL", "device",
+           "cuda_kernel_names", "cuda_modules"]

@@ -1,0 +1,88 @@
+"""ForwardBuffers: one device allocation carved into named regions, and the attention-metadata slab.
+
+The target's attention metadata lives at `scratch + TARGET_META_OFFSET`; an MTP proposer uploads its own
+at `scratch + MTP_META_OFFSET` so the two never overlap. Slab layout (little endian):
+    pos u32 @0, slot i64 @8, seq_len i32 @16, block_table i32[] @256"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import CapacityError, InputError
+from .backend import Backend
+from .ptr import DevicePtr
+
+TARGET_META_OFFSET = 32768
+MTP_META_OFFSET = 65536
+META_TABLE_OFFSET = 256
+DEFAULT_SCRATCH = MTP_META_OFFSET + 64 * 1024  # room for a 16,320-entry block table (261k tokens)
+ALIGN = 256
+
+
+def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity: int) -> bytes:
+    """The MTP metadata slab. `capacity` is the bytes available after MTP_META_OFFSET; a table that
+    does not fit raises CapacityError (nothing is written)."""
+    table = np.asarray(block_table, dtype=np.int64)
+    need = META_TABLE_OFFSET + 4 * table.size
+    if need > capacity:
+        raise CapacityError(f"MTP block table of {table.size} entries needs {need} bytes of metadata; "
+                            f"only {capacity} fit after MTP_META_OFFSET")
+    if not 0 <= pos < 1 << 32:
+        raise InputError(f"position {pos} does not fit u32")
+    if table.size and (table.min() < 0 or table.max() >= 1 << 31):
+        raise InputError("block ids must fit i32")
+    buf = bytearray(need)
+    buf[0:4] = np.uint32(pos).tobytes()
+    buf[8:16] = np.int64(slot).tobytes()
+    buf[16:20] = np.int32(seq_len).tobytes()
+    buf[META_TABLE_OFFSET:] = table.astype("<i4").tobytes()
+    return bytes(buf)
+
+
+def unpack_mtp_attn_meta(raw: bytes | np.ndarray, num_blocks: int) -> tuple[int, int, int, list[int]]:
+    raw = bytes(raw)
+    pos = int(np.frombuffer(raw[0:4], "<u4")[0])
+    slot = int(np.frombuffer(raw[8:16], "<i8")[0])
+    seq_len = int(np.frombuffer(raw[16:20], "<i4")[0])
+    table = np.frombuffer(raw[META_TABLE_OFFSET:META_TABLE_OFFSET + 4 * num_blocks], "<i4").tolist()
+    return pos, slot, seq_len, table
+
+
+class ForwardBuffers:
+    """Named device regions in one allocation. `regions` maps name -> bytes; `scratch` is always present.
+
+    Example: ForwardBuffers(gpu, {"hidden_states": 2*D, "logits": 4*V}) then `bufs.hidden_states`."""
+
+    def __init__(self, gpu: Backend, regions: dict[str, int], scratch_bytes: int = DEFAULT_SCRATCH):
+        if scratch_bytes < MTP_META_OFFSET + META_TABLE_OFFSET:
+            raise CapacityError(f"scratch of {scratch_bytes} bytes leaves no room for MTP metadata")
+        layout, off = {}, 0
+        for name, nbytes in list(regions.items()) + [("scratch", scratch_bytes)]:
+            if name in layout:
+                raise ValueError(f"region {name!r} given twice")
+            layout[name] = (off, int(nbytes))
+            off += (int(nbytes) + ALIGN - 1) // ALIGN * ALIGN
+        self.buf = gpu.alloc(off)
+        self.layout = layout
+        self.total_bytes = off
+        self.scratch_bytes = scratch_bytes
+
+    def __getattr__(self, name: str) -> DevicePtr:
+        layout = self.__dict__.get("layout")
+        if layout is None or name not in layout:
+            raise AttributeError(f"ForwardBuffers has no region {name!r}")
+        return self.buf.ptr.offset(layout[name][0])
+
+    def region_bytes(self, name: str) -> int:
+        return self.layout[name][1]
+
+    @property
+    def mtp_meta(self) -> DevicePtr:
+        return self.scratch.offset(MTP_META_OFFSET)
+
+    @property
+    def target_meta(self) -> DevicePtr:
+        return self.scratch.offset(TARGET_META_OFFSET)
+
+    @property
+    def mtp_meta_capacity(self) -> int:
+        return self.scratch_bytes - MTP_META_OFFSET

@@ -1,0 +1,217 @@
+"""The device model: the Backend ("gpu") interface, kernel handles by (module, name), KernelLaunch.
+
+Two implementations: CupyBackend (real CUDA, kernels compiled from cuda_src/<module>.cu by NVRTC) and
+RefBackend (the NumPy device in mtp_cupy.refdev, one Python twin per kernel)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import KernelError
+from .ptr import DevicePtr
+
+CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)\s*\(')
+
+
+def cuda_source(module: str) -> Path:
+    return CUDA_SRC / f"{module}.cu"
+
+
+def cuda_kernel_names(module: str) -> list[str]:
+    """The extern "C" __global__ names a cuda_src module defines (read from the source text)."""
+    path = cuda_source(module)
+    if not path.exists():
+        return []
+    return _KERNEL_RE.findall(path.read_text())
+
+
+_INCLUDE_RE = re.compile(r'^#include "(\w+\.cuh)"\s*$', re.M)
+
+
+def module_source(module: str) -> str:
+    """The module's source with local `#include "x.cuh"` headers inlined, so that a compile cache keyed
+    on the source text sees header edits too."""
+    def inline(m):
+        return (CUDA_SRC / m.group(1)).read_text()
+    return _INCLUDE_RE.sub(inline, cuda_source(module).read_text())
+
+
+def cuda_modules() -> list[str]:
+    return sorted(p.stem for p in CUDA_SRC.glob("*.cu"))
+
+
+@dataclass(frozen=True)
+class KernelHandle:
+    module: str
+    name: str
+    fn: Any  # cupy RawKernel, or the twin callable
+
+    def __repr__(self) -> str:
+        return f"KernelHandle({self.module}.{self.name})"
+
+
+@dataclass
+class DeviceBuffer:
+    """Owns device memory; `.ptr` is what kernels get. Freed when the Python object goes."""
+    ptr: DevicePtr
+    nbytes: int
+    owner: Any = None
+
+
+class Backend:
+    """The `gpu` of the seeds. Subclasses: CupyBackend, RefBackend."""
+
+    name = "abstract"
+
+    def __init__(self) -> None:
+        self._kernels: dict[tuple[str, str], KernelHandle] = {}
+
+    # -- kernels ---------------------------------------------------------------------------------
+    def kernel(self, module: str, name: str) -> KernelHandle:
+        key = (module, name)
+        h = self._kernels.get(key)
+        if h is None:
+            h = self._load_kernel(module, name)
+            self._kernels[key] = h
+        return h
+
+    def kernel_opt(self, module: str, name: str) -> KernelHandle | None:
+        try:
+            return self.kernel(module, name)
+        except KernelError:
+            return None
+
+    def _load_kernel(self, module: str, name: str) -> KernelHandle:
+        raise NotImplementedError
+
+    def _missing(self, module: str, name: str, defined: list[str]) -> KernelError:
+        src = cuda_source(module)
+        if not src.exists() and not defined:
+            return KernelError(f"kernel module {module!r} not found ({src} does not exist)")
+        return KernelError(f"kernel {name!r} is not defined in {src.name}; it defines: {', '.join(defined) or 'nothing'}")
+
+    def launch(self, handle: KernelHandle, grid, block, shared: int, args: list[tuple[str, Any]], stream) -> None:
+        raise NotImplementedError
+
+    # -- memory ----------------------------------------------------------------------------------
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        raise NotImplementedError
+
+    def copy_h2d(self, dst: DevicePtr, host: np.ndarray | bytes) -> None:
+        raise NotImplementedError
+
+    def copy_h2d_async(self, dst: DevicePtr, host: np.ndarray | bytes, stream=None) -> None:
+        self.copy_h2d(dst, host)
+
+    def copy_d2h(self, src: DevicePtr, nbytes: int) -> np.ndarray:
+        """Synchronous copy; returns uint8[nbytes]."""
+        raise NotImplementedError
+
+    def copy_d2d_async(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream=None) -> None:
+        raise NotImplementedError
+
+    def memset_async(self, dst: DevicePtr, value: int, nbytes: int, stream=None) -> None:
+        raise NotImplementedError
+
+    def synchronize(self, stream=None) -> None:
+        pass
+
+    def new_stream(self):
+        return None
+
+    def new_event(self):
+        return None
+
+    def record(self, event, stream=None) -> None:
+        pass
+
+    def elapsed_ms(self, start, end) -> float:
+        return 0.0
+
+    @property
+    def is_cuda(self) -> bool:
+        return False
+
+    # -- typed conveniences (host <-> device) -----------------------------------------------------
+    def upload(self, host: np.ndarray) -> DeviceBuffer:
+        host = np.ascontiguousarray(host)
+        buf = self.alloc(max(host.nbytes, 1))
+        self.copy_h2d(buf.ptr, host)
+        return buf
+
+    def read(self, src: DevicePtr, dtype, shape) -> np.ndarray:
+        from .dtypes import dtype as _dt
+        dt = _dt(dtype)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        n = int(np.prod(shape)) * dt.itemsize
+        return self.copy_d2h(src, n).view(dt).reshape(shape).copy()
+
+    def fill(self, dst: DevicePtr, nbytes: int, byte: int = 0xFF) -> None:
+        """Poison or clear a region (synchronous)."""
+        self.memset_async(dst, byte, nbytes)
+        self.synchronize()
+
+
+class KernelLaunch:
+    """`KernelLaunch(gpu, h).grid(..).block(..).shared(..).arg_ptr(p).arg_u32(n).launch(stream)`.
+
+    Argument types must match the kernel's parameters: ptr -> pointer, u32/i32/f32/u64/i64 scalars."""
+
+    __slots__ = ("gpu", "h", "_grid", "_block", "_shared", "_args")
+
+    def __init__(self, gpu: Backend, handle: KernelHandle):
+        self.gpu, self.h = gpu, handle
+        self._grid, self._block, self._shared, self._args = (1, 1, 1), (1, 1, 1), 0, []
+
+    def grid(self, x, y=1, z=1):
+        self._grid = (int(x), int(y), int(z))
+        return self
+
+    def block(self, x, y=1, z=1):
+        self._block = (int(x), int(y), int(z))
+        return self
+
+    def shared(self, nbytes: int):
+        self._shared = int(nbytes)
+        return self
+
+    def _arg(self, kind: str, v):
+        self._args.append((kind, v))
+        return self
+
+    def arg_ptr(self, p):
+        return self._arg("ptr", DevicePtr(int(p)))
+
+    def arg_u32(self, v):
+        v = int(v)
+        if not 0 <= v < 1 << 32:
+            raise KernelError(f"{self.h}: u32 argument {v} out of range")
+        return self._arg("u32", v)
+
+    def arg_i32(self, v):
+        v = int(v)
+        if not -(1 << 31) <= v < 1 << 31:
+            raise KernelError(f"{self.h}: i32 argument {v} out of range")
+        return self._arg("i32", v)
+
+    def arg_u64(self, v):
+        return self._arg("u64", int(v))
+
+    def arg_i64(self, v):
+        return self._arg("i64", int(v))
+
+    def arg_f32(self, v):
+        return self._arg("f32", float(v))
+
+    def launch(self, stream=None) -> None:
+        if min(self._grid) <= 0 or min(self._block) <= 0:
+            return  # empty launch: nothing to do (CUDA would reject a zero grid)
+        self.gpu.launch(self.h, self._grid, self._block, self._shared, self._args, stream)
+
+
+TwinFn = Callable[..., None]

@@ -1,0 +1,117 @@
+"""CupyBackend: real CUDA. Each cuda_src/<module>.cu is compiled once with NVRTC through cupy.RawModule
+(cupy also caches the binary on disk) and kernels launch as RawKernels with raw addresses and scalars."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import KernelError
+from .backend import Backend, DeviceBuffer, KernelHandle, cuda_kernel_names, cuda_source, module_source
+from .ptr import DevicePtr
+
+NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math=false")
+_SCALAR = {"ptr": np.uint64, "u32": np.uint32, "i32": np.int32, "u64": np.uint64, "i64": np.int64,
+           "f32": np.float32}
+H2D, D2H, D2D = 1, 2, 3
+
+
+def cuda_available() -> bool:
+    try:
+        import cupy
+        return bool(cupy.cuda.is_available())
+    except Exception:
+        return False
+
+
+class CupyBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, device_id: int = 0) -> None:
+        super().__init__()
+        import cupy
+        self.cp = cupy
+        self.device_id = device_id
+        cupy.cuda.Device(device_id).use()
+        self._modules: dict[str, object] = {}
+        self.launches = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    def module(self, module: str):
+        m = self._modules.get(module)
+        if m is None:
+            path = cuda_source(module)
+            if not path.exists():
+                raise KernelError(f"kernel module {module!r} not found ({path} does not exist)")
+            m = self.cp.RawModule(code=module_source(module), options=NVRTC_OPTIONS)
+            try:
+                m.compile()
+            except Exception as e:
+                raise KernelError(f"NVRTC failed to compile {path.name}: {e}") from e
+            self._modules[module] = m
+        return m
+
+    def _load_kernel(self, module: str, name: str) -> KernelHandle:
+        defined = cuda_kernel_names(module)
+        if name not in defined:
+            raise self._missing(module, name, defined)
+        return KernelHandle(module, name, self.module(module).get_function(name))
+
+    def _stream(self, stream):
+        return stream if stream is not None else self.cp.cuda.get_current_stream()
+
+    def launch(self, handle, grid, block, shared, args, stream) -> None:
+        conv = tuple(_SCALAR[k](v) for k, v in args)
+        try:
+            handle.fn(grid, block, conv, shared_mem=shared, stream=self._stream(stream))
+        except Exception as e:
+            raise KernelError(f"launch of {handle.module}.{handle.name} failed: {e}") from e
+        self.launches += 1
+
+    def alloc(self, nbytes: int) -> DeviceBuffer:
+        mem = self.cp.cuda.alloc(int(nbytes))
+        return DeviceBuffer(DevicePtr(mem.ptr), int(nbytes), mem)
+
+    def copy_h2d(self, dst, host) -> None:
+        h = np.frombuffer(bytes(host), np.uint8) if isinstance(host, (bytes, bytearray)) else np.ascontiguousarray(host)
+        if h.nbytes:
+            self.cp.cuda.runtime.memcpy(int(dst), h.ctypes.data, h.nbytes, H2D)
+
+    def copy_h2d_async(self, dst, host, stream=None) -> None:
+        h = np.frombuffer(bytes(host), np.uint8) if isinstance(host, (bytes, bytearray)) else np.ascontiguousarray(host)
+        if h.nbytes:  # pageable source: the driver stages it before returning, so `h` may go
+            self.cp.cuda.runtime.memcpyAsync(int(dst), h.ctypes.data, h.nbytes, H2D, self._stream(stream).ptr)
+
+    def copy_d2h(self, src, nbytes: int) -> np.ndarray:
+        out = np.empty(int(nbytes), np.uint8)
+        if nbytes:
+            self.cp.cuda.runtime.memcpy(out.ctypes.data, int(src), int(nbytes), D2H)
+        return out
+
+    def copy_d2d_async(self, dst, src, nbytes: int, stream=None) -> None:
+        if nbytes:
+            self.cp.cuda.runtime.memcpyAsync(int(dst), int(src), int(nbytes), D2D, self._stream(stream).ptr)
+
+    def memset_async(self, dst, value: int, nbytes: int, stream=None) -> None:
+        if nbytes:
+            self.cp.cuda.runtime.memsetAsync(int(dst), int(value), int(nbytes), self._stream(stream).ptr)
+
+    def synchronize(self, stream=None) -> None:
+        if stream is None:
+            self.cp.cuda.Device(self.device_id).synchronize()
+        else:
+            stream.synchronize()
+
+    def new_stream(self):
+        return self.cp.cuda.Stream(non_blocking=True)
+
+    def new_event(self):
+        return self.cp.cuda.Event()
+
+    def record(self, event, stream=None) -> None:
+        event.record(self._stream(stream))
+
+    def elapsed_ms(self, start, end) -> float:
+        end.synchronize()
+        return float(self.cp.cuda.get_elapsed_time(start, end))

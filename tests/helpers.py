@@ -1,0 +1,58 @@
+"""Shared test helpers: uploads, poisoned outputs, relative errors that never let NaN pass."""
+import numpy as np
+
+from mtp_cupy.runtime.dtypes import BF16, dtype as _dtype
+
+POISON = 0xFF  # 0xFFFF is a bf16 NaN, 0xFFFFFFFF an f32 NaN, 0xFF an fp8 NaN
+
+
+def up(dev, arr):
+    """Upload a host array; returns the DeviceBuffer (keep it alive while its pointer is used)."""
+    return dev.upload(np.ascontiguousarray(arr))
+
+
+def out(dev, dtype, shape, poison=True):
+    """An output buffer, poisoned so a kernel that skips an element is caught."""
+    dt = _dtype(dtype)
+    n = int(np.prod(shape)) * dt.itemsize
+    buf = dev.alloc(max(n, 1))
+    dev.fill(buf.ptr, n, POISON if poison else 0)
+    return buf
+
+
+def get(dev, buf, dtype, shape):
+    return dev.read(buf.ptr, dtype, shape)
+
+
+def f32(a):
+    return np.asarray(a).astype(np.float32)
+
+
+def rel_err(got, ref) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    if not np.all(np.isfinite(got)):
+        return float("inf")
+    den = np.linalg.norm(ref.ravel())
+    num = np.linalg.norm((got - ref).ravel())
+    return float(num / den) if den > 0 else float(num)
+
+
+def assert_close(got, ref, tol, what=""):
+    e = rel_err(got, ref)
+    assert e <= tol, f"{what} relative error {e:.3e} > {tol:.1e}"
+
+
+def bf16(a):
+    return np.asarray(a, dtype=np.float32).astype(BF16)
+
+
+def rand_bf16(rng, shape, scale=1.0):
+    return bf16(rng.standard_normal(shape) * scale)
+
+
+def run_on_both(run, *args):
+    """`run(dev, *args)` on the NumPy device and on CUDA; returns (ref_result, cuda_result)."""
+    import mtp_cupy
+    return run(mtp_cupy.device("ref"), *args), run(mtp_cupy.device("cuda"), *args)
