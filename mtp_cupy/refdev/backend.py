@@ -44,10 +44,8 @@ class RefBackend(Backend):
         self.launches += 1
         try:
             handle.fn(self, *[v for _, v in args])
-        except KernelError:
-            raise
-        except Exception as e:  # a twin failing is a kernel failure: name it
-            raise KernelError(f"kernel {handle.module}.{handle.name} failed: {type(e).__name__}: {e}") from e
+        except Exception as e:  # a twin failing (an overrun included) is a kernel failure: name it
+            raise KernelError(f"kernel {handle.module}.{handle.name} failed: {e}") from e
 
     # -- memory ----------------------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DeviceBuffer:

@@ -24,6 +24,7 @@ class ProposerState:
     last_num_drafted: int = 0
     last_pair_key: int | None = None      # position of the newest row written (None before any)
     last_drafts: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # RoPE position of every drafter row, in row order
     released: bool = False
 
     @property

@@ -1,11 +1,92 @@
-"""Twins of cuda_src/elementwise.cu."""
+"""Twins of cuda_src/elementwise.cu, and the strided-access helpers the other twins share."""
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
-from ...runtime.dtypes import BF16
+from ...runtime.dtypes import BF16, dtype as _dtype
 from ..registry import twin
+
+F32 = np.float32
+
+
+def strided(dev, ptr, dt, shape, strides) -> np.ndarray:
+    """Writable view of `shape` elements at `ptr` with per-axis `strides` in elements (bounds-checked over
+    the whole span)."""
+    dt = _dtype(dt)
+    if min(shape) == 0:
+        return np.empty(shape, dt)
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    return as_strided(dev.view(ptr, dt, span), shape, [s * dt.itemsize for s in strides])
+
+
+def row_scalars(dev, ptr, dt, rows: int, stride_bytes: int) -> np.ndarray:
+    """`rows` scalars read at `ptr + r * stride_bytes` (the metadata-slab convention); a copy."""
+    dt = _dtype(dt)
+    if rows == 0:
+        return np.empty(0, dt)
+    if int(ptr) % dt.itemsize or stride_bytes % dt.itemsize:
+        raise ValueError(f"misaligned {dt} scalars: ptr 0x{int(ptr):x}, stride {stride_bytes} bytes")
+    return strided(dev, ptr, dt, (rows,), (stride_bytes // dt.itemsize,)).copy()
+
+
+def _f32(a) -> np.ndarray:
+    return np.asarray(a).astype(F32)
+
+
+def _sigmoid(g: np.ndarray) -> np.ndarray:
+    return F32(1) / (F32(1) + np.exp(-g))  # the kernel's 1 / (1 + expf(-g)), fp32 throughout
 
 
 @twin("elementwise", "bf16_residual_add")
 def bf16_residual_add(dev, x, r, n):
     xv = dev.view(x, BF16, n)
-    xv[:] = (xv.astype(np.float32) + dev.view(r, BF16, n).astype(np.float32)).astype(BF16)
+    xv[:] = (xv.astype(F32) + dev.view(r, BF16, n).astype(F32)).astype(BF16)
+
+
+@twin("elementwise", "bf16_concat")
+def bf16_concat(dev, a, b, out, rows, na, nb):
+    o = dev.view(out, BF16, (rows, na + nb))
+    o[:, :na] = dev.view(a, BF16, (rows, na))
+    o[:, na:] = dev.view(b, BF16, (rows, nb))
+
+
+@twin("elementwise", "sigmoid_gate_mul")
+def sigmoid_gate_mul(dev, x, gate, out, rows, heads, dim, gate_row_stride, gate_head_stride):
+    g = _f32(strided(dev, gate, BF16, (rows, heads, dim), (gate_row_stride, gate_head_stride, 1)))
+    y = (_f32(dev.view(x, BF16, (rows, heads, dim))) * _sigmoid(g)).astype(BF16)
+    dev.view(out, BF16, (rows, heads, dim))[:] = y
+
+
+@twin("elementwise", "silu_mul")
+def silu_mul(dev, g, u, out, rows, n, g_stride, u_stride, limit):
+    gv = _f32(strided(dev, g, BF16, (rows, n), (g_stride, 1)))
+    uv = _f32(strided(dev, u, BF16, (rows, n), (u_stride, 1)))
+    lim = F32(limit)
+    if lim > 0:  # fminf/fmaxf semantics: a NaN operand yields the other one
+        gv = np.fmin(gv, lim)
+        uv = np.fmin(np.fmax(uv, -lim), lim)
+    dev.view(out, BF16, (rows, n))[:] = ((gv * _sigmoid(gv)) * uv).astype(BF16)
+
+
+def _embed(dev, table, ids, ids_stride, out, rows, dim, vocab):
+    idx = row_scalars(dev, ids, "i32", rows, ids_stride).astype(np.int64)
+    ok = (idx >= 0) & (idx < vocab)
+    o = dev.view(out, BF16, (rows, dim))
+    o[:] = np.zeros((), BF16)
+    if ok.any():
+        o[ok] = dev.view(table, BF16, (vocab, dim))[idx[ok]]
+
+
+@twin("elementwise", "embed_rows")
+def embed_rows(dev, table, ids, ids_stride, out, rows, dim, vocab):
+    _embed(dev, table, ids, ids_stride, out, rows, dim, vocab)
+
+
+@twin("elementwise", "embed_from_argmax")
+def embed_from_argmax(dev, table, ids, ids_stride, out, rows, dim, vocab):
+    _embed(dev, table, ids, ids_stride, out, rows, dim, vocab)
+
+
+@twin("elementwise", "scale_add")
+def scale_add(dev, y, x, alpha, n):
+    yv = dev.view(y, BF16, n)
+    yv[:] = (_f32(yv) + F32(alpha) * _f32(dev.view(x, BF16, n))).astype(BF16)

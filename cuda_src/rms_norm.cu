@@ -1,0 +1,156 @@
+// Row norms over bf16: RMSNorm (plain w, Qwen's 1 + w, no weight), per-head RMSNorm over a strided
+// [rows, heads, dim] tensor, and LayerNorm with bias (the DSA indexer k_norm).
+//
+// One block normalises one row (grid-stride over rows). The row is read once into registers and written
+// once: thread t holds the 16-byte vectors t, t + blockDim.x, ... (at most MAXV of them), so a block of
+// 1024 threads covers dim <= 32768. The launcher guarantees dim % 8 == 0, 16-byte aligned rows and a
+// blockDim.x that is a multiple of 32. fp32 math; each output is rounded to bf16 once. x may equal y
+// (every read of a row happens before the block_sum barrier that precedes its writes).
+#include "common.cuh"
+
+#define MAXV 4
+
+__device__ __forceinline__ void load_row(const __nv_bfloat16* x, u32 nvec, uint4 (&v)[MAXV]) {
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const u32 i = threadIdx.x + k * blockDim.x;
+        v[k] = i < nvec ? reinterpret_cast<const uint4*>(x)[i] : make_uint4(0u, 0u, 0u, 0u);
+    }
+}
+
+// Eight bf16 in a vector: element 2j is the low half of word j.
+__device__ __forceinline__ void unpack8(uint4 q, float (&f)[8]) {
+    const u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        f[2 * j] = __uint_as_float(w[j] << 16);
+        f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+    u32 w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+        w[j] = (u32)__bfloat16_as_ushort(f2bf(f[2 * j])) | ((u32)__bfloat16_as_ushort(f2bf(f[2 * j + 1])) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// y = (x * r) * g with r = 1 / sqrt(mean(x^2) + eps) and g = w, 1 + w, or 1 when w is NULL. The weight is
+// loaded with x so both latencies overlap the reduction. Products are not fused, so the twin rounds alike.
+__device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
+                                        u32 dim, float eps, bool unit_offset, float* red) {
+    const u32 nvec = dim >> 3;
+    uint4 v[MAXV], wv[MAXV];
+    load_row(x, nvec, v);
+    if (w != nullptr) load_row(w, nvec, wv);
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        float f[8];
+        unpack8(v[k], f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ss += f[j] * f[j];
+    }
+    ss = block_sum(ss, red);
+    const float r = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const u32 i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            float f[8], g[8];
+            unpack8(v[k], f);
+            if (w != nullptr) {
+                unpack8(wv[k], g);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) g[j] = unit_offset ? 1.f + g[j] : g[j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) g[j] = 1.f;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = __fmul_rn(__fmul_rn(f[j], r), g[j]);
+            reinterpret_cast<uint4*>(y)[i] = pack8(f);
+        }
+    }
+}
+
+// DeepSeek / GLM: y = w * x * rms(x) over contiguous rows of `dim` (w NULL: no weight).
+extern "C" __global__ __launch_bounds__(1024) void rms_norm_vanilla(
+    const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
+    __shared__ float red[32];
+    for (u32 r = blockIdx.x; r < rows; r += gridDim.x)
+        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, false, red);
+}
+
+// Qwen3-Next: y = (1 + w) * x * rms(x).
+extern "C" __global__ __launch_bounds__(1024) void rms_norm(
+    const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
+    __shared__ float red[32];
+    for (u32 r = blockIdx.x; r < rows; r += gridDim.x)
+        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, true, red);
+}
+
+// Per-head norm of x[r, h, :dim] (element r * x_row_stride + h * x_head_stride + d) into the same place
+// of y; one block per (row, head). Qwen q_norm/k_norm (unit_offset = 1), V4 per-head q scaling (w NULL).
+extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided(
+    const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 heads, u32 dim,
+    u32 x_row_stride, u32 x_head_stride, u32 y_row_stride, u32 y_head_stride, float eps, u32 unit_offset) {
+    __shared__ float red[32];
+    const u64 n = (u64)rows * heads;
+    for (u64 b = blockIdx.x; b < n; b += gridDim.x) {
+        const u64 r = b / heads, h = b % heads;
+        rms_row(x + r * x_row_stride + h * x_head_stride, w, y + r * y_row_stride + h * y_head_stride, dim,
+                eps, unit_offset != 0u, red);
+    }
+}
+
+// y = ((x - mean) * rstd) * w + b, rstd = 1 / sqrt(var + eps), biased variance (torch LayerNorm).
+// At most 512 threads (dim <= 16384): x, w and b held in registers need more than 1024 threads allow.
+extern "C" __global__ __launch_bounds__(512) void layer_norm_bias(
+    const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, u32 rows,
+    u32 dim, float eps) {
+    __shared__ float red[32];
+    const u32 nvec = dim >> 3;
+    for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
+        uint4 v[MAXV], wv[MAXV], bv[MAXV];
+        load_row(x + (u64)r * dim, nvec, v);
+        load_row(w, nvec, wv);
+        load_row(b, nvec, bv);
+        float s = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+            float f[8];
+            unpack8(v[k], f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) s += f[j];
+        }
+        const float mean = block_sum(s, red) / (float)dim;
+        float ss = 0.f;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+            if (threadIdx.x + k * blockDim.x < nvec) {  // padding vectors would add mean^2
+                float f[8];
+                unpack8(v[k], f);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) ss += (f[j] - mean) * (f[j] - mean);
+            }
+        }
+        const float rstd = 1.f / sqrtf(block_sum(ss, red) / (float)dim + eps);
+        __nv_bfloat16* yr = y + (u64)r * dim;
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {
+            const u32 i = threadIdx.x + k * blockDim.x;
+            if (i < nvec) {
+                float f[8], g[8], c[8];
+                unpack8(v[k], f);
+                unpack8(wv[k], g);
+                unpack8(bv[k], c);
+#pragma unroll
+                for (int j = 0; j < 8; ++j)
+                    f[j] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(f[j], mean), rstd), g[j]), c[j]);
+                reinterpret_cast<uint4*>(yr)[i] = pack8(f);
+            }
+        }
+    }
+}

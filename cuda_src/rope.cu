@@ -1,0 +1,30 @@
+// Rotary position embedding, in place on bf16 heads.
+//
+// x[r, h, :] starts at element r * row_stride + h * head_stride; the rotary dims are
+// [rot_offset, rot_offset + rot_dim) of each head (rot_offset 0: Qwen partial rotary and the DSA indexer's
+// front rope; 128 / 448 / 512: MLA and V4's rope at the end) and the rest is never touched. Pair i
+// (i < rot_dim / 2) is (2i, 2i + 1) when interleaved (GPT-J, DeepSeek) and (i, i + rot_dim / 2) for neox.
+// theta = float(pos_r) * inv_freq[i] in fp32, then accurate sincosf (no fast-math: large positions need
+// the full range reduction); cos and sin are scaled by mscale, and `inverse` rotates by -theta.
+// One thread per (row, head, pair), so each pair's two values are read before either is written.
+#include "common.cuh"
+
+extern "C" __global__ void rope(__nv_bfloat16* x, const u32* pos, u32 pos_stride, u32 rows, u32 heads, u32 rot_dim,
+                                u32 rot_offset, u32 row_stride, u32 head_stride, const float* inv_freq,
+                                u32 interleaved, float mscale, u32 inverse) {
+    const u32 half = rot_dim >> 1, n = rows * heads * half;  // the launcher keeps n < 2^31
+    for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
+        const u32 i = t % half, h = (t / half) % heads, r = t / (half * heads);
+        const u32 p = *reinterpret_cast<const u32*>(reinterpret_cast<const u8*>(pos) + (u64)r * pos_stride);
+        float s, c;
+        sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
+        c = __fmul_rn(c, mscale);
+        s = inverse ? -__fmul_rn(s, mscale) : __fmul_rn(s, mscale);
+        __nv_bfloat16* xh = x + (u64)r * row_stride + (u64)h * head_stride + rot_offset;
+        __nv_bfloat16* pa = interleaved ? xh + 2 * i : xh + i;
+        __nv_bfloat16* pb = interleaved ? xh + 2 * i + 1 : xh + i + half;
+        const float a = bf2f(*pa), b = bf2f(*pb);
+        *pa = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+        *pb = f2bf(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+    }
+}

@@ -1,0 +1,240 @@
+"""MtpProposerBase: the mechanics every family shares, so a family writes only its math.
+
+A family subclass implements
+    _step(st, ids, hidden, position, row, logits)   one draft step: embed the i32 token id at device ptr
+        `ids`, combine with the bf16 hidden at `hidden`, run the block writing its KV row `row` at RoPE
+        position `position`, write f32 logits [vocab_eff] at `logits`, and leave the carried hidden for
+        the next step at `self.carry`.
+    _write_rows(st, tokens_dev, hiddens, positions, row_base, n)  prefill / catch-up: n drafter KV rows
+        pairing embed(tokens[r+1]) with hiddens[r] at positions[r] (no attention needed).
+and sets, before calling super().__init__: nothing; after it: `self.carry` (device ptr of the carried
+hidden), and optionally overrides `_hidden_shapes` (V4 accepts [D] and [hc, D]) and `_pick`.
+
+State changes happen only after every check passes; a failure inside the chain rolls the rows back."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .. import ops
+from ..cache import PagedKvCache, SeqBlocks
+from ..errors import CapacityError, InputError
+from ..runtime.arena import ForwardBuffers, pack_mtp_attn_meta
+from ..runtime.dtypes import BF16
+from ..runtime.ptr import DevicePtr
+from .inputs import check_bitmask, check_position, check_token, hidden_to_device
+from .proposer import DraftResult, ProposerState, mtp_rows_to_trim
+
+log = logging.getLogger("mtp_cupy")
+
+
+class MtpProposerBase:
+    family = "base"
+    refeed_accepted = False
+
+    def __init__(self, gpu, vocab_size: int, hidden_size: int, max_seq_len: int, kv: PagedKvCache,
+                 max_drafts: int = 8, mtp_vocab_size: int = 0, max_prefill_rows: int = 512,
+                 extra_regions: dict[str, int] | None = None):
+        self.gpu, self.vocab_size, self.hidden_size = gpu, int(vocab_size), int(hidden_size)
+        self.max_seq_len, self.kv, self.max_drafts = int(max_seq_len), kv, int(max_drafts)
+        self.vocab_eff = min(mtp_vocab_size, vocab_size) if mtp_vocab_size > 0 else vocab_size
+        self.max_prefill_rows = int(max_prefill_rows)
+        hmax = max(int(np.prod(s)) for s in self._hidden_shapes())
+        regions = {"ids": 4 * (self.max_drafts + 1), "hidden_in": 2 * hmax,
+                   "logits": 4 * self.vocab_eff * self.max_drafts, "flags": 4 * self.max_drafts,
+                   "lp": 4 * self.max_drafts, "mask": 4 * ((vocab_size + 31) // 32) * self.max_drafts,
+                   "prefill_ids": 4 * (self.max_prefill_rows + 1),
+                   "prefill_pos": 4 * self.max_prefill_rows, "prefill_slots": 8 * self.max_prefill_rows,
+                   "prefill_hidden": 2 * self.hidden_size * self.max_prefill_rows}
+        regions.update(extra_regions or {})
+        self.bufs = ForwardBuffers(gpu, regions)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def _hidden_shapes(self) -> list[tuple[int, ...]]:
+        return [(self.hidden_size,)]
+
+    def _step(self, st, ids: DevicePtr, hidden: DevicePtr, position: int, row: int, logits: DevicePtr) -> None:
+        raise NotImplementedError
+
+    def _write_rows(self, st, tokens_dev: DevicePtr, hiddens: DevicePtr, positions: DevicePtr,
+                    slots: DevicePtr, row_base: int, n: int) -> None:
+        raise NotImplementedError
+
+    def _pick(self, step: int, logits: DevicePtr, mask: DevicePtr | None, want_lp: bool) -> None:
+        """Write the draft id of `step` to ids[step+1] (device)."""
+        ids_out = self.bufs.ids.offset(4 * (step + 1))
+        if mask is not None:
+            ops.argmax_bitmask(self.gpu, logits, self.vocab_eff, mask, ids_out, self.bufs.flags.offset(4 * step))
+        else:
+            ops.argmax(self.gpu, logits, self.vocab_eff, ids_out,
+                       out_lp=self.bufs.lp.offset(4 * step) if want_lp else DevicePtr(0))
+
+    # -- state -----------------------------------------------------------------------------------
+    def alloc_state(self) -> ProposerState:
+        return ProposerState(blocks=SeqBlocks(self.kv))
+
+    def free_state(self, st: ProposerState) -> None:
+        if st.released:
+            return
+        st.blocks.release()
+        st.keys, st.released, st.last_num_drafted = [], True, 0
+
+    def _live(self, st: ProposerState) -> None:
+        if st.released:
+            raise InputError("proposer state was freed")
+
+    def _meta(self, st, position: int, row: int) -> None:
+        """Upload the MTP attention metadata of one step (rows 0..row visible) to scratch+MTP_META_OFFSET."""
+        slab = pack_mtp_attn_meta(position, st.blocks.slot(row), row + 1, st.blocks.table,
+                                  self.bufs.mtp_meta_capacity)
+        self.gpu.copy_h2d_async(self.bufs.mtp_meta, slab)
+
+    def _reserve(self, st, rows: int) -> None:
+        if rows > self.max_seq_len:
+            raise CapacityError(f"drafter would hold {rows} rows; it was sized for {self.max_seq_len}")
+        st.blocks.reserve(rows)
+
+    # -- prefill / catch-up ----------------------------------------------------------------------
+    def prefill(self, st: ProposerState, tokens, hiddens, start_position: int | None = None) -> int:
+        """Rows pairing embed(tokens[r+1]) with hiddens[r] at position start_position + r. Rows must follow
+        the newest row without a hole (start_position defaults to the next position). Returns rows written."""
+        self._live(st)
+        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n = toks.size - 1
+        if n < 1:
+            raise InputError("prefill needs at least two tokens (one row)")
+        for t in toks:
+            check_token(t, self.vocab_size)
+        nxt = st.keys[-1] + 1 if st.keys else 0
+        start = nxt if start_position is None else int(start_position)
+        if start != nxt:
+            raise InputError(f"prefill at position {start} would leave a hole or overwrite: the next drafter "
+                             f"position is {nxt}")
+        check_position(start + n - 1, self.max_seq_len)
+        h = self._host_hiddens(hiddens, n)
+        rows0 = st.blocks.rows
+        self._reserve(st, rows0 + n)
+        try:
+            for c0 in range(0, n, self.max_prefill_rows):
+                c = min(self.max_prefill_rows, n - c0)
+                pos = np.arange(start + c0, start + c0 + c, dtype=np.uint32)
+                slots = np.array([st.blocks.slot(rows0 + c0 + r) for r in range(c)], dtype=np.int64)
+                self.gpu.copy_h2d(self.bufs.prefill_ids, toks[c0:c0 + c + 1].astype(np.int32))
+                self.gpu.copy_h2d(self.bufs.prefill_pos, pos)
+                self.gpu.copy_h2d(self.bufs.prefill_slots, slots)
+                if isinstance(h, np.ndarray):
+                    self.gpu.copy_h2d(self.bufs.prefill_hidden, h[c0:c0 + c])
+                    hp = self.bufs.prefill_hidden
+                else:
+                    hp = DevicePtr(int(h) + 2 * self.hidden_size * c0)
+                self._write_rows(st, self.bufs.prefill_ids, hp, self.bufs.prefill_pos, self.bufs.prefill_slots,
+                                 rows0 + c0, c)
+                st.blocks.rows = rows0 + c0 + c
+        except Exception:
+            st.blocks.truncate(rows0)
+            raise
+        st.keys.extend(range(start, start + n))
+        return n
+
+    def _host_hiddens(self, hiddens, n: int):
+        if isinstance(hiddens, (DevicePtr, int)) and not isinstance(hiddens, np.ndarray):
+            if int(hiddens) == 0:
+                raise InputError("hiddens is a NULL device pointer")
+            return DevicePtr(int(hiddens))
+        h = np.asarray(hiddens)
+        if h.dtype not in (np.float32, BF16):
+            raise InputError(f"hiddens must be float32 or bfloat16, got {h.dtype}")
+        if h.shape != (n, self.hidden_size):
+            raise InputError(f"hiddens has shape {h.shape}; expected ({n}, {self.hidden_size}) "
+                             "(one per token but the last)")
+        return np.ascontiguousarray(h.astype(BF16, copy=False))
+
+    # -- propose ---------------------------------------------------------------------------------
+    def _masks(self, bitmask, k: int):
+        if bitmask is None:
+            return None
+        m = np.asarray(bitmask)
+        words = (self.vocab_size + 31) // 32
+        rows = [m] * k if m.ndim == 1 else list(m)
+        if len(rows) < k:
+            raise InputError(f"grammar bitmask has {len(rows)} rows for {k} drafts")
+        return np.stack([check_bitmask(r, self.vocab_size) for r in rows[:k]]).reshape(k, words)
+
+    def _check_hidden_shape(self, hidden):
+        if isinstance(hidden, (DevicePtr, int)) and not isinstance(hidden, np.ndarray):
+            return self._hidden_shapes()[0]
+        shape = tuple(np.shape(hidden))
+        for s in self._hidden_shapes():
+            if shape == s or (len(s) == 1 and shape == (1,) + s):
+                return s
+        raise InputError(f"hidden has shape {shape}; expected one of {self._hidden_shapes()}")
+
+    def propose(self, st: ProposerState, token: int, hidden, position: int, num_drafts: int,
+                grammar_bitmask=None, return_logits: bool = False, min_logprob: float | None = None) -> DraftResult:
+        """k draft tokens from the row at `position` (pairs embed(token) with the target's hidden there).
+        `min_logprob` stops the chain early once a draft's top-1 log-prob falls below it."""
+        self._live(st)
+        token = check_token(token, self.vocab_size)
+        position = check_position(position, self.max_seq_len)
+        k = int(num_drafts)
+        if not 1 <= k <= self.max_drafts:
+            raise InputError(f"num_drafts {k} outside [1, {self.max_drafts}] (raise max_drafts at load)")
+        if position + k > self.max_seq_len:
+            raise InputError(f"{k} drafts from position {position} run past max_seq_len {self.max_seq_len}")
+        if st.keys and position <= st.keys[-1]:
+            raise InputError(f"position {position} is not after the newest drafter row ({st.keys[-1]}); "
+                             "call after_verify first")
+        masks = self._masks(grammar_bitmask, k)
+        hshape = self._check_hidden_shape(hidden)
+        rows0 = st.blocks.rows
+        self._reserve(st, rows0 + k)
+        gpu, b = self.gpu, self.bufs
+        try:
+            hidden_to_device(gpu, hidden, hshape, b.hidden_in)
+            gpu.copy_h2d_async(b.ids, np.array([token], dtype=np.int32))
+            if masks is not None:
+                gpu.copy_h2d_async(b.mask, masks)
+            words = (self.vocab_size + 31) // 32
+            hid, done, lps = b.hidden_in, k, []
+            for i in range(k):
+                logits = b.logits.offset(4 * self.vocab_eff * i)
+                self._meta(st, position + i, rows0 + i)
+                self._step(st, b.ids.offset(4 * i), hid, position + i, rows0 + i, logits)
+                st.blocks.rows = rows0 + i + 1
+                mask = b.mask.offset(4 * words * i) if masks is not None else None
+                self._pick(i, logits, mask, min_logprob is not None)
+                hid = self.carry
+                if min_logprob is not None:
+                    lp = float(gpu.read(b.lp.offset(4 * i), np.float32, 1)[0])
+                    lps.append(lp)
+                    if lp < min_logprob and i + 1 < k:
+                        done = i + 1
+                        break
+            ids = gpu.read(b.ids.offset(4), np.int32, done).tolist()
+        except Exception:
+            st.blocks.truncate(rows0)
+            raise
+        st.blocks.truncate(rows0 + done)
+        if masks is not None:
+            flags = gpu.read(b.flags, np.int32, done)
+            for i in np.flatnonzero(flags):
+                log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0",
+                            i, position + i)
+        st.keys.extend(range(position, position + done))
+        st.last_num_drafted, st.last_pair_key, st.last_drafts = done, position + done - 1, ids
+        logits = gpu.read(b.logits, np.float32, (done, self.vocab_eff)) if return_logits else None
+        if logits is not None and self.vocab_eff < self.vocab_size:
+            logits = np.pad(logits, ((0, 0), (0, self.vocab_size - self.vocab_eff)), constant_values=-np.inf)
+        return DraftResult(ids, logits, lps or None)
+
+    def after_verify(self, st: ProposerState, num_accepted: int) -> None:
+        self._live(st)
+        a = int(num_accepted)
+        if not 0 <= a <= st.last_num_drafted:
+            raise InputError(f"num_accepted {a} outside [0, {st.last_num_drafted}] (drafts of the last propose)")
+        trim = mtp_rows_to_trim(st.last_num_drafted, a, self.refeed_accepted)
+        st.blocks.truncate(st.blocks.rows - trim)
+        del st.keys[len(st.keys) - trim:]
+        st.last_pair_key = st.keys[-1] if st.keys else None
+        st.last_num_drafted = 0
