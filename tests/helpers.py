@@ -56,3 +56,13 @@ def run_on_both(run, *args):
     """`run(dev, *args)` on the NumPy device and on CUDA; returns (ref_result, cuda_result)."""
     import mtp_cupy
     return run(mtp_cupy.device("ref"), *args), run(mtp_cupy.device("cuda"), *args)
+
+
+def assert_bf16_near(a, b, max_frac=0.01):
+    """CUDA vs twin on bf16 outputs: equal but for accumulation order, i.e. at most one bf16 ulp apart,
+    and on few elements."""
+    a, b = f32(a), f32(b)
+    assert np.all(np.isfinite(a)) and np.all(np.isfinite(b)), "NaN/inf in an output"
+    d = np.abs(a - b)
+    assert np.all(d <= 2.0 ** -7 * np.maximum(np.abs(a), np.abs(b))), f"max diff {d.max()}"
+    assert np.count_nonzero(d) <= max(2, int(a.size * max_frac)), f"{np.count_nonzero(d)} of {a.size} differ"

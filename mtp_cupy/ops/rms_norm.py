@@ -1,2 +1,53 @@
-"""Launchers for cuda_src/rms_norm.cu."""
-__all__: list[str] = []
+"""Launchers for cuda_src/rms_norm.cu: one block per row (or per (row, head)), the row held in registers."""
+from ..runtime.ptr import NULL
+from ._util import launch, need
+
+__all__ = ["rms_norm", "rms_norm_strided", "layer_norm_bias"]
+
+MAXV = 4  # 16-byte vectors per thread, as in rms_norm.cu
+
+
+def _threads(name: str, dim: int, max_threads: int = 1024) -> int:
+    """About two 16-byte vectors per thread, a whole number of warps; raises when the row cannot fit."""
+    need(dim > 0 and dim % 8 == 0, f"{name}: dim {dim} must be a positive multiple of 8")
+    need(dim <= MAXV * 8 * max_threads, f"{name}: dim {dim} > {MAXV * 8 * max_threads}")
+    nvec = dim // 8
+    return min(max_threads, max(32, -(-nvec // 64) * 32))
+
+
+def _aligned(name: str, *ptrs) -> None:
+    for p in ptrs:
+        need(int(p) % 16 == 0, f"{name}: pointer 0x{int(p):x} is not 16-byte aligned")
+
+
+def rms_norm(gpu, x, w, y, rows, dim, eps, unit_offset=False, stream=None):
+    """y[r] = g * x[r] * rms(x[r]) over contiguous [rows, dim]; g = 1 + w (unit_offset, Qwen3-Next), w
+    (DeepSeek/GLM) or 1 when w is NULL. x may equal y."""
+    name = "rms_norm" if unit_offset else "rms_norm_vanilla"
+    w = w or NULL
+    t = _threads(name, dim)
+    _aligned(name, x, w, y)
+    launch(gpu, "rms_norm", name).grid(rows).block(t).arg_ptr(x).arg_ptr(w).arg_ptr(y) \
+        .arg_u32(rows).arg_u32(dim).arg_f32(eps).launch(stream)
+
+
+def rms_norm_strided(gpu, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
+                     eps, unit_offset=False, stream=None):
+    """Per-head RMSNorm of x[r, h, :dim] (strides in elements) into y; w NULL = no weight (V4's q scaling)."""
+    w = w or NULL
+    t = _threads("rms_norm_strided", dim)
+    _aligned("rms_norm_strided", x, w, y)
+    need(all(s % 8 == 0 for s in (x_row_stride, x_head_stride, y_row_stride, y_head_stride)),
+         "rms_norm_strided: strides must be multiples of 8 elements (16-byte rows)")
+    launch(gpu, "rms_norm", "rms_norm_strided").grid(rows * heads).block(t).arg_ptr(x).arg_ptr(w) \
+        .arg_ptr(y).arg_u32(rows).arg_u32(heads).arg_u32(dim).arg_u32(x_row_stride).arg_u32(x_head_stride) \
+        .arg_u32(y_row_stride).arg_u32(y_head_stride).arg_f32(eps).arg_u32(bool(unit_offset)).launch(stream)
+
+
+def layer_norm_bias(gpu, x, w, b, y, rows, dim, eps, stream=None):
+    """y = LayerNorm(x) * w + b over contiguous [rows, dim] (the DSA indexer k_norm, eps 1e-6)."""
+    t = _threads("layer_norm_bias", dim, max_threads=512)
+    need(int(w) != 0 and int(b) != 0, "layer_norm_bias: w and b are required")
+    _aligned("layer_norm_bias", x, w, b, y)
+    launch(gpu, "rms_norm", "layer_norm_bias").grid(rows).block(t).arg_ptr(x).arg_ptr(w).arg_ptr(b).arg_ptr(y) \
+        .arg_u32(rows).arg_u32(dim).arg_f32(eps).launch(stream)

@@ -1,2 +1,22 @@
-"""Launchers for cuda_src/rope.cu."""
-__all__: list[str] = []
+"""Launcher for cuda_src/rope.cu (frequency tables: mtp_cupy/layers/rope_tables.py)."""
+from ._util import THREADS, blocks_for, launch, need
+
+__all__ = ["rope"]
+
+
+def rope(gpu, x, pos, pos_stride, rows, heads, head_dim, rot_dim, rot_offset, row_stride, head_stride, inv_freq,
+         interleaved, mscale=1.0, inverse=False, stream=None):
+    """In-place RoPE on dims [rot_offset, rot_offset + rot_dim) of each head x[r, h] (element
+    r * row_stride + h * head_stride); positions are u32 at `pos + r * pos_stride` bytes; `inv_freq` is a
+    device f32 [rot_dim / 2]. interleaved: GPT-J pairs (2i, 2i+1), else neox (i, i + rot_dim/2). cos/sin
+    are scaled by mscale; inverse rotates by -theta."""
+    need(rot_dim > 0 and rot_dim % 2 == 0, f"rope: rot_dim {rot_dim} must be positive and even")
+    need(rot_offset + rot_dim <= head_dim,
+         f"rope: dims [{rot_offset}, {rot_offset + rot_dim}) exceed head_dim {head_dim}")
+    need(pos_stride % 4 == 0 and int(pos) % 4 == 0, f"rope: positions must be 4-byte aligned (stride {pos_stride})")
+    n = rows * heads * (rot_dim // 2)
+    need(n < 1 << 31, f"rope: {n} pairs is out of range (< 2^31)")
+    launch(gpu, "rope", "rope").grid(blocks_for(n)).block(THREADS).arg_ptr(x).arg_ptr(pos).arg_u32(pos_stride) \
+        .arg_u32(rows).arg_u32(heads).arg_u32(rot_dim).arg_u32(rot_offset).arg_u32(row_stride) \
+        .arg_u32(head_stride).arg_ptr(inv_freq).arg_u32(bool(interleaved)).arg_f32(mscale) \
+        .arg_u32(bool(inverse)).launch(stream)

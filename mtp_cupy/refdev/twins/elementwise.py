@@ -1,31 +1,11 @@
-"""Twins of cuda_src/elementwise.cu, and the strided-access helpers the other twins share."""
+"""Twins of cuda_src/elementwise.cu."""
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from ...runtime.dtypes import BF16, dtype as _dtype
 from ..registry import twin
+from ..access import row_scalars, strided  # noqa: F401  (re-exported for older twin imports)
 
 F32 = np.float32
-
-
-def strided(dev, ptr, dt, shape, strides) -> np.ndarray:
-    """Writable view of `shape` elements at `ptr` with per-axis `strides` in elements (bounds-checked over
-    the whole span)."""
-    dt = _dtype(dt)
-    if min(shape) == 0:
-        return np.empty(shape, dt)
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-    return as_strided(dev.view(ptr, dt, span), shape, [s * dt.itemsize for s in strides])
-
-
-def row_scalars(dev, ptr, dt, rows: int, stride_bytes: int) -> np.ndarray:
-    """`rows` scalars read at `ptr + r * stride_bytes` (the metadata-slab convention); a copy."""
-    dt = _dtype(dt)
-    if rows == 0:
-        return np.empty(0, dt)
-    if int(ptr) % dt.itemsize or stride_bytes % dt.itemsize:
-        raise ValueError(f"misaligned {dt} scalars: ptr 0x{int(ptr):x}, stride {stride_bytes} bytes")
-    return strided(dev, ptr, dt, (rows,), (stride_bytes // dt.itemsize,)).copy()
 
 
 def _f32(a) -> np.ndarray:
@@ -33,7 +13,9 @@ def _f32(a) -> np.ndarray:
 
 
 def _sigmoid(g: np.ndarray) -> np.ndarray:
-    return F32(1) / (F32(1) + np.exp(-g))  # the kernel's 1 / (1 + expf(-g)), fp32 throughout
+    """The kernel's 1 / (1 + expf(-g)) in fp32; expf overflowing to inf gives 0, as on the device."""
+    with np.errstate(over="ignore"):
+        return F32(1) / (F32(1) + np.exp(-g))
 
 
 @twin("elementwise", "bf16_residual_add")

@@ -1,0 +1,1 @@
+"""Model layers built from the kernels: attention variants, MoE, mHC, RoPE tables."""

@@ -1,0 +1,55 @@
+"""Twins of cuda_src/rms_norm.cu. Sums of squares are taken in float64 (geometry-independent; the kernel's
+fp32 block sum differs by accumulation order only); everything after is the kernel's fp32 arithmetic."""
+import numpy as np
+
+from ...runtime.dtypes import BF16
+from ..registry import twin
+from ..access import strided
+
+F32 = np.float32
+
+
+def _gain(dev, w, dim: int, unit_offset: bool) -> np.ndarray:
+    if int(w) == 0:
+        return np.ones(dim, F32)
+    g = dev.view(w, BF16, dim).astype(F32)
+    return F32(1) + g if unit_offset else g
+
+
+def _rms_norm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    """x float32 [..., dim] -> bf16 (x * r) * g, r = 1 / sqrt(mean(x^2) + eps)."""
+    dim = x.shape[-1]
+    ss = np.square(x, dtype=np.float64).sum(-1, keepdims=True).astype(F32)
+    r = F32(1) / np.sqrt(ss / F32(dim) + F32(eps))
+    return ((x * r) * g).astype(BF16)
+
+
+@twin("rms_norm", "rms_norm_vanilla")
+def rms_norm_vanilla(dev, x, w, y, rows, dim, eps):
+    out = _rms_norm(dev.view(x, BF16, (rows, dim)).astype(F32), _gain(dev, w, dim, False), eps)
+    dev.view(y, BF16, (rows, dim))[:] = out
+
+
+@twin("rms_norm", "rms_norm")
+def rms_norm(dev, x, w, y, rows, dim, eps):
+    out = _rms_norm(dev.view(x, BF16, (rows, dim)).astype(F32), _gain(dev, w, dim, True), eps)
+    dev.view(y, BF16, (rows, dim))[:] = out
+
+
+@twin("rms_norm", "rms_norm_strided")
+def rms_norm_strided(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
+                     eps, unit_offset):
+    xv = strided(dev, x, BF16, (rows, heads, dim), (x_row_stride, x_head_stride, 1)).astype(F32)
+    out = _rms_norm(xv, _gain(dev, w, dim, bool(unit_offset)), eps)
+    strided(dev, y, BF16, (rows, heads, dim), (y_row_stride, y_head_stride, 1))[:] = out
+
+
+@twin("rms_norm", "layer_norm_bias")
+def layer_norm_bias(dev, x, w, b, y, rows, dim, eps):
+    xv = dev.view(x, BF16, (rows, dim)).astype(F32)
+    mean = xv.sum(-1, dtype=np.float64, keepdims=True).astype(F32) / F32(dim)
+    d = xv - mean
+    var = np.square(d, dtype=np.float64).sum(-1, keepdims=True).astype(F32) / F32(dim)
+    rstd = F32(1) / np.sqrt(var + F32(eps))
+    g, c = dev.view(w, BF16, dim).astype(F32), dev.view(b, BF16, dim).astype(F32)
+    dev.view(y, BF16, (rows, dim))[:] = ((d * rstd) * g + c).astype(BF16)

@@ -1,0 +1,26 @@
+"""Twin of cuda_src/rope.cu: the same fp32 angle and products; sin/cos are taken in float64 and rounded to
+fp32 (the kernel's accurate sincosf is within 2 ulp of that)."""
+import numpy as np
+
+from ...runtime.dtypes import BF16
+from ..registry import twin
+from ..access import row_scalars, strided
+
+F32 = np.float32
+
+
+@twin("rope", "rope")
+def rope(dev, x, pos, pos_stride, rows, heads, rot_dim, rot_offset, row_stride, head_stride, inv_freq,
+         interleaved, mscale, inverse):
+    half = rot_dim // 2
+    v = strided(dev, x.offset(2 * rot_offset), BF16, (rows, heads, rot_dim), (row_stride, head_stride, 1))
+    p = row_scalars(dev, pos, "u32", rows, pos_stride).astype(F32)
+    theta = (p[:, None] * dev.view(inv_freq, "f32", half)[None, :]).astype(np.float64)
+    c = np.cos(theta).astype(F32)[:, None, :] * F32(mscale)
+    s = np.sin(theta).astype(F32)[:, None, :] * F32(mscale)
+    if inverse:
+        s = -s
+    ia, ib = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, half), slice(half, None))
+    a, b = v[..., ia].astype(F32), v[..., ib].astype(F32)
+    v[..., ia] = (a * c - b * s).astype(BF16)
+    v[..., ib] = (b * c + a * s).astype(BF16)
