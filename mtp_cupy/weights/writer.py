@@ -29,7 +29,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray],
                       metadata: dict[str, str] | None = None) -> Path:
     """One .safetensors file holding `tensors` (any dtype in safetensors_io.DTYPES)."""
     path = Path(path)
-    arrays = {k: np.ascontiguousarray(v) for k, v in tensors.items()}
+    arrays = {k: np.array(v, order="C", copy=None) for k, v in tensors.items()}   # keeps 0-d shapes
     order = sorted(arrays, key=lambda k: (-arrays[k].dtype.itemsize, k))
     header: dict[str, Any] = {}
     if metadata:
@@ -60,6 +60,7 @@ def write_checkpoint(directory: str | Path, tensors: dict[str, np.ndarray], conf
     if config is not None:
         write_config(d, config)
     if shards <= 1:
+        (d / INDEX_NAME).unlink(missing_ok=True)     # a stale index would take precedence when reading
         write_safetensors(d / SINGLE_NAME, tensors, metadata)
         return d
     keys = sorted(tensors)
