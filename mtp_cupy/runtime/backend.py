@@ -15,7 +15,8 @@ from ..errors import KernelError
 from .ptr import DevicePtr
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
-_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+(?:__launch_bounds__\([^)]*\)\s+)?void\s+(\w+)\s*\(')
+_BOUNDS = r'(?:__launch_bounds__\([^)]*\)\s+)?'
+_KERNEL_RE = re.compile(r'extern\s+"C"\s+__global__\s+' + _BOUNDS + r'void\s+' + _BOUNDS + r'(\w+)\s*\(')
 
 
 def cuda_source(module: str) -> Path:

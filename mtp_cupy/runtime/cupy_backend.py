@@ -32,6 +32,7 @@ class CupyBackend(Backend):
         self.device_id = device_id
         cupy.cuda.Device(device_id).use()
         self._modules: dict[str, object] = {}
+        self._smem_optin: dict[int, int] = {}   # id(RawKernel) -> dynamic shared bytes opted in
         self.launches = 0
 
     @property
@@ -63,6 +64,10 @@ class CupyBackend(Backend):
 
     def launch(self, handle, grid, block, shared, args, stream) -> None:
         conv = tuple(_SCALAR[k](v) for k, v in args)
+        if shared > 48 * 1024 and self._smem_optin.get(id(handle.fn), 0) < shared:
+            # more than 48 KiB of dynamic shared memory needs the per-kernel opt-in attribute
+            handle.fn.max_dynamic_shared_size_bytes = shared
+            self._smem_optin[id(handle.fn)] = shared
         try:
             handle.fn(grid, block, conv, shared_mem=shared, stream=self._stream(stream))
         except Exception as e:

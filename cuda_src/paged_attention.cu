@@ -1,0 +1,422 @@
+// Paged decode attention: one query row per sequence over its paged KV rows, flash-decoding style.
+//
+// Pass 1 (`mla_decode_partial`, `gqa_decode_partial[_fp8]`): grid (splits, head blocks, sequences). A block
+// takes up to 32 query heads that share one KV head and a chunk of the sequence's attended positions, walks
+// the chunk in tiles of 32 cache rows (cp.async double buffering into shared memory, so every head of the
+// block reads each row once), and writes an unnormalised partial per (sequence, split, head):
+//     ws_o[s][c][h][0:dv]   = sum_j exp(s_j - m) v_j      (f32)
+//     ws_ml[s][c][h][0:2]   = (m, l = sum_j exp(s_j - m))  (m = -inf, l = 0 for an empty split)
+// Pass 2 (`attn_combine`) merges the splits in a fixed order (+ the optional attention sink), so the result
+// is deterministic. Both passes need the same `splits` and `min_chunk`; the launcher picks them.
+//
+// Chunking: a sequence attends n positions (dense: its last min(seq_len, window) rows, or all seq_len when
+// window == 0; DSA: the sel_stride entries of its `sel` row, -1 / out-of-range entries masked).
+// Split c covers positions [c*chunk, min(n, (c+1)*chunk)) with chunk = roundup32(max(min_chunk, ceil(n/splits))).
+// A row r of a sequence lives at slot table[r / 16] * 16 + r % 16 (metadata slab: seq_len i32 @16, table @256).
+//
+// The math runs on bf16 tensor cores (mma.sync m16n8k16, f32 accumulation): S = Q K^T, with the head dim
+// split over four warps per 16 heads (Q fragments stay in registers) and summed in a fixed order; the
+// probabilities P are split into bf16 hi + lo parts for P V, so P keeps ~16 mantissa bits.
+#include "common.cuh"
+
+#define TILE 32          // cache rows per shared-memory tile
+#define HEADS 32         // query heads per block (two groups of 16 = the mma M dimension)
+#define THREADS 256      // 8 warps: (head group 0..1) x (quarter 0..3)
+#define SP_STRIDE 40     // f32 row stride of the S partials (bank-conflict-free float2 stores)
+#define P_STRIDE 40      // bf16 row stride of P (conflict-free ldmatrix rows)
+#define MAX_KSTEPS 9     // dk <= 576: a quarter of the head dim is <= 9 k-steps of 16
+#define MAX_NTILES 16    // dv <= 512: a quarter of the value dim is <= 16 n-tiles of 8
+#define MAX_SPLITS 64
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16-byte async copy; src_bytes 0 zero-fills the destination (masked rows must hold finite zeros).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, u32 src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// Two floats -> bf16x2 (x in the low half: the lower column / row of an mma fragment pair).
+__device__ __forceinline__ u32 pack_bf16(float x, float y) {
+    return (u32)__bfloat16_as_ushort(f2bf(x)) | ((u32)__bfloat16_as_ushort(f2bf(y)) << 16);
+}
+// d += a (16x16 bf16, row) * b (16x8 bf16, col), f32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Attended positions of sequence s: n, the lowest allowed row lo, seq_len.
+struct SeqSpan { i32 seq_len, lo, n; const i32* table; };
+
+__device__ __forceinline__ SeqSpan seq_span(const u8* meta, u32 meta_stride, u32 s, u32 window, bool dsa,
+                                            u32 sel_stride) {
+    const u8* slab = meta + (u64)s * meta_stride;
+    SeqSpan r;
+    r.seq_len = *(const i32*)(slab + 16);
+    r.table = (const i32*)(slab + 256);
+    r.lo = (window > 0 && r.seq_len > (i32)window) ? r.seq_len - (i32)window : 0;
+    r.n = dsa ? (i32)sel_stride : max(r.seq_len - r.lo, 0);
+    return r;
+}
+
+struct AttnArgs {
+    const __nv_bfloat16* q; u64 q_seq_stride, q_head_stride;  // elements
+    const u8* kc; const u8* vc;   // vc == nullptr: V is the first dv columns of the K row (MLA, V4)
+    u64 row_bytes, col_bytes;     // cache row size; byte offset of this block's KV head inside a row
+    const u8* meta; u32 meta_stride;
+    float* ws_o; float* ws_ml;
+    u32 heads, h0, h_end, dk, dv;
+    float smul, vmul;             // score multiplier (scale * kv_scale), value multiplier (kv_scale)
+    u32 window; const i32* sel; u32 sel_stride, splits, min_chunk;
+};
+
+// Shared memory (bytes; the launcher's _smem_bytes mirrors this):
+//   Sp  f32 [4][32][SP_STRIDE]                 S partials of the four head-dim quarters
+//   K   bf16 [NBF][32][dk + 8]                 NBF = 2 (bf16 caches, double buffered) or 1 (fp8: converted)
+//   V   bf16 [NBF][32][dv + 8]                 only with a separate V cache
+//   stage u8 [2][32][dk (+ dv)]                fp8 only: raw rows landing from cp.async
+//   Phi, Plo bf16 [32][P_STRIDE]; alpha f32 [32]; rowok i32 [2][32]
+template <bool FP8>
+__device__ __forceinline__ void attend_split(const AttnArgs& a) {
+    extern __shared__ __align__(16) u8 smem[];
+    const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+    const u32 s = blockIdx.z, c = blockIdx.x;
+    const SeqSpan sp = seq_span(a.meta, a.meta_stride, s, a.window, a.sel != nullptr, a.sel_stride);
+    const u32 per = (u32)((sp.n + (i32)a.splits - 1) / (i32)a.splits);
+    const u32 chunk = (max(per, a.min_chunk) + TILE - 1) / TILE * TILE;
+    const i32 p_begin = (i32)(c * chunk), p_end = min(sp.n, p_begin + (i32)chunk);
+    const u64 part = ((u64)s * a.splits + c) * a.heads;  // (s, c, head 0) partial index
+
+    if (p_begin >= p_end) {  // empty split: the combine skips it
+        if (tid < HEADS && a.h0 + tid < a.h_end)
+            *(float2*)(a.ws_ml + (part + a.h0 + tid) * 2) = make_float2(-INFINITY, 0.f);
+        return;
+    }
+
+    const bool sep_v = a.vc != nullptr;
+    const u32 NBF = FP8 ? 1 : 2, ks_ = a.dk + 8, vs_ = a.dv + 8, esz = FP8 ? 1 : 2;
+    float* Sp = (float*)smem;
+    __nv_bfloat16* Kt = (__nv_bfloat16*)(smem + 4 * HEADS * SP_STRIDE * 4);
+    __nv_bfloat16* Vt = Kt + NBF * TILE * ks_;
+    u8* stage = (u8*)(Vt + (sep_v ? NBF * TILE * vs_ : 0));
+    const u32 stage_row = a.dk + (sep_v ? a.dv : 0);
+    __nv_bfloat16* Phi = (__nv_bfloat16*)(stage + (FP8 ? 2 * TILE * stage_row : 0));
+    __nv_bfloat16* Plo = Phi + HEADS * P_STRIDE;
+    float* alpha_s = (float*)(Plo + HEADS * P_STRIDE);
+    i32* rowok = (i32*)(alpha_s + HEADS);
+
+    // Tile loader: thread -> (row = tid / 8, 16-byte chunks tid % 8, +8, ...) so 8 lanes copy 128 contiguous bytes.
+    auto load_tile = [&](u32 buf, i32 p0) {
+        const u32 row = tid >> 3, sub = tid & 7;
+        const i32 p = p0 + (i32)row;
+        i32 r = -1;
+        if (p < p_end) {
+            r = a.sel ? a.sel[(u64)s * a.sel_stride + p] : sp.lo + p;
+            if (r < sp.lo || r >= sp.seq_len) r = -1;
+        }
+        if (sub == 0) rowok[buf * TILE + row] = r >= 0;
+        u64 off = 0;
+        if (r >= 0) off = ((u64)sp.table[r >> 4] * 16 + (r & 15)) * a.row_bytes + a.col_bytes;
+        const u32 nb = r >= 0 ? 16 : 0;
+        const u32 kch = a.dk * esz / 16, vch = a.dv * esz / 16;
+        for (u32 i = sub; i < kch; i += 8) {
+            const u32 dst = FP8 ? smem_addr(stage + (buf * TILE + row) * stage_row + 16 * i)
+                                : smem_addr(Kt + (buf * TILE + row) * ks_ + 8 * i);
+            cp_async16(dst, a.kc + off + 16 * i, nb);
+        }
+        if (sep_v)
+            for (u32 i = sub; i < vch; i += 8) {
+                const u32 dst = FP8 ? smem_addr(stage + (buf * TILE + row) * stage_row + a.dk + 16 * i)
+                                    : smem_addr(Vt + (buf * TILE + row) * vs_ + 8 * i);
+                cp_async16(dst, a.vc + off + 16 * i, nb);
+            }
+    };
+
+    // Q fragments (mma A operand): warp (hg, qt) owns heads hg*16 .. +15 and head-dim quarter qt.
+    const u32 hg = warp >> 2, qt = warp & 3, KS = a.dk / 64;
+    const u32 hA = a.h0 + hg * 16 + g, hB = hA + 8;
+    const __nv_bfloat16* qs = a.q + (u64)s * a.q_seq_stride;
+    u32 qf[MAX_KSTEPS][4];
+#pragma unroll
+    for (u32 ks = 0; ks < MAX_KSTEPS; ++ks) {
+        const u32 d = (qt * KS + ks) * 16 + 2 * t4;
+        const bool on = ks < KS;
+        qf[ks][0] = on && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d) : 0u;
+        qf[ks][1] = on && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d) : 0u;
+        qf[ks][2] = on && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d + 8) : 0u;
+        qf[ks][3] = on && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d + 8) : 0u;
+    }
+
+    const u32 VW = a.dv / 4, NTV = VW / 8;  // this warp's value columns [qt*VW, qt*VW + VW)
+    float o[MAX_NTILES][4];
+#pragma unroll
+    for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m_run = -INFINITY, l_run = 0.f;   // softmax thread (head tid/8): replicated over its 8 lanes
+    const u32 sh = tid >> 3, sq = tid & 7;  // softmax thread -> head sh, rows 4*sq .. 4*sq+3
+
+    // ldmatrix lane offsets: K (non-trans, rows = cache rows), P (A operand), V (trans, rows = cache rows).
+    const u32 k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
+    const u32 x_row = (lane & 7) + ((lane >> 3) & 1) * 8, x_col = (lane >> 4) * 8;
+
+    const u32 ntiles = (u32)(p_end - p_begin + TILE - 1) / TILE;
+    load_tile(0, p_begin);
+    cp_commit();
+    for (u32 t = 0; t < ntiles; ++t) {
+        const u32 buf = t & 1, bb = FP8 ? 0 : buf;
+        if (t + 1 < ntiles) {
+            load_tile(buf ^ 1, p_begin + (i32)((t + 1) * TILE));
+            cp_commit();
+            cp_wait<1>();
+        } else {
+            cp_wait<0>();
+        }
+        __syncthreads();
+        if (FP8) {  // e4m3 -> bf16 is exact; kv_scale is applied through smul / vmul
+            const u32 per_row = stage_row / 16;
+            for (u32 i = tid; i < TILE * per_row; i += THREADS) {
+                const u32 row = i / per_row, col = (i % per_row) * 16;
+                const uint4 raw = *(const uint4*)(stage + (buf * TILE + row) * stage_row + col);
+                const u32 src[4] = {raw.x, raw.y, raw.z, raw.w};
+                u32 w[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const u32 word = src[e >> 1] >> (16 * (e & 1));
+                    w[e] = pack_bf16(fp8_to_f((u8)(word & 0xFF)), fp8_to_f((u8)(word >> 8)));
+                }
+                __nv_bfloat16* dst = col < a.dk ? Kt + row * ks_ + col : Vt + row * vs_ + (col - a.dk);
+                *(uint4*)dst = make_uint4(w[0], w[1], w[2], w[3]);
+                *(uint4*)(dst + 8) = make_uint4(w[4], w[5], w[6], w[7]);
+            }
+            __syncthreads();
+        }
+
+        // S partial = Q[16 heads, quarter] . K[32 rows, quarter]^T -> Sp[qt]
+        {
+            const __nv_bfloat16* kt = Kt + bb * TILE * ks_;
+            float sacc[4][4];
+#pragma unroll
+            for (u32 nt = 0; nt < 4; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
+#pragma unroll
+            for (u32 ks = 0; ks < MAX_KSTEPS; ++ks) {
+                if (ks < KS) {
+                    const u32 col = (qt * KS + ks) * 16 + k_col;
+#pragma unroll
+                    for (u32 np = 0; np < 2; ++np) {
+                        u32 b[4];
+                        ldsm_x4(b, smem_addr(kt + (np * 16 + k_row) * ks_ + col));
+                        mma_bf16(sacc[2 * np], qf[ks], b[0], b[1]);
+                        mma_bf16(sacc[2 * np + 1], qf[ks], b[2], b[3]);
+                    }
+                }
+            }
+            float* sp_q = Sp + qt * HEADS * SP_STRIDE + (hg * 16 + g) * SP_STRIDE + 2 * t4;
+#pragma unroll
+            for (u32 nt = 0; nt < 4; ++nt) {
+                *(float2*)(sp_q + nt * 8) = make_float2(sacc[nt][0], sacc[nt][1]);
+                *(float2*)(sp_q + 8 * SP_STRIDE + nt * 8) = make_float2(sacc[nt][2], sacc[nt][3]);
+            }
+        }
+        __syncthreads();
+
+        // Online softmax: sum the quarters in a fixed order, mask, update (m, l), write P = hi + lo.
+        {
+            float sv[4];
+            const float* sp0 = Sp + sh * SP_STRIDE + 4 * sq;
+            const float4 x0 = *(const float4*)sp0, x1 = *(const float4*)(sp0 + HEADS * SP_STRIDE),
+                         x2 = *(const float4*)(sp0 + 2 * HEADS * SP_STRIDE),
+                         x3 = *(const float4*)(sp0 + 3 * HEADS * SP_STRIDE);
+            sv[0] = (((x0.x + x1.x) + x2.x) + x3.x) * a.smul;
+            sv[1] = (((x0.y + x1.y) + x2.y) + x3.y) * a.smul;
+            sv[2] = (((x0.z + x1.z) + x2.z) + x3.z) * a.smul;
+            sv[3] = (((x0.w + x1.w) + x2.w) + x3.w) * a.smul;
+            float tmax = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                if (!rowok[buf * TILE + 4 * sq + i]) sv[i] = -INFINITY;
+                tmax = fmaxf(tmax, sv[i]);
+            }
+#pragma unroll
+            for (int o_ = 1; o_ < 8; o_ <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o_));
+            const float m_new = fmaxf(m_run, tmax), mu = m_new == -INFINITY ? 0.f : m_new;
+            const float alpha = expf(m_run - mu);
+            float psum = 0.f, hi[4], lo[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float p = expf(sv[i] - mu);
+                psum += p;
+                hi[i] = bf2f(f2bf(p));
+                lo[i] = p - hi[i];
+            }
+#pragma unroll
+            for (int o_ = 1; o_ < 8; o_ <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o_);
+            l_run = l_run * alpha + psum;
+            m_run = m_new;
+            if (sq == 0) alpha_s[sh] = alpha;
+            *(uint2*)(Phi + sh * P_STRIDE + 4 * sq) = make_uint2(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]));
+            *(uint2*)(Plo + sh * P_STRIDE + 4 * sq) = make_uint2(pack_bf16(lo[0], lo[1]), pack_bf16(lo[2], lo[3]));
+        }
+        __syncthreads();
+
+        // O[16 heads, this warp's columns] = alpha * O + (Phi + Plo) . V
+        {
+            const __nv_bfloat16* vt = sep_v ? Vt + bb * TILE * vs_ : Kt + bb * TILE * ks_;
+            const u32 vstride = sep_v ? vs_ : ks_;
+            const float aA = alpha_s[hg * 16 + g], aB = alpha_s[hg * 16 + g + 8];
+#pragma unroll
+            for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+                o[nt][0] *= aA; o[nt][1] *= aA; o[nt][2] *= aB; o[nt][3] *= aB;
+            }
+#pragma unroll
+            for (u32 kk = 0; kk < 2; ++kk) {
+                u32 ph[4], pl[4];
+                const u32 poff = (hg * 16 + x_row) * P_STRIDE + kk * 16 + x_col;
+                ldsm_x4(ph, smem_addr(Phi + poff));
+                ldsm_x4(pl, smem_addr(Plo + poff));
+#pragma unroll
+                for (u32 np = 0; np < MAX_NTILES / 2; ++np) {
+                    if (2 * np < NTV) {
+                        u32 b[4];
+                        ldsm_x4_t(b, smem_addr(vt + (kk * 16 + x_row) * vstride + qt * VW + np * 16 + x_col));
+                        mma_bf16(o[2 * np], ph, b[0], b[1]);
+                        mma_bf16(o[2 * np], pl, b[0], b[1]);
+                        mma_bf16(o[2 * np + 1], ph, b[2], b[3]);
+                        mma_bf16(o[2 * np + 1], pl, b[2], b[3]);
+                    }
+                }
+            }
+        }
+        __syncthreads();  // the next iteration's loads overwrite this tile's buffers
+    }
+
+#pragma unroll
+    for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+        if (nt < NTV) {
+            const u32 col = qt * VW + nt * 8 + 2 * t4;
+            if (hA < a.h_end)
+                *(float2*)(a.ws_o + (part + hA) * a.dv + col) = make_float2(o[nt][0] * a.vmul, o[nt][1] * a.vmul);
+            if (hB < a.h_end)
+                *(float2*)(a.ws_o + (part + hB) * a.dv + col) = make_float2(o[nt][2] * a.vmul, o[nt][3] * a.vmul);
+        }
+    }
+    if (sq == 0 && a.h0 + sh < a.h_end)
+        *(float2*)(a.ws_ml + (part + a.h0 + sh) * 2) = make_float2(m_run, l_run);
+}
+
+// MLA / V4 / DSA: one KV head; cache rows of row_width bf16, V = the first v_width columns of each row.
+// q bf16 [num_seqs, heads, row_width]; grid (splits, ceil(heads / 32), num_seqs).
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+mla_decode_partial(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, float* ws_o,
+                   float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
+                   const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk) {
+    AttnArgs a;
+    a.q = q; a.q_seq_stride = (u64)heads * row_width; a.q_head_stride = row_width;
+    a.kc = cache; a.vc = nullptr; a.row_bytes = (u64)row_width * 2; a.col_bytes = 0;
+    a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml;
+    a.heads = heads; a.h0 = blockIdx.y * HEADS; a.h_end = min(heads, a.h0 + HEADS);
+    a.dk = row_width; a.dv = v_width; a.smul = scale; a.vmul = 1.f;
+    a.window = window; a.sel = sel; a.sel_stride = sel_stride; a.splits = splits; a.min_chunk = min_chunk;
+    attend_split<false>(a);
+}
+
+// Gated-GQA: K and V caches with rows of kv_heads * head_dim; q head h reads KV head h / (q_heads / kv_heads).
+// A block takes min(32, group) q heads of one KV head; grid (splits, q_heads / that, num_seqs).
+template <bool FP8>
+__device__ __forceinline__ void gqa_entry(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache,
+                                          const u8* v_cache, const u8* meta, u32 meta_stride, float* ws_o,
+                                          float* ws_ml, u32 q_heads, u32 kv_heads, u32 head_dim, float scale,
+                                          float kv_scale, u32 splits, u32 min_chunk) {
+    const u32 group = q_heads / kv_heads, hpb = min(group, (u32)HEADS), esz = FP8 ? 1 : 2;
+    AttnArgs a;
+    a.q = q; a.q_seq_stride = q_row_stride; a.q_head_stride = head_dim;
+    a.kc = k_cache; a.vc = v_cache;
+    a.row_bytes = (u64)kv_heads * head_dim * esz;
+    a.h0 = blockIdx.y * hpb; a.h_end = a.h0 + hpb;
+    a.col_bytes = (u64)(a.h0 / group) * head_dim * esz;
+    a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml;
+    a.heads = q_heads; a.dk = head_dim; a.dv = head_dim; a.smul = scale * kv_scale; a.vmul = kv_scale;
+    a.window = 0; a.sel = nullptr; a.sel_stride = 0; a.splits = splits; a.min_chunk = min_chunk;
+    attend_split<FP8>(a);
+}
+
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+gqa_decode_partial(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache,
+                   const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
+                   u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
+    gqa_entry<false>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
+                     head_dim, scale, kv_scale, splits, min_chunk);
+}
+
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+gqa_decode_partial_fp8(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache,
+                       const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
+                       u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
+    gqa_entry<true>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
+                    head_dim, scale, kv_scale, splits, min_chunk);
+}
+
+// out[s, h, :dv] = sum_c w_c O_c / (sum_c w_c l_c + exp(sink_h - M)), w_c = exp(m_c - M), M = max(m_c, sink_h).
+// Splits with w_c == 0 (empty, or underflowed) are skipped, so their O is never read. Nothing attended -> 0.
+// grid (heads, num_seqs), 128 threads.
+extern "C" __global__ __launch_bounds__(128) void
+attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bfloat16* out, u32 num_seqs,
+             u32 heads, u32 dv, u32 splits) {
+    __shared__ float w[MAX_SPLITS];
+    __shared__ float inv_l;
+    const u32 h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
+    const u64 base = (u64)s * splits * heads + h;  // partial index of split 0; split c adds c * heads
+    if (tid < 32) {
+        float m[2], l[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const u32 c = tid + 32 * k;
+            const float2 v = c < splits ? *(const float2*)(ws_ml + (base + (u64)c * heads) * 2)
+                                        : make_float2(-INFINITY, 0.f);
+            m[k] = v.x; l[k] = v.y;
+        }
+        float M = warp_max(fmaxf(m[0], m[1]));
+        if (sink) M = fmaxf(M, sink[h]);
+        float L = 0.f;
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+            const float wk = m[k] == -INFINITY ? 0.f : expf(m[k] - M);
+            w[tid + 32 * k] = wk;
+            L += wk == 0.f ? 0.f : wk * l[k];
+        }
+        L = warp_sum(L);
+        if (sink) L += expf(sink[h] - M);
+        if (tid == 0) inv_l = L > 0.f ? 1.f / L : 0.f;
+    }
+    __syncthreads();
+    for (u32 d = 4 * tid; d < dv; d += 4 * blockDim.x) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (u32 c0 = 0; c0 < splits; c0 += 8) {  // 8 loads in flight, summed in split order
+            float4 v[8];
+#pragma unroll
+            for (u32 k = 0; k < 8; ++k) {
+                const u32 c = c0 + k;
+                v[k] = c < splits && w[c] != 0.f ? *(const float4*)(ws_o + (base + (u64)c * heads) * dv + d)
+                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (u32 k = 0; k < 8; ++k) {
+                const float wc = c0 + k < splits ? w[c0 + k] : 0.f;
+                acc.x += wc * v[k].x; acc.y += wc * v[k].y; acc.z += wc * v[k].z; acc.w += wc * v[k].w;
+            }
+        }
+        __nv_bfloat16* o = out + ((u64)s * heads + h) * dv + d;
+        o[0] = f2bf(acc.x * inv_l); o[1] = f2bf(acc.y * inv_l); o[2] = f2bf(acc.z * inv_l); o[3] = f2bf(acc.w * inv_l);
+    }
+}
