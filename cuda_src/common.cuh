@@ -5,6 +5,14 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+// NVRTC has no math.h: the float constants kernels need.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+#ifndef NAN
+#define NAN __int_as_float(0x7fffffff)
+#endif
+
 typedef unsigned int u32;
 typedef int i32;
 typedef unsigned long long u64;

@@ -19,4 +19,11 @@ for f in cuda_src/*.cu; do
   if [ -n "$spills" ]; then echo "SPILL $f"; grep -B2 -E '[1-9][0-9]* bytes spill' "$log"; fail=1; continue; fi
   echo "ok   $f ($(grep -c 'Function properties' "$log") kernels, max $(grep -oE 'Used [0-9]+ registers' "$log" | awk '{print $2}' | sort -n | tail -1) registers)"
 done
+# NVRTC, the compiler the runtime uses (no host std headers): the same source inlining and options
+PYBIN=${PYBIN:-python3}
+if "$PYBIN" -c "import nvidia" 2>/dev/null; then
+  "$PYBIN" scripts/nvrtc_check.py || fail=1
+else
+  echo "NVRTC check skipped: the nvidia-cuda-nvrtc wheel is not installed for $PYBIN"
+fi
 exit $fail

@@ -8,7 +8,9 @@ from ..errors import KernelError
 from .backend import Backend, DeviceBuffer, KernelHandle, cuda_kernel_names, cuda_source, module_source
 from .ptr import DevicePtr
 
-NVRTC_OPTIONS = ("-std=c++17", "--use_fast_math=false")
+# -default-device: unannotated functions (lambdas in kernels) are device code. No fast-math: the twins
+# assume IEEE expf / sincosf / division.
+NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 _SCALAR = {"ptr": np.uint64, "u32": np.uint32, "i32": np.int32, "u64": np.uint64, "i64": np.int64,
            "f32": np.float32}
 H2D, D2H, D2D = 1, 2, 3
