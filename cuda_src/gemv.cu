@@ -1,0 +1,468 @@
+// y[m, n] = sum_k x[m, k] * W[n, k] for every Linear format (mtp_cupy/weights/linear.py).
+// Shared argument tail of every kernel: (x, y, M, N, K, x_stride, y_stride, out_f32): x bf16 rows
+// x + m*x_stride; y rows y + m*y_stride, bf16 or (out_f32 != 0) f32. fp32 accumulation, no atomics.
+//
+// Geometry (set by ops/gemv.py; results do not depend on it beyond fp32 summation order):
+// block (32, KS, 8/KS): warp (threadIdx.y, threadIdx.z) sums k-slice y of row tile z; the KS partial
+// sums meet in shared memory and are added in slice order. x is tiny next to W and re-read by every
+// warp, so it goes through L1 (__ldg) instead of being staged in shared memory: no 48 KB limit on K.
+#include "common.cuh"
+
+// Weights are read exactly once: non-coherent, no L1 allocation (L1 stays for x). Callers keep p in
+// bounds and zero what they do not want, so the loads stay unpredicated and all in flight together.
+__device__ __forceinline__ uint4 ldg_stream(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0,%1,%2,%3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// Chunk c of a row of n chunks; CHECK: past-the-end chunks read as zeros (from an in-bounds address).
+// Loops run a round through the unchecked path when all of it is in range: the branch then makes
+// every load of the round issue before the first use (ptxas would otherwise sink them to their uses).
+template <bool CHECK, class T> __device__ __forceinline__ uint4 ld_chunk(const uint4* p, u32 c, u32 n, T ld) {
+    if (!CHECK) return ld(p + c);
+    const uint4 v = ld(p + min(c, n - 1));
+    return c < n ? v : make_uint4(0, 0, 0, 0);
+}
+__device__ __forceinline__ uint4 ldg_x(const uint4* p) { return __ldg(p); }
+
+__device__ __forceinline__ void store_out(void* y, u64 i, float v, u32 out_f32) {
+    if (out_f32) ((float*)y)[i] = v;
+    else ((__nv_bfloat16*)y)[i] = f2bf(v);
+}
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// dense_gemv_bf16: one x row per blockIdx.y, warp per 2 rows, lane l reads 16-byte chunks
+// l, l+32*KS, ... of its k-slice: each warp load is 512 contiguous bytes of one row.
+
+constexpr int G_ROWS = 2, G_UNROLL = 4;
+
+// One round: G_UNROLL chunks of x and of each of the G_ROWS rows, chunk c0 + u*step + lane.
+template <bool C> __device__ __forceinline__ void gemv_round(uint4 (&wv)[G_UNROLL][G_ROWS], uint4 (&xv)[G_UNROLL],
+                                                           const uint4* const (&wr)[G_ROWS], const uint4* xr,
+                                                           u32 c0, u32 step, u32 KC) {
+#pragma unroll
+    for (int u = 0; u < G_UNROLL; ++u) {
+        const u32 c = c0 + u * step + threadIdx.x;
+        xv[u] = ld_chunk<C>(xr, c, KC, ldg_x);
+#pragma unroll
+        for (int r = 0; r < G_ROWS; ++r) wv[u][r] = ld_chunk<C>(wr[r], c, KC, ldg_stream);
+    }
+}
+
+__device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const u32 a = word(w, i), b = word(x, i);
+        acc = fmaf(__uint_as_float(a << 16), __uint_as_float(b << 16), acc);
+        acc = fmaf(__uint_as_float(a & 0xffff0000u), __uint_as_float(b & 0xffff0000u), acc);
+    }
+    return acc;
+}
+
+extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    __shared__ float red[8][G_ROWS];
+    const u32 lane = threadIdx.x, ks = threadIdx.y, KS = blockDim.y, m = blockIdx.y;
+    const u32 wid = threadIdx.z * KS + ks;
+    const u32 row0 = (blockIdx.x * blockDim.z + threadIdx.z) * G_ROWS;
+    if (m >= M) return;
+    const u32 KC = K / 8, step = 32 * KS;
+    const uint4* xr = (const uint4*)(x + (u64)m * x_stride);
+    const uint4* wr[G_ROWS];
+#pragma unroll
+    for (int r = 0; r < G_ROWS; ++r) wr[r] = (const uint4*)(W + (u64)min(row0 + r, N - 1) * K);
+    float acc[G_ROWS] = {};
+    for (u32 c0 = ks * 32; c0 < KC; c0 += G_UNROLL * step) {
+        uint4 wv[G_UNROLL][G_ROWS], xv[G_UNROLL];
+        if (c0 + (G_UNROLL - 1) * step + 32 <= KC) gemv_round<false>(wv, xv, wr, xr, c0, step, KC);
+        else gemv_round<true>(wv, xv, wr, xr, c0, step, KC);
+#pragma unroll
+        for (int u = 0; u < G_UNROLL; ++u)
+#pragma unroll
+            for (int r = 0; r < G_ROWS; ++r) acc[r] = dot8(wv[u][r], xv[u], acc[r]);
+    }
+#pragma unroll
+    for (int r = 0; r < G_ROWS; ++r) acc[r] = warp_sum(acc[r]);
+    if (KS > 1) {
+        if (lane == 0)
+#pragma unroll
+            for (int r = 0; r < G_ROWS; ++r) red[wid][r] = acc[r];
+        __syncthreads();
+        if (ks == 0)
+#pragma unroll
+            for (int r = 0; r < G_ROWS; ++r) {
+                float s = red[wid][r];
+                for (u32 j = 1; j < KS; ++j) s += red[wid + j][r];
+                acc[r] = s;
+            }
+    }
+    if (ks == 0 && lane == 0)
+#pragma unroll
+        for (int r = 0; r < G_ROWS; ++r)
+            if (row0 + r < N) store_out(y, (u64)m * y_stride + row0 + r, acc[r], out_f32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core GEMV (mma.sync m16n8k16, bf16 in, fp32 accumulate) for M > 1 and every quantised
+// format. A = 16 weight rows, B = up to 8 x rows per n-tile. At step s lane (g, t) holds the 16-byte
+// chunk 4s+t of weight rows g and g+8 and, as B, the same k range of x row g (+8 per n-tile): a dot
+// product does not care which k sits in which fragment slot, as long as A and B agree. Weights are
+// decoded to bf16 in registers (exactly: every e4m3 / e2m1*e4m3 / e2m1*e8m0 value fits in bf16).
+
+enum WFmt { BF16, FP8_ROW, FP8_BLOCK, FP8_BLOCK_E8M0, NVFP4, MXFP4 };
+
+template <int F> __host__ __device__ constexpr int kchunk() { return F == BF16 ? 8 : (F == NVFP4 || F == MXFP4) ? 32 : 16; }
+
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// bf16x2 multiply (fma with -0 keeps it sm_80-compatible). Subnormal inputs are honoured.
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// e4m3 bytes (0,2) / (1,3) of q -> bf16x2. Copying the 7 magnitude bits under the bf16 exponent gives
+// value * 2^-120 (e4m3 subnormals become bf16 subnormals); the multiply by 2^120 is exact.
+constexpr u32 BF16X2_2P120 = 0x7B807B80u;
+__device__ __forceinline__ u32 e4m3x2_02(u32 q) {
+    return bmul2(((q << 4) & 0x07F007F0u) | ((q << 8) & 0x80008000u), BF16X2_2P120);
+}
+__device__ __forceinline__ u32 e4m3x2_13(u32 q) {
+    return bmul2(((q >> 4) & 0x07F007F0u) | (q & 0x80008000u), BF16X2_2P120);
+}
+
+// E2M1 nibbles J and J+4 of q -> bf16x2 of value * 2^-126 (code 1 = 0.5 is the bf16 subnormal 2^-127),
+// times the bf16x2 block scale s; exact (an E2M1 * scale product has at most 6 significant bits).
+template <int J> __device__ __forceinline__ u32 e2m1x2(u32 q, u32 s) {
+    const u32 mag = (J <= 1 ? q << (6 - 4 * J) : q >> (4 * J - 6)) & 0x01C001C0u;
+    return bmul2(mag | ((q << (12 - 4 * J)) & 0x80008000u), s);
+}
+
+__device__ __forceinline__ u32 splat_bf16(float v) {  // v must already be a bf16 value
+    const u32 b = __float_as_uint(v) >> 16;
+    return b | (b << 16);
+}
+
+// Per-chunk scales (fp4): raw bytes -> bf16x2 multipliers. nvfp4: e4m3 * 2^118 (A = w * 2^-8, undone
+// with scale2 * 2^8 at the end); mxfp4: 2^(b-127) * 2^62 (A = w * 2^-64, undone at the end; exact for
+// scales 2^-61 .. 2^65, 0xFF is NaN).
+template <int F> __device__ __forceinline__ u32 fp4_scale(u32 sv, int blk) {
+    if (F == NVFP4) return splat_bf16(fp8_to_f((u8)(sv >> (8 * blk))) * __int_as_float(0x7A800000));  // 2^118
+    const u32 e = sv + 62u;
+    const u32 b = sv == 0xFFu ? 0x7FC0u : e > 254u ? 0x7F80u : e << 7;
+    return b | (b << 16);
+}
+
+// A fragment i (k16 mma i of the step) from the chunks of rows g, g+8 and their bf16x2 block scales.
+template <int F> __device__ __forceinline__ void frag_a(const uint4 w[2], const u32 s[2][2], int i, u32 a[4]) {
+    if (F == BF16) {
+        a[0] = word(w[0], 2 * i); a[1] = word(w[1], 2 * i);
+        a[2] = word(w[0], 2 * i + 1); a[3] = word(w[1], 2 * i + 1);
+    } else if (F == NVFP4 || F == MXFP4) {
+        const int wi = i >> 1, blk = F == NVFP4 ? wi >> 1 : 0;
+        const u32 q0 = word(w[0], wi), q1 = word(w[1], wi);
+        if (i & 1) {
+            a[0] = e2m1x2<2>(q0, s[0][blk]); a[1] = e2m1x2<2>(q1, s[1][blk]);
+            a[2] = e2m1x2<3>(q0, s[0][blk]); a[3] = e2m1x2<3>(q1, s[1][blk]);
+        } else {
+            a[0] = e2m1x2<0>(q0, s[0][blk]); a[1] = e2m1x2<0>(q1, s[1][blk]);
+            a[2] = e2m1x2<1>(q0, s[0][blk]); a[3] = e2m1x2<1>(q1, s[1][blk]);
+        }
+    } else {
+        const u32 q0 = word(w[0], i), q1 = word(w[1], i);
+        a[0] = e4m3x2_02(q0); a[1] = e4m3x2_02(q1); a[2] = e4m3x2_13(q0); a[3] = e4m3x2_13(q1);
+    }
+}
+
+// x words X[0 .. KC/2) (bf16 pairs k, k+1) reordered to the pairs frag_a produced.
+template <int F> __device__ __forceinline__ void frag_b(const u32* X, int i, u32 b[2]) {
+    if (F == BF16) {
+        b[0] = X[2 * i]; b[1] = X[2 * i + 1];
+    } else if (F == NVFP4 || F == MXFP4) {  // (k, k+4) pairs of 8-k word i/2
+        const u32* p = X + 4 * (i >> 1) + (i & 1);
+        b[0] = __byte_perm(p[0], p[2], 0x5410); b[1] = __byte_perm(p[0], p[2], 0x7632);
+    } else {  // (k, k+2) pairs of 4-k word i
+        b[0] = __byte_perm(X[2 * i], X[2 * i + 1], 0x5410); b[1] = __byte_perm(X[2 * i], X[2 * i + 1], 0x7632);
+    }
+}
+
+// One round of weight chunks (and fp4 scale bytes): step s0 + u*KS, chunk 4*step + t of each row.
+template <int F, int RT, int U, bool C>
+__device__ __forceinline__ void mma_round(uint4 (&wv)[U][RT][2], u32 (&sv)[U][RT][2], const uint4* const (&wp)[RT][2],
+                                          const u32 (&rows)[RT][2], const void* S, u32 K, u32 KCH, u32 s0, u32 KS) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const u32 c = (s0 + u * KS) * 4 + (threadIdx.x & 3);
+        const bool ok = !C || c < KCH;
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                wv[u][r][h] = ld_chunk<C>(wp[r][h], c, KCH, ldg_stream);
+                if (F == NVFP4) sv[u][r][h] = ok ? __ldg((const u16*)S + (u64)rows[r][h] * (K / 32) + c) : 0;
+                if (F == MXFP4) sv[u][r][h] = ok ? __ldg((const u8*)S + (u64)rows[r][h] * (K / 32) + c) : 0;
+            }
+    }
+}
+
+template <int F, int MT, int RT, int U>
+__device__ __forceinline__ void mma_gemv(const u8* W, const void* S, float scale2, const u16* x, void* y,
+                                         u32 M, u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
+{
+    constexpr int KC = kchunk<F>(), NM = KC / 4;  // k per lane chunk; k16 mmas per chunk pair
+    constexpr bool FP4 = F == NVFP4 || F == MXFP4, BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0;
+    __shared__ float red[8][RT * MT * 4][32];
+    const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3;
+    const u32 ks = threadIdx.y, KS = blockDim.y, wid = threadIdx.z * KS + ks;
+    const u32 row0 = (blockIdx.x * blockDim.z + threadIdx.z) * (16 * RT);
+    const u32 KCH = K / KC, nsteps = (KCH + 3) / 4;
+    const u64 rowbytes = (u64)K * (F == BF16 ? 2 : 1) / (FP4 ? 2 : 1);
+    const uint4* wp[RT][2];
+    u32 rows[RT][2];
+#pragma unroll
+    for (int r = 0; r < RT; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            rows[r][h] = min(row0 + r * 16 + g + 8 * h, N - 1);
+            wp[r][h] = (const uint4*)(W + rows[r][h] * rowbytes);
+        }
+    float acc[RT][MT][4] = {};
+    for (u32 s0 = ks; s0 < nsteps; s0 += KS * U) {
+        uint4 wv[U][RT][2];
+        u32 sv[U][RT][2];
+        if ((s0 + (U - 1) * KS) * 4 + 4 <= KCH) mma_round<F, RT, U, false>(wv, sv, wp, rows, S, K, KCH, s0, KS);
+        else mma_round<F, RT, U, true>(wv, sv, wp, rows, S, K, KCH, s0, KS);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const u32 s = s0 + u * KS;
+            if (s >= nsteps) break;
+            const u32 c = s * 4 + t;
+            u32 X[MT][KC / 2];
+#pragma unroll
+            for (int j = 0; j < MT; ++j) {
+                const u32 xm = 8 * j + g;
+                const uint4* xp = (const uint4*)(x + (u64)xm * xs + (u64)c * KC);
+#pragma unroll
+                for (int v = 0; v < KC / 8; ++v) {
+                    const uint4 q = xm < M && c < KCH ? __ldg(xp + v) : make_uint4(0, 0, 0, 0);
+                    X[j][4 * v] = q.x; X[j][4 * v + 1] = q.y; X[j][4 * v + 2] = q.z; X[j][4 * v + 3] = q.w;
+                }
+            }
+            float f = 1.f;  // fp8 block scale of this step's 64 k (one 128x128 block for the whole tile)
+            if (BLOCK) {
+                const u64 si = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128) + (s * 4 * KC >> 7);
+                f = F == FP8_BLOCK ? __ldg((const float*)S + si) : e8m0_to_f(__ldg((const u8*)S + si));
+            }
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                u32 sc[2][2] = {};
+                if (FP4)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        sc[h][0] = fp4_scale<F>(sv[u][r][h], 0);
+                        if (F == NVFP4) sc[h][1] = fp4_scale<F>(sv[u][r][h], 1);
+                    }
+                // A fresh accumulator per step: the tensor core's fp32 adds then chain over at most
+                // 8 mmas, and the running sums below are ordinary round-to-nearest adds.
+                float tmp[MT][4] = {};
+#pragma unroll
+                for (int i = 0; i < NM; ++i) {
+                    u32 a[4];
+                    frag_a<F>(wv[u][r], sc, i, a);
+#pragma unroll
+                    for (int j = 0; j < MT; ++j) {
+                        u32 b[2];
+                        frag_b<F>(X[j], i, b);
+                        mma16816(tmp[j], a, b);
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < MT; ++j)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[r][j][e] = fmaf(tmp[j][e], f, acc[r][j][e]);
+            }
+        }
+    }
+    if (KS > 1) {
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int j = 0; j < MT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) red[wid][(r * MT + j) * 4 + e][lane] = acc[r][j][e];
+        __syncthreads();
+        if (ks != 0) return;
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int j = 0; j < MT; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float v = acc[r][j][e];
+                    for (u32 q = 1; q < KS; ++q) v += red[wid + q][(r * MT + j) * 4 + e][lane];
+                    acc[r][j][e] = v;
+                }
+    }
+    // C fragment: c0, c1 = (row g, x rows 2t, 2t+1), c2, c3 = (row g+8, same x rows).
+#pragma unroll
+    for (int r = 0; r < RT; ++r) {
+        const float fm = F == NVFP4 ? scale2 * 256.f : F == MXFP4 ? 0x1p64f : 1.f;  // undo fp4_scale
+        float rs[2] = {fm, fm};
+        if (F == FP8_ROW) { rs[0] = __ldg((const float*)S + rows[r][0]); rs[1] = __ldg((const float*)S + rows[r][1]); }
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 m = 8 * j + 2 * t + (e & 1), n = row0 + r * 16 + g + 8 * (e >> 1);
+                if (m < M && n < N) store_out(y, (u64)m * ys + n, acc[r][j][e] * rs[e >> 1], out_f32);
+            }
+    }
+}
+
+// M <= 8, one pass over W.
+extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batchm(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    mma_gemv<BF16, 1, 1, 4>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// M <= 32, one pass over W; 32 weight rows per warp so each x chunk (from L1/L2) serves two A tiles.
+extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batch32(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    mma_gemv<BF16, 4, 2, 2>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// e4m3 W [N, K], f32 scale [N]; M <= 8.
+extern "C" __global__ __launch_bounds__(256) void gemv_fp8w(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_gemv<FP8_ROW, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// e4m3 W [N, K], f32 scale [ceil(N/128), ceil(K/128)] (DeepSeek weight_scale_inv); M <= 8.
+extern "C" __global__ __launch_bounds__(256) void w8a16_gemv(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_gemv<FP8_BLOCK, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// As w8a16_gemv with E8M0 scale bytes (2^(b-127)).
+extern "C" __global__ __launch_bounds__(256) void w8a16_gemv_e8m0(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_gemv<FP8_BLOCK_E8M0, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// NVFP4: W u8 [N, K/2] (low nibble = even k), e4m3 scale [N, K/16], f32 global scale2; M <= 8.
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv(
+    const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
+    u32 y_stride, u32 out_f32)
+{
+    mma_gemv<NVFP4, 1, 1, 4>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// MXFP4: W u8 [N, K/2], E8M0 scale [N, K/32], no global scale; M <= 8.
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_mx(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_gemv<MXFP4, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// dense_gemm_bf16 (prefill): block tile 128 x rows * 128 W rows * 32 k, 8 warps as 2 (m) x 4 (n) with
+// 64 x 32 warp tiles; two cp.async stages; smem rows padded to 40 bf16 (80 B) so the 8 row addresses
+// of every ldmatrix phase fall on distinct banks. grid (ceil(M/128), ceil(N/128)): consecutive blocks
+// share a W tile, which stays in L2 while x (small) is reused from L2 too.
+
+constexpr int TM = 128, TN = 128, TK = 32, TPAD = 40;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(ok ? 16 : 0));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(s));
+}
+
+extern "C" __global__ __launch_bounds__(256) void dense_gemm_bf16(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    __shared__ __align__(16) u16 sx[2][TM][TPAD];
+    __shared__ __align__(16) u16 sw[2][TN][TPAD];
+    const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
+    const u32 m0 = blockIdx.x * TM, n0 = blockIdx.y * TN;
+    const u32 nk = (K + TK - 1) / TK;
+
+    auto load = [&](u32 st, u32 k0) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {  // 128 rows * 4 chunks per operand = 2 chunks per thread
+            const u32 idx = tid + 256 * i, r = idx >> 2, kk = k0 + (idx & 3) * 8;
+            const bool okx = m0 + r < M && kk < K, okw = n0 + r < N && kk < K;
+            cp_async16(&sx[st][r][(idx & 3) * 8], x + (okx ? (u64)(m0 + r) * x_stride + kk : 0), okx);
+            cp_async16(&sw[st][r][(idx & 3) * 8], W + (okw ? (u64)(n0 + r) * K + kk : 0), okw);
+        }
+        asm volatile("cp.async.commit_group;");
+    };
+
+    float acc[4][4][4] = {};
+    load(0, 0);
+    for (u32 kt = 0; kt < nk; ++kt) {
+        if (kt + 1 < nk) {
+            load((kt + 1) & 1, (kt + 1) * TK);
+            asm volatile("cp.async.wait_group 1;");
+        } else {
+            asm volatile("cp.async.wait_group 0;");
+        }
+        __syncthreads();
+        const u32 st = kt & 1;
+#pragma unroll
+        for (int kk = 0; kk < TK; kk += 16) {
+            u32 a[4][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; ++i)  // x rows of m16 tile i: lanes 0-15 k 0-7, lanes 16-31 k 8-15
+                ldmatrix_x4(a[i], &sx[st][wm * 64 + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#pragma unroll
+            for (int p = 0; p < 2; ++p) {  // W rows of n8 tiles 2p, 2p+1 (k halves as b0 / b1)
+                u32 r[4];
+                ldmatrix_x4(r, &sw[st][wn * 32 + p * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+                b[2 * p][0] = r[0]; b[2 * p][1] = r[1]; b[2 * p + 1][0] = r[2]; b[2 * p + 1][1] = r[3];
+            }
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) mma16816(acc[i][j], a[i], b[j]);
+        }
+        __syncthreads();
+    }
+    const u32 g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const u32 m = m0 + wm * 64 + i * 16 + g + 8 * (e >> 1), n = n0 + wn * 32 + j * 8 + 2 * t + (e & 1);
+                if (m < M && n < N) store_out(y, (u64)m * y_stride + n, acc[i][j][e], out_f32);
+            }
+}

@@ -1,0 +1,142 @@
+"""gemv: every Linear format against float64 textbook math (exact numpy dequantisation, then a float64
+matmul on the same bf16 x), and CUDA against its twin at real model dims.
+
+Tolerances (norm-relative): a bf16 output is one round-to-nearest away from the exact value (<= 2^-9
+per element), so 2^-8 leaves room for fp32 accumulation and nothing else; an f32 output carries only
+fp32 accumulation error (~1e-7 at these K), so 1e-5."""
+import ml_dtypes
+import numpy as np
+import pytest
+
+from helpers import POISON, assert_close, get, out, run_on_both, up
+from mtp_cupy import KernelError, ops
+from mtp_cupy.runtime.ptr import NULL
+from mtp_cupy.weights.linear import Linear
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+TOL = {"bf16": 2.0 ** -8, "f32": 1e-5}
+KCHUNK = {"bf16": 8, "fp8_row": 16, "fp8_block": 16, "fp8_block_e8m0": 16, "nvfp4": 32, "mxfp4": 32}
+FORMATS = list(KCHUNK)
+
+
+def bf16_bits(rng, shape, exp=120):
+    """Random bf16 with a fixed exponent (|v| in [2^(exp-127), 2^(exp-126))): cheap at LM-head sizes."""
+    b = rng.integers(0, 1 << 16, shape, dtype=np.uint16)
+    return ((b & 0x807F) | (exp << 7)).view(ml_dtypes.bfloat16)
+
+
+def e4m3(b):
+    return np.asarray(b, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+
+
+def finite_e4m3_bytes(rng, shape, hi=256):
+    b = rng.integers(0, hi, shape, dtype=np.uint8)
+    return np.where((b & 0x7F) == 0x7F, b ^ 0x01, b).astype(np.uint8)  # no NaN codes
+
+
+def make_weight(rng, fmt, n, k):
+    """(arrays to upload: w [, s], scale2, () -> float64 dequantised W [n, k])."""
+    if fmt == "bf16":
+        w = bf16_bits(rng, (n, k), exp=int(rng.integers(118, 124)))
+        return (w,), 1.0, lambda: w.astype(np.float64)
+    if fmt.startswith("fp8"):
+        q = finite_e4m3_bytes(rng, (n, k))  # every code, subnormals included
+        if fmt == "fp8_row":
+            s = rng.uniform(1e-4, 1e-2, n).astype(np.float32)
+            return (q, s), 1.0, lambda: e4m3(q) * s[:, None]
+        nb, kb = -(-n // 128), -(-k // 128)
+        if fmt == "fp8_block":
+            s = rng.uniform(1e-4, 1e-2, (nb, kb)).astype(np.float32)
+            sv = s.astype(np.float64)
+        else:
+            s = rng.integers(110, 127, (nb, kb), dtype=np.uint8)
+            sv = np.ldexp(1.0, s.astype(int) - 127)
+        return (q, s), 1.0, lambda: e4m3(q) * np.repeat(np.repeat(sv, 128, 0), 128, 1)[:n, :k]
+    codes = rng.integers(0, 16, (n, k), dtype=np.uint8)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    if fmt == "nvfp4":
+        s = finite_e4m3_bytes(rng, (n, k // 16), hi=0x7F)  # positive scales, subnormal ones included
+        scale2 = float(np.float32(rng.uniform(1e-4, 1e-3)))
+        return (packed, s), scale2, lambda: E2M1[codes] * np.repeat(e4m3(s), 16, 1) * scale2
+    s = rng.integers(100, 130, (n, k // 32), dtype=np.uint8)
+    return (packed, s), 1.0, lambda: E2M1[codes] * np.repeat(np.ldexp(1.0, s.astype(int) - 127), 32, 1)
+
+
+def run_linear(dev, fmt, n, k, m, arrays, scale2, x, out_dtype, xs, ys):
+    bufs = [up(dev, a) for a in arrays]
+    W = Linear(fmt, n, k, bufs[0].ptr, bufs[1].ptr if len(bufs) > 1 else NULL, scale2, owners=bufs)
+    xp = np.zeros((m, xs), x.dtype)
+    xp[:, :k] = x
+    xb = up(dev, xp)
+    y = out(dev, out_dtype, (m, ys))
+    ops.linear(dev, xb.ptr, W, y.ptr, m, out_dtype=out_dtype, x_stride=xs, y_stride=ys)
+    return get(dev, y, out_dtype, (m, ys))
+
+
+def check(got, ref, out_dtype, n, what):
+    assert_close(got[:, :n].astype(np.float64), ref, TOL[out_dtype], what)
+    gap = got[:, n:].view(np.uint8)
+    assert np.all(gap == POISON), f"{what}: wrote outside [0, n) of a strided row"
+
+
+@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("m", [1, 2, 5, 8, 17, 32])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_vs_float64(dev, rng, fmt, m, out_dtype):
+    n = int(rng.integers(1, 160)) * 2 + 1
+    k = int(rng.integers(1, 384 // KCHUNK[fmt] + 1)) * KCHUNK[fmt]
+    xs, ys = k + 8 * int(rng.integers(0, 3)), n + int(rng.integers(0, 3))
+    arrays, scale2, wd = make_weight(rng, fmt, n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    got = run_linear(dev, fmt, n, k, m, arrays, scale2, x, out_dtype, xs, ys)
+    check(got, x.astype(np.float64) @ wd().T, out_dtype, n, f"{fmt} m={m} n={n} k={k}")
+
+
+@pytest.mark.parametrize("name, m", [("dense_gemv_bf16", 3), ("dense_gemv_bf16_batchm", 8),
+                                     ("dense_gemv_bf16_batch32", 32), ("dense_gemm_bf16", 45),
+                                     ("dense_gemm_bf16", 1)])
+def test_dense_kernels(dev, rng, name, m):
+    """Each bf16 kernel on its own, whatever `linear` would pick for m."""
+    n, k = int(rng.integers(100, 300)), int(rng.integers(1, 80)) * 8
+    (w,), _, wd = make_weight(rng, "bf16", n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    wb, xb, y = up(dev, w), up(dev, x), out(dev, "f32", (m, n))
+    getattr(ops, name)(dev, wb.ptr, xb.ptr, y.ptr, m, n, k, k, n, "f32")
+    assert_close(get(dev, y, "f32", (m, n)), x.astype(np.float64) @ wd().T, TOL["f32"], name)
+
+
+def test_shape_errors(rng):
+    import mtp_cupy
+    dev = mtp_cupy.device("ref")
+    w, x, y = dev.alloc(1 << 16), dev.alloc(1 << 12), dev.alloc(1 << 12)
+    with pytest.raises(KernelError, match="multiple of 32"):
+        ops.linear(dev, x.ptr, Linear("nvfp4", 4, 48, w.ptr, w.ptr), y.ptr)
+    with pytest.raises(KernelError, match="16-byte aligned"):
+        ops.linear(dev, x.ptr, Linear("bf16", 4, 64, w.ptr), y.ptr, m=2, x_stride=68)
+    with pytest.raises(KernelError, match="16-byte aligned"):
+        ops.linear(dev, x.ptr.offset(2), Linear("bf16", 4, 64, w.ptr), y.ptr)
+    with pytest.raises(KernelError, match="m=9"):
+        ops.gemv_fp8w(dev, w.ptr, w.ptr, x.ptr, y.ptr, 9, 4, 64, 64, 4)
+    with pytest.raises(KernelError, match="scale pointer"):
+        ops.linear(dev, x.ptr, Linear("fp8_row", 4, 64, w.ptr), y.ptr)
+    with pytest.raises(KernelError, match="out_dtype"):
+        ops.linear(dev, x.ptr, Linear("bf16", 4, 64, w.ptr), y.ptr, out_dtype="f16")
+
+
+# -- CUDA against the twin at real model dims (the twin side stays in float64 chunks of <= 256 MB) ------
+
+REAL = [("bf16", 129280, 7168, 1, "f32"), ("bf16", 154880, 6144, 1, "f32"), ("bf16", 151936, 2048, 1, "f32"),
+        ("bf16", 7168, 14336, 1, "bf16"), ("bf16", 4096, 2048, 1, "bf16"), ("bf16", 256, 7168, 1, "f32"),
+        ("bf16", 7168, 14336, 8, "bf16"), ("bf16", 129280, 7168, 8, "f32"), ("bf16", 7168, 14336, 32, "bf16"),
+        ("bf16", 7168, 2048, 300, "bf16")] + \
+       [(f, n, k, m, "bf16") for f in FORMATS[1:] for n, k in ((7168, 2048), (2048, 7168)) for m in (1, 8)] + \
+       [("nvfp4", 129280, 7168, 1, "f32"), ("fp8_block", 129280, 7168, 1, "f32"), ("mxfp4", 2048, 7168, 17, "bf16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, n, k, m, out_dtype", REAL)
+def test_cuda_vs_twin_real_dims(rng, fmt, n, k, m, out_dtype):
+    arrays, scale2, _ = make_weight(rng, fmt, n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    ref, got = run_on_both(run_linear, fmt, n, k, m, arrays, scale2, x, out_dtype, k, n)
+    assert_close(got.astype(np.float64), ref.astype(np.float64), TOL[out_dtype], f"{fmt} {m}x{n}x{k}")
