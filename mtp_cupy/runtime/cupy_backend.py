@@ -56,10 +56,11 @@ class CupyBackend(Backend):
         return m
 
     def _load_kernel(self, module: str, name: str) -> KernelHandle:
-        defined = cuda_kernel_names(module)
-        if name not in defined:
-            raise self._missing(module, name, defined)
-        return KernelHandle(module, name, self.module(module).get_function(name))
+        mod = self.module(module)
+        try:  # names a macro defines are not in the source scan, so ask the module itself
+            return KernelHandle(module, name, mod.get_function(name))
+        except Exception:
+            raise self._missing(module, name, cuda_kernel_names(module)) from None
 
     def _stream(self, stream):
         return stream if stream is not None else self.cp.cuda.get_current_stream()
