@@ -6,6 +6,7 @@ segment raises, the way compute-sanitizer would flag it. Kernels are the Python 
 from __future__ import annotations
 
 import bisect
+import math
 import weakref
 
 import numpy as np
@@ -85,7 +86,7 @@ class RefBackend(Backend):
         """Writable numpy view of device memory (twins use this)."""
         dt = _dtype(dtype)
         shape = (int(shape),) if np.isscalar(shape) else tuple(int(s) for s in shape)
-        n = int(np.prod(shape)) * dt.itemsize
+        n = math.prod(shape) * dt.itemsize
         seg, off = self._locate(ptr, n)
         if off % dt.itemsize:
             raise KernelError(f"misaligned {dt} access at 0x{int(ptr):x}")

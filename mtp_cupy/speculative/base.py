@@ -54,6 +54,10 @@ class MtpProposerBase:
     def _hidden_shapes(self) -> list[tuple[int, ...]]:
         return [(self.hidden_size,)]
 
+    def _hidden_row_elems(self) -> int:
+        """Elements of one prefill hidden row behind a device pointer (V4 streams: hc * D)."""
+        return self.hidden_size
+
     def _step(self, st, ids: DevicePtr, hidden: DevicePtr, position: int, row: int, logits: DevicePtr) -> None:
         raise NotImplementedError
 
@@ -127,7 +131,7 @@ class MtpProposerBase:
                     self.gpu.copy_h2d(self.bufs.prefill_hidden, h[c0:c0 + c])
                     hp = self.bufs.prefill_hidden
                 else:
-                    hp = DevicePtr(int(h) + 2 * self.hidden_size * c0)
+                    hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
                 self._write_rows(st, self.bufs.prefill_ids, hp, self.bufs.prefill_pos, self.bufs.prefill_slots,
                                  rows0 + c0, c)
                 st.blocks.rows = rows0 + c0 + c
@@ -186,6 +190,8 @@ class MtpProposerBase:
             raise InputError(f"position {position} is not after the newest drafter row ({st.keys[-1]}); "
                              "call after_verify first")
         masks = self._masks(grammar_bitmask, k)
+        if masks is not None and min_logprob is not None:
+            raise InputError("min_logprob (confidence stop) cannot be combined with a grammar bitmask")
         hshape = self._check_hidden_shape(hidden)
         rows0 = st.blocks.rows
         self._reserve(st, rows0 + k)

@@ -1,0 +1,195 @@
+// mHC (DeepSeek-V4 manifold-constrained hyper-connections). The residual is hc streams per row, X bf16
+// [rows, hc, dim]; hc_pre / hc_head collapse them into one layer input, hc_post expands a layer output back.
+//
+// The coefficients come from one GEMV over the flattened row (hc * dim columns: 16384 at V4-Flash dims, so
+// fn is 24 x 16384 f32 = 1.5 MB). hc_mix splits those columns over many blocks and writes per-chunk partial
+// sums (plus the sum of squares that folds the weightless RMSNorm in); hc_pre and hc_head reduce the
+// partials in chunk order (deterministic, no atomics) and finish each row. Every block of a finishing kernel
+// recomputes the few coefficients of its row so the stream sum can spread over the whole grid.
+#include "common.cuh"
+
+#define HC_MAX 4                          // streams; the hc x hc Sinkhorn matrix lives in 16 lanes of a warp
+#define MIX_MAX ((2 + HC_MAX) * HC_MAX)   // pre | post | comb coefficients of hc_pre
+
+// part[s, r, m] = sum over columns c of chunk s of X[r, c] * fn[m, c] (m < mix); part[s, r, mix] = sum X^2.
+// grid (chunks, rows): one block per (chunk, row), so 32 decode rows keep 32x the blocks busy; fn's chunk is
+// re-read from L2 per row.
+extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const float* __restrict__ fn,
+                                  float* __restrict__ part, u32 rows, u32 k, u32 mix, u32 chunk) {
+    __shared__ float red[32][MIX_MAX + 1];
+    const u32 s = blockIdx.x, r = blockIdx.y, c0 = s * chunk, c1 = min(k, c0 + chunk);
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    float acc[MIX_MAX + 1];
+#pragma unroll
+    for (int m = 0; m <= MIX_MAX; ++m) acc[m] = 0.f;
+    const __nv_bfloat16* xr = X + (u64)r * k;
+    for (u32 c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
+        const float x = bf2f(xr[c]);
+        acc[MIX_MAX] += x * x;
+#pragma unroll
+        for (int m = 0; m < MIX_MAX; ++m)
+            if (m < (int)mix) acc[m] += x * fn[(u64)m * k + c];
+    }
+#pragma unroll
+    for (int m = 0; m <= MIX_MAX; ++m) {
+        const float v = warp_sum(acc[m]);
+        if (lane == 0) red[wid][m] = v;
+    }
+    __syncthreads();
+    for (u32 m = threadIdx.x; m <= mix; m += blockDim.x) {
+        const int src = m == mix ? MIX_MAX : (int)m;
+        float v = 0.f;
+        for (int w = 0; w < nw; ++w) v += red[w][src];
+        part[((u64)s * rows + r) * (mix + 1) + m] = v;
+    }
+}
+
+__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
+
+// Sum of the chunk partials of row r (fixed order), scaled by the folded RMS factor; fills mixes[0..mix).
+__device__ __forceinline__ void reduce_mixes(const float* part, u32 r, u32 rows, u32 mix, u32 nsplit, u32 n_elems,
+                                             float rms_eps, float* mixes) {
+    __shared__ float raw[MIX_MAX + 1];
+    for (u32 m = threadIdx.x; m <= mix; m += blockDim.x) {
+        float v = 0.f;
+        for (u32 s = 0; s < nsplit; ++s) v += part[((u64)s * rows + r) * (mix + 1) + m];
+        raw[m] = v;
+    }
+    __syncthreads();
+    const float rinv = rsqrtf(raw[mix] / (float)n_elems + rms_eps);
+    for (u32 m = threadIdx.x; m < mix; m += blockDim.x) mixes[m] = raw[m] * rinv;
+    __syncthreads();
+}
+
+// x[r, d] = sum_j w[j] * X[r, j, d] in fp32, one bf16 rounding; the grid's y dimension splits d.
+__device__ __forceinline__ void stream_sum(const __nv_bfloat16* X, const float* w, __nv_bfloat16* out, u32 r,
+                                           u32 dim, u32 hc) {
+    const __nv_bfloat16* xr = X + (u64)r * hc * dim;
+    for (u32 d = blockIdx.y * blockDim.x + threadIdx.x; d < dim; d += gridDim.y * blockDim.x) {
+        float acc = 0.f;
+        for (u32 j = 0; j < hc; ++j) acc += w[j] * bf2f(xr[(u64)j * dim + d]);
+        out[(u64)r * dim + d] = f2bf(acc);
+    }
+}
+
+// Lane l < hc*hc holds C[l / hc, l % hc]; sums over a row (k) or a column (j) read the hc partner lanes in
+// index order. All 32 lanes take part in the shuffles.
+__device__ __forceinline__ float row_reduce(float v, int lane, u32 hc, bool is_max) {
+    const int base = lane < (int)(hc * hc) ? lane - lane % (int)hc : lane;
+    float acc = is_max ? -INFINITY : 0.f;
+    for (u32 t = 0; t < hc; ++t) {
+        const float o = __shfl_sync(0xffffffffu, v, lane < (int)(hc * hc) ? base + (int)t : lane);
+        acc = is_max ? fmaxf(acc, o) : acc + o;
+    }
+    return acc;
+}
+
+__device__ __forceinline__ float col_sum(float v, int lane, u32 hc) {
+    const int col = lane < (int)(hc * hc) ? lane % (int)hc : lane;
+    float acc = 0.f;
+    for (u32 t = 0; t < hc; ++t)
+        acc += __shfl_sync(0xffffffffu, v, lane < (int)(hc * hc) ? (int)(t * hc) + col : lane);
+    return acc;
+}
+
+// Collapse for a layer (arch_math B.2): pre_j = sigmoid(mix_j s0 + b_j) + hc_eps -> x = sum_j pre_j X_j (bf16);
+// post_j = 2 sigmoid(mix_{hc+j} s1 + b_{hc+j}); comb = Sinkhorn(L), L[j,k] = mix_{2hc+hc j+k} s2 + b_{..}:
+// C = softmax_k(L) + eps, C /= colsum + eps, then (iters-1) x {C /= rowsum + eps; C /= colsum + eps}.
+// part from hc_mix with mix = (2 + hc) hc. grid (rows, dim splits), blockDim a multiple of 32.
+extern "C" __global__ void hc_pre(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part,
+                                  const float* __restrict__ scale, const float* __restrict__ base,
+                                  __nv_bfloat16* __restrict__ x_out, float* __restrict__ post_out,
+                                  float* __restrict__ comb_out, u32 rows, u32 dim, u32 hc, u32 nsplit,
+                                  float rms_eps, float hc_eps, u32 iters) {
+    __shared__ float mixes[MIX_MAX];
+    __shared__ float pre[HC_MAX];
+    const u32 r = blockIdx.x, mix = (2 + hc) * hc;
+    reduce_mixes(part, r, rows, mix, nsplit, hc * dim, rms_eps, mixes);
+    if (threadIdx.x < 32) {
+        const int lane = threadIdx.x;
+        const bool write = blockIdx.y == 0;
+        if (lane < (int)hc) {
+            pre[lane] = sigmoidf_(mixes[lane] * scale[0] + base[lane]) + hc_eps;
+            if (write) post_out[(u64)r * hc + lane] = 2.f * sigmoidf_(mixes[hc + lane] * scale[1] + base[hc + lane]);
+        }
+        const bool live = lane < (int)(hc * hc);
+        const float l = live ? mixes[2 * hc + lane] * scale[2] + base[2 * hc + lane] : 0.f;
+        const float mx = row_reduce(l, lane, hc, true);
+        const float e = live ? expf(l - mx) : 1.f;  // idle lanes stay finite
+        float c = e / row_reduce(e, lane, hc, false) + hc_eps;
+        c = c / (col_sum(c, lane, hc) + hc_eps);
+        for (u32 it = 1; it < iters; ++it) {
+            c = c / (row_reduce(c, lane, hc, false) + hc_eps);
+            c = c / (col_sum(c, lane, hc) + hc_eps);
+        }
+        if (write && live) comb_out[(u64)r * hc * hc + lane] = c;
+    }
+    __syncthreads();
+    stream_sum(X, pre, x_out, r, dim, hc);
+}
+
+// Final collapse before the norm and LM head: pre_j = sigmoid(mix_j s0 + b_j) + hc_eps, y = sum_j pre_j X_j.
+// part from hc_mix with mix = hc. grid (rows, dim splits).
+extern "C" __global__ void hc_head(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part,
+                                   const float* __restrict__ scale, const float* __restrict__ base,
+                                   __nv_bfloat16* __restrict__ y, u32 rows, u32 dim, u32 hc, u32 nsplit,
+                                   float rms_eps, float hc_eps) {
+    __shared__ float mixes[HC_MAX];
+    __shared__ float pre[HC_MAX];
+    const u32 r = blockIdx.x;
+    reduce_mixes(part, r, rows, hc, nsplit, hc * dim, rms_eps, mixes);
+    if (threadIdx.x < hc) pre[threadIdx.x] = sigmoidf_(mixes[threadIdx.x] * scale[0] + base[threadIdx.x]) + hc_eps;
+    __syncthreads();
+    stream_sum(X, pre, y, r, dim, hc);
+}
+
+// Y[r, k, d] = post[r, k] f[r, d] + sum_j comb[r, j, k] X[r, j, d] (fp32, one bf16 rounding). One thread owns
+// every stream of its (r, d), reading all of X before writing, so Y may be X. grid (dim blocks, rows).
+extern "C" __global__ void hc_post(const __nv_bfloat16* f, const __nv_bfloat16* X, const float* __restrict__ post,
+                                   const float* __restrict__ comb, __nv_bfloat16* Y, u32 rows, u32 dim, u32 hc) {
+    __shared__ float p[HC_MAX], cm[HC_MAX * HC_MAX];
+    const u32 r = blockIdx.y;
+    if (threadIdx.x < hc) p[threadIdx.x] = post[(u64)r * hc + threadIdx.x];
+    if (threadIdx.x < hc * hc) cm[threadIdx.x] = comb[(u64)r * hc * hc + threadIdx.x];
+    __syncthreads();
+    const u64 row = (u64)r * hc * dim;
+    for (u32 d = blockIdx.x * blockDim.x + threadIdx.x; d < dim; d += gridDim.x * blockDim.x) {
+        float xs[HC_MAX];
+#pragma unroll
+        for (int j = 0; j < HC_MAX; ++j) xs[j] = j < (int)hc ? bf2f(X[row + (u64)j * dim + d]) : 0.f;
+        const float fv = bf2f(f[(u64)r * dim + d]);
+#pragma unroll
+        for (int kk = 0; kk < HC_MAX; ++kk) {
+            if (kk >= (int)hc) break;
+            float acc = p[kk] * fv;
+#pragma unroll
+            for (int j = 0; j < HC_MAX; ++j)
+                if (j < (int)hc) acc += cm[j * hc + kk] * xs[j];
+            Y[row + (u64)kk * dim + d] = f2bf(acc);
+        }
+    }
+}
+
+// out[r, j, :] = x[r, :] for every stream j (the seed's expansion of one hidden into hc streams).
+extern "C" __global__ void hc_expand(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, u32 rows,
+                                     u32 dim, u32 hc) {
+    const u64 n = (u64)rows * dim;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / dim, d = i % dim;
+        const __nv_bfloat16 v = x[i];
+        for (u32 j = 0; j < hc; ++j) out[(r * hc + j) * dim + d] = v;
+    }
+}
+
+// X[r, j, :] += x[r, :] for every stream j (fp32 add, one bf16 rounding): adds e_proj(e) to each h_proj stream.
+extern "C" __global__ void hc_add(__nv_bfloat16* X, const __nv_bfloat16* __restrict__ x, u32 rows, u32 dim, u32 hc) {
+    const u64 n = (u64)rows * dim;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / dim, d = i % dim;
+        const float v = bf2f(x[i]);
+        for (u32 j = 0; j < hc; ++j) {
+            const u64 o = (r * hc + j) * dim + d;
+            X[o] = f2bf(bf2f(X[o]) + v);
+        }
+    }
+}

@@ -1,0 +1,79 @@
+"""Launchers for cuda_src/hyper_connection.cu (mHC, arch_math B.2). Streams are bf16 [rows, hc, dim].
+
+hc_pre and hc_head run two kernels: hc_mix (the coefficient GEMV split over column chunks, partials into
+`work`) and the finishing kernel. Size `work` with `hc_work_bytes(rows, dim, hc)`."""
+from ._util import THREADS, blocks_for, launch, need
+
+__all__ = ["HC_MAX", "hc_work_bytes", "hc_expand", "hc_add", "hc_pre", "hc_post", "hc_head"]
+
+HC_MAX = 4          # as in hyper_connection.cu
+MIX_CHUNK = 512     # columns per hc_mix block: 32 blocks share V4-Flash's 16384 columns
+DIM_PER_BLOCK = 1024
+
+
+def _nsplit(k: int) -> int:
+    return -(-k // MIX_CHUNK)
+
+
+def hc_work_bytes(rows: int, dim: int, hc: int) -> int:
+    """Bytes of f32 partials hc_pre / hc_head need for `rows` rows."""
+    return 4 * _nsplit(hc * dim) * rows * ((2 + hc) * hc + 1)
+
+
+def _check(name: str, rows: int, dim: int, hc: int) -> None:
+    need(1 <= hc <= HC_MAX, f"{name}: hc {hc} outside [1, {HC_MAX}]")
+    need(1 <= rows <= 65535 and dim >= 1, f"{name}: rows {rows} (<= 65535) and dim {dim} must be positive")
+    need(hc * dim < 1 << 31, f"{name}: hc * dim {hc * dim} is out of range")
+
+
+def _mix(gpu, X, fn, work, rows, dim, hc, mix, stream):
+    k = hc * dim
+    launch(gpu, "hyper_connection", "hc_mix").grid(_nsplit(k), rows).block(THREADS).arg_ptr(X).arg_ptr(fn) \
+        .arg_ptr(work).arg_u32(rows).arg_u32(k).arg_u32(mix).arg_u32(MIX_CHUNK).launch(stream)
+
+
+def hc_expand(gpu, x, out, rows, dim, hc, stream=None):
+    """out[r, j, :] = x[r, :] for j < hc (x [rows, dim] -> streams [rows, hc, dim])."""
+    _check("hc_expand", rows, dim, hc)
+    launch(gpu, "hyper_connection", "hc_expand").grid(blocks_for(rows * dim)).block(THREADS) \
+        .arg_ptr(x).arg_ptr(out).arg_u32(rows).arg_u32(dim).arg_u32(hc).launch(stream)
+
+
+def hc_add(gpu, X, x, rows, dim, hc, stream=None):
+    """X[r, j, :] += x[r, :] for j < hc (in place, one bf16 rounding)."""
+    _check("hc_add", rows, dim, hc)
+    launch(gpu, "hyper_connection", "hc_add").grid(blocks_for(rows * dim)).block(THREADS) \
+        .arg_ptr(X).arg_ptr(x).arg_u32(rows).arg_u32(dim).arg_u32(hc).launch(stream)
+
+
+def hc_pre(gpu, X, fn, scale, base, x_out, post, comb, work, rows, dim, hc, rms_eps, hc_eps, iters=20,
+           stream=None):
+    """Collapse the streams for one layer: x_out bf16 [rows, dim] = sum_j pre_j X_j; post f32 [rows, hc];
+    comb f32 [rows, hc, hc] (Sinkhorn, [source j, target k]). fn f32 [(2+hc)hc, hc*dim], scale f32 [3],
+    base f32 [(2+hc)hc]."""
+    _check("hc_pre", rows, dim, hc)
+    need(iters >= 1, f"hc_pre: {iters} Sinkhorn iterations")
+    mix = (2 + hc) * hc
+    _mix(gpu, X, fn, work, rows, dim, hc, mix, stream)
+    launch(gpu, "hyper_connection", "hc_pre").grid(rows, blocks_for(dim, DIM_PER_BLOCK)).block(THREADS) \
+        .arg_ptr(X).arg_ptr(work).arg_ptr(scale).arg_ptr(base).arg_ptr(x_out).arg_ptr(post).arg_ptr(comb) \
+        .arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps) \
+        .arg_u32(iters).launch(stream)
+
+
+def hc_post(gpu, f, X, post, comb, Y, rows, dim, hc, stream=None):
+    """Y[r, k] = post[r, k] f[r] + sum_j comb[r, j, k] X[r, j] (bf16 streams; Y may be X)."""
+    _check("hc_post", rows, dim, hc)
+    launch(gpu, "hyper_connection", "hc_post").grid(blocks_for(dim), rows).block(THREADS) \
+        .arg_ptr(f).arg_ptr(X).arg_ptr(post).arg_ptr(comb).arg_ptr(Y).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
+        .launch(stream)
+
+
+def hc_head(gpu, X, fn, scale, base, y, work, rows, dim, hc, rms_eps, hc_eps, stream=None):
+    """Final collapse: y bf16 [rows, dim] = sum_j (sigmoid(mix_j scale + base_j) + hc_eps) X_j; fn f32
+    [hc, hc*dim], scale f32 [1], base f32 [hc]."""
+    _check("hc_head", rows, dim, hc)
+    _mix(gpu, X, fn, work, rows, dim, hc, hc, stream)
+    launch(gpu, "hyper_connection", "hc_head").grid(rows, blocks_for(dim, DIM_PER_BLOCK)).block(THREADS) \
+        .arg_ptr(X).arg_ptr(work).arg_ptr(scale).arg_ptr(base).arg_ptr(y).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
+        .arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).launch(stream)
