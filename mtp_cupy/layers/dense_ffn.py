@@ -1,0 +1,34 @@
+"""Dense SwiGLU FFN (arch_math.md section 0): y = down(silu(gate x) * (up x)), for heads without a MoE."""
+from __future__ import annotations
+
+from .. import ops
+from ..runtime.backend import Backend
+from ..runtime.ptr import DevicePtr
+from ..weights.linear import Linear
+
+
+class DenseFFN:
+    def __init__(self, gpu: Backend, gate: Linear, up: Linear, down: Linear, max_rows: int):
+        if not (gate.n == up.n == down.k and gate.k == up.k == down.n):
+            raise ValueError(f"dense FFN shapes do not chain: gate {gate.n}x{gate.k}, up {up.n}x{up.k}, "
+                             f"down {down.n}x{down.k}")
+        self.gpu, self.gate, self.up, self.down, self.max_rows = gpu, gate, up, down, int(max_rows)
+        self.inter = gate.n
+        # gate and up outputs side by side; silu_mul writes the product over the gate half
+        self._buf = gpu.alloc(2 * 2 * self.max_rows * self.inter)
+        self._g = self._buf.ptr
+        self._u = self._buf.ptr.offset(2 * self.max_rows * self.inter)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.gate.weight_bytes + self.up.weight_bytes + self.down.weight_bytes
+
+    def forward(self, x: DevicePtr, out: DevicePtr, m: int = 1, stream=None) -> None:
+        """out[m, hidden] (bf16) = FFN(x[m, hidden])."""
+        if not 1 <= m <= self.max_rows:
+            raise ValueError(f"dense FFN sized for {self.max_rows} rows, got {m}")
+        gpu, i = self.gpu, self.inter
+        ops.linear(gpu, x, self.gate, self._g, m, stream=stream)
+        ops.linear(gpu, x, self.up, self._u, m, stream=stream)
+        ops.silu_mul(gpu, self._g, self._u, self._g, m, i, i, i, stream=stream)
+        ops.linear(gpu, self._g, self.down, out, m, stream=stream)
