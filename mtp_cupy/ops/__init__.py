@@ -11,3 +11,7 @@ from .paged_attention import *  # noqa: F401,F403
 from .argmax import *  # noqa: F401,F403
 from .moe import *  # noqa: F401,F403
 from .quantize import *  # noqa: F401,F403
+from .grouped_gemv import *  # noqa: F401,F403
+from .hyper_connection import *  # noqa: F401,F403
+from .dsa import *  # noqa: F401,F403
+from .vocab_argmax import *  # noqa: F401,F403

@@ -1,0 +1,183 @@
+"""Multi-head latent attention (MLA), absorbed decode form over a paged latent cache (arch_math.md A.3).
+
+    cq = rms(q_a(x); q_a_layernorm)            (or x itself when there is no q LoRA)
+    q_nope[h] = q_b rows h*(nope+rope) + [0, nope) . cq      -> [H, nope]
+    Q[h, C:]  = q_b rows h*(nope+rope) + [nope, nope+rope) . cq, then RoPE at the row's position
+    Q[h, :C]  = W_UK[h]^T q_nope[h]            (absorption: q in latent space)
+    a = kv_a(x) = [c | k_pe];  c = rms(c; kv_a_layernorm);  k_pe = RoPE(k_pe)   -> the cache row [c | k_pe]
+    o_lat = attention(Q, cache rows; scale)    (single KV head; value = the first C columns of a row)
+    o[h] = W_UV[h] o_lat[h];  out = o_proj(o)
+
+q_b's nope and rope rows are read in place by two grouped GEMVs, so q_pe lands directly in Q's rope
+columns and no copy kernel runs; W_UV is likewise read in place from kv_b_proj. Positions and cache slots
+are read on the device through (pointer, stride) pairs: from the metadata slabs in decode (`pos u32 @0,
+slot i64 @8`, one slab per sequence), from packed arrays in `write_rows`. General over heads/dims/eps/RoPE
+pairing so DeepSeek-V3 and GLM-5 share it; `sel` (DSA selected rows) passes through to ops.mla_decode."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..cache.paged import PagedKvCache
+from ..errors import ConfigError
+from ..runtime.backend import Backend
+from ..runtime.ptr import NULL, DevicePtr
+from ..weights.linear import Linear
+from .rope_tables import default_inv_freq, yarn_inv_freq, yarn_mscale
+
+SLOT_OFFSET = 8  # slot i64 @8 of a metadata slab (pos u32 @0)
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    heads: int
+    q_lora_rank: int | None      # None: q is projected from x directly
+    kv_lora_rank: int            # C
+    qk_nope: int
+    qk_rope: int
+    v_head: int
+    eps: float
+
+    @property
+    def row_width(self) -> int:
+        """Cache row: [c (C) | k_pe (rope)]."""
+        return self.kv_lora_rank + self.qk_rope
+
+
+@dataclass(frozen=True)
+class MlaRope:
+    """The RoPE of q_pe / k_pe and the softmax scale it implies."""
+    inv_freq: np.ndarray         # f32 [rope / 2]
+    mscale: float                # cos/sin magnitude
+    softmax_scale: float
+    interleaved: bool = True     # GPT-J pairs (DeepSeek, GLM-5 main attention); False: neox halves
+
+    @classmethod
+    def from_config(cls, rope, qk_nope: int, qk_rope: int, interleaved: bool = True) -> "MlaRope":
+        """From a weights.config.RopeConfig (arch_math A.3/A.4): YaRN frequencies with cos/sin scaled by
+        mscale(f, mscale) / mscale(f, mscale_all_dim) and softmax scale d^-0.5 * mscale(f, mscale_all_dim)^2."""
+        scale = (qk_nope + qk_rope) ** -0.5
+        if not rope.yarn:
+            return cls(default_inv_freq(qk_rope, rope.theta), 1.0, scale, interleaved)
+        if rope.original_max_position_embeddings is None:
+            raise ConfigError("YaRN rope needs original_max_position_embeddings")
+        f = rope.factor
+        inv = yarn_inv_freq(qk_rope, rope.theta, f, rope.original_max_position_embeddings, rope.beta_fast,
+                            rope.beta_slow)
+        m_all = yarn_mscale(f, rope.mscale_all_dim)
+        mag = rope.attention_factor if rope.attention_factor is not None else yarn_mscale(f, rope.mscale) / m_all
+        return cls(inv, float(mag), scale * m_all * m_all, interleaved)
+
+
+@dataclass
+class MlaWeights:
+    q_a: Linear | None           # [q_lora, D]
+    q_a_norm: DevicePtr          # bf16 [q_lora] (NULL without q LoRA)
+    q_b: Linear                  # [H*(nope+rope), q_lora or D]; bf16 / fp8_block / fp8_block_e8m0
+    kv_a: Linear                 # [C + rope, D]
+    kv_a_norm: DevicePtr         # bf16 [C]
+    w_uk_t: Linear               # [H*C, nope] (W_UK transposed per head); grouped-GEMV format
+    kv_b: Linear                 # [H*(nope+v), C]; W_UV rows read in place; grouped-GEMV format
+    o_proj: Linear               # [D, H*v]
+
+
+class MlaAttention:
+    def __init__(self, gpu: Backend, w: MlaWeights, dims: MlaDims, rope: MlaRope, kv: PagedKvCache,
+                 cache: str = "latent", layer: int = 0, max_rows: int = 1, max_kv_rows: int = 512):
+        H, C, dn, dr, dv = dims.heads, dims.kv_lora_rank, dims.qk_nope, dims.qk_rope, dims.v_head
+        qin = dims.q_lora_rank or w.kv_a.k
+        want = {"q_b": (w.q_b, H * (dn + dr), qin), "kv_a": (w.kv_a, C + dr, w.kv_a.k),
+                "w_uk_t": (w.w_uk_t, H * C, dn), "kv_b": (w.kv_b, H * (dn + dv), C), "o_proj": (w.o_proj, w.kv_a.k, H * dv)}
+        if dims.q_lora_rank:
+            want["q_a"] = (w.q_a, dims.q_lora_rank, w.kv_a.k)
+        for name, (lin, n, k) in want.items():
+            if lin is None or (lin.n, lin.k) != (n, k):
+                raise ConfigError(f"MLA {name}: expected [{n}, {k}], got {None if lin is None else [lin.n, lin.k]}")
+        if kv.specs[cache].row_width != dims.row_width or kv.specs[cache].dtype != "bf16":
+            raise ConfigError(f"MLA cache {cache!r} must hold bf16 rows of {dims.row_width}")
+        self.gpu, self.w, self.d, self.rope, self.kv = gpu, w, dims, rope, kv
+        self.cache, self.layer = cache, layer
+        self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
+        self._inv_freq = gpu.upload(np.asarray(rope.inv_freq, np.float32))
+        r, rk = self.max_rows, self.max_kv_rows
+        sizes = {"cq": (dims.q_lora_rank or 0) * r, "q_nope": H * dn * r, "Q": H * dims.row_width * r,
+                 "o_lat": H * C * r, "o": H * dv * r, "kv": dims.row_width * rk}
+        self._buf = gpu.alloc(2 * sum(-(-n // 128) * 128 for n in sizes.values()))
+        off, self._ptr = 0, {}
+        for name, n in sizes.items():       # 256-byte aligned regions (16-byte vector loads)
+            self._ptr[name] = self._buf.ptr.offset(off)
+            off += 2 * (-(-n // 128) * 128)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one decode step reads (W_UK^T and the W_UV half of kv_b_proj)."""
+        w = self.w
+        lins = [w.q_b, w.kv_a, w.w_uk_t, w.o_proj] + ([w.q_a] if w.q_a is not None else [])
+        return sum(x.weight_bytes for x in lins) + w.kv_b.weight_bytes * self.d.v_head // (self.d.qk_nope + self.d.v_head)
+
+    def _latent_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                     slot_stride: int, stream) -> None:
+        """The cache rows [rms(c) | RoPE(k_pe)] of m normed inputs, written to their slots."""
+        gpu, d, kvp = self.gpu, self.d, self._ptr["kv"]
+        W = d.row_width
+        ops.linear(gpu, xn, self.w.kv_a, kvp, m, stream=stream)
+        ops.rms_norm_strided(gpu, kvp, self.w.kv_a_norm, kvp, m, 1, d.kv_lora_rank, W, W, W, W, d.eps, stream=stream)
+        ops.rope(gpu, kvp, pos, pos_stride, m, 1, W, d.qk_rope, d.kv_lora_rank, W, W, self._inv_freq.ptr,
+                 self.rope.interleaved, self.rope.mscale, stream=stream)
+        ops.reshape_and_cache(gpu, kvp, W, slots, slot_stride, self.kv.base(self.cache, self.layer), m, W, W, 0,
+                              stream=stream)
+
+    def write_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                   slot_stride: int, stream=None) -> None:
+        """Prefill / catch-up: the cache rows of m normed inputs (u32 positions at pos + r*pos_stride, i64
+        slots at slots + r*slot_stride bytes); no attention: a latent row depends only on its own input."""
+        if not 1 <= m <= self.max_kv_rows:
+            raise ConfigError(f"MLA sized for {self.max_kv_rows} cache rows per call, got {m}")
+        self._latent_rows(xn, m, pos, pos_stride, slots, slot_stride, stream)
+
+    def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
+                sel: DevicePtr = NULL, sel_stride: int = 0, stream=None) -> None:
+        """Decode m sequences, one new row each: xn bf16 [m, D] (input_layernorm'ed) -> out bf16 [m, D].
+        Sequence s's slab at meta + s*meta_stride gives its position, the slot its row is written to, and
+        the seq_len / block table the attention reads (the new row included). The pieces are public so a
+        variant (DSA) can run its indexer between them: write the row, q_latent, absorbed_q, attend."""
+        if not 1 <= m <= self.max_rows:
+            raise ConfigError(f"MLA sized for {self.max_rows} decode rows, got {m}")
+        self._latent_rows(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
+        self.absorbed_q(self.q_latent(xn, m, stream), m, meta, meta_stride, stream)
+        self.attend(out, m, meta, meta_stride, sel, sel_stride, stream)
+
+    def q_latent(self, xn: DevicePtr, m: int, stream=None) -> DevicePtr:
+        """The input of q_b: rms(q_a(xn); q_a_layernorm) [m, q_lora] with a q LoRA, else xn itself."""
+        w, d = self.w, self.d
+        if w.q_a is None:
+            return xn
+        ops.linear(self.gpu, xn, w.q_a, self._ptr["cq"], m, stream=stream)
+        ops.rms_norm(self.gpu, self._ptr["cq"], w.q_a_norm, self._ptr["cq"], m, d.q_lora_rank, d.eps, stream=stream)
+        return self._ptr["cq"]
+
+    def absorbed_q(self, qin: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, stream=None) -> None:
+        """Q [m, H, C + rope] = [W_UK^T q_nope | RoPE(q_pe)] from the q latent (positions from the slabs)."""
+        gpu, d, w, p = self.gpu, self.d, self.w, self._ptr
+        H, C, dn, dr, W = d.heads, d.kv_lora_rank, d.qk_nope, d.qk_rope, d.row_width
+        qk = w.q_b.k
+        ops.grouped_gemv(gpu, qin, w.q_b, p["q_nope"], H, dn, row0=0, group_rows=dn + dr, x_group_stride=0,
+                         m=m, x_row_stride=qk, stream=stream)
+        ops.grouped_gemv(gpu, qin, w.q_b, p["Q"].offset(2 * C), H, dr, row0=dn, group_rows=dn + dr,
+                         x_group_stride=0, y_group_stride=W, m=m, x_row_stride=qk, stream=stream)
+        ops.rope(gpu, p["Q"], meta, meta_stride, m, H, W, dr, C, H * W, W, self._inv_freq.ptr,
+                 self.rope.interleaved, self.rope.mscale, stream=stream)
+        ops.grouped_gemv(gpu, p["q_nope"], w.w_uk_t, p["Q"], H, C, x_group_stride=dn, y_group_stride=W, m=m,
+                         stream=stream)
+
+    def attend(self, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, sel: DevicePtr = NULL,
+               sel_stride: int = 0, stream=None) -> None:
+        """out [m, D] = o_proj(W_UV attention(Q, cache rows)); `sel` restricts the rows (DSA)."""
+        gpu, d, w, p = self.gpu, self.d, self.w, self._ptr
+        H, C, dn, dv, W = d.heads, d.kv_lora_rank, d.qk_nope, d.v_head, d.row_width
+        ops.mla_decode(gpu, p["Q"], self.kv.base(self.cache, self.layer), meta, meta_stride, p["o_lat"], m, H, W, C,
+                       self.rope.softmax_scale, sel=sel, sel_stride=sel_stride, stream=stream)
+        ops.grouped_gemv(gpu, p["o_lat"], w.kv_b, p["o"], H, dv, row0=dn, group_rows=dn + dv, m=m, stream=stream)
+        ops.linear(gpu, p["o"], w.o_proj, out, m, stream=stream)

@@ -1,0 +1,51 @@
+"""Launcher for cuda_src/grouped_gemv.cu: per-group GEMVs over row blocks of one weight matrix.
+
+Used by MLA (q absorption with W_UK^T per head, the W_UV up-projection read in place from kv_b_proj, the
+nope/rope split of q_b_proj) and DeepSeek-V4's grouped low-rank output projection (wo_a)."""
+from ..weights.linear import Linear
+from ._util import launch, need
+
+__all__ = ["grouped_gemv"]
+
+THREADS = 256
+MAX_K = 12288  # x row staged in 48 KB of shared memory as fp32
+_KERNELS = {"bf16": "grouped_gemv_bf16", "fp8_block": "grouped_gemv_fp8_block",
+            "fp8_block_e8m0": "grouped_gemv_fp8_block_e8m0"}
+
+
+def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group_rows: int | None = None,
+                 x_group_stride: int | None = None, y_group_stride: int | None = None, m: int = 1,
+                 x_row_stride: int | None = None, y_row_stride: int | None = None, out_dtype: str = "bf16",
+                 stream=None) -> None:
+    """For g < groups, r < m, j < n:
+        y[r*y_row_stride + g*y_group_stride + j] = sum_k W[row0 + g*group_rows + j, k] * x[r*x_row_stride + g*x_group_stride + k]
+
+    `W` is the whole [W.n, W.k] matrix (bf16, fp8_block or fp8_block_e8m0; block scales are looked up by
+    absolute row, so groups may start anywhere). x is bf16; y is bf16 or f32 (`out_dtype`). Strides are in
+    elements; defaults: group_rows = n, x_group_stride = k, y_group_stride = n, and rows packed after
+    all groups (x_row_stride = groups * x_group_stride, y_row_stride = groups * y_group_stride)."""
+    name = _KERNELS.get(W.fmt)
+    k = W.k
+    need(name is not None, f"grouped_gemv: weight format {W.fmt!r} is not supported (bf16, fp8_block, "
+         "fp8_block_e8m0; dequantise other formats to bf16 at load)")
+    group_rows = n if group_rows is None else group_rows
+    xgs = k if x_group_stride is None else x_group_stride
+    ygs = n if y_group_stride is None else y_group_stride
+    xrs = groups * xgs if x_row_stride is None else x_row_stride
+    yrs = groups * ygs if y_row_stride is None else y_row_stride
+    need(groups >= 1 and m >= 1 and n >= 1, f"{name}: groups {groups}, m {m}, n {n} must be >= 1")
+    need(row0 >= 0 and group_rows >= 0 and row0 + (groups - 1) * group_rows + n <= W.n,
+         f"{name}: rows up to {row0 + (groups - 1) * group_rows + n} exceed the weight's {W.n}")
+    need(k % 16 == 0 and int(W.weight) % 16 == 0, f"{name}: k {k} must be a multiple of 16 and W 16-byte aligned")
+    need(k <= MAX_K, f"{name}: k {k} > {MAX_K} (x is staged in shared memory)")
+    need(out_dtype in ("bf16", "f32"), f"{name}: out_dtype {out_dtype!r} is not bf16/f32")
+    need(min(xgs, ygs, xrs, yrs) >= 0, f"{name}: negative stride")
+    warps = THREADS // 32
+    L = launch(gpu, "grouped_gemv", name).grid(min((n + warps - 1) // warps, 65535), min(groups, 65535),
+                                               min(m, 65535)).block(THREADS).shared(4 * k)
+    L.arg_ptr(x).arg_ptr(W.weight)
+    if W.fmt != "bf16":
+        need(int(W.scale) != 0, f"{name}: NULL block scale")
+        L.arg_ptr(W.scale)
+    L.arg_ptr(y).arg_u32(groups).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(row0).arg_u32(group_rows)
+    L.arg_u64(xgs).arg_u64(xrs).arg_u64(ygs).arg_u64(yrs).arg_u32(out_dtype == "f32").launch(stream)

@@ -1,0 +1,53 @@
+"""Twins of cuda_src/grouped_gemv.cu: y[r, g, j] = sum_k W[row0 + g*group_rows + j, k] * x[r, g, k] over
+arbitrary element strides; the weight is dequantised exactly (fp8 * block scale in fp32), the dot is
+taken in float64 and rounded once to the output dtype."""
+import numpy as np
+
+from ...runtime.dtypes import BF16, E8M0, FP8
+from ..registry import twin
+
+
+def _offsets(m: int, groups: int, row_stride: int, group_stride: int) -> np.ndarray:
+    return (np.arange(m, dtype=np.int64)[:, None] * row_stride
+            + np.arange(groups, dtype=np.int64)[None, :] * group_stride)
+
+
+def _run(dev, x, w_rows, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32):
+    base = _offsets(m, groups, xrs, xgs)
+    xv = dev.view(x, BF16, int(base.max()) + k)
+    xs = xv[base[..., None] + np.arange(k)].astype(np.float64)                # [m, G, k]
+    rows = row0 + np.arange(groups, dtype=np.int64)[:, None] * group_rows + np.arange(n)  # [G, n]
+    wg = w_rows(int(rows.max()) + 1)[rows]                                      # [G, n, k] f32
+    out = np.einsum("mgk,gnk->mgn", xs, wg.astype(np.float64))
+    yo = _offsets(m, groups, yrs, ygs)[..., None] + np.arange(n)
+    yv = dev.view(y, np.float32 if out_f32 else BF16, int(yo.max()) + 1)
+    yv[yo] = out.astype(np.float32).astype(yv.dtype)
+
+
+def _fp8_rows(dev, W, scale, k, sdt):
+    kb = (k + 127) // 128
+
+    def rows(nrows):
+        q = dev.view(W, FP8, (nrows, k)).astype(np.float32)
+        s = dev.view(scale, sdt, ((nrows + 127) // 128, kb)).astype(np.float32)
+        return q * np.repeat(np.repeat(s, 128, axis=0), 128, axis=1)[:nrows, :k]
+    return rows
+
+
+@twin("grouped_gemv", "grouped_gemv_bf16")
+def grouped_gemv_bf16(dev, x, W, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32):
+    _run(dev, x, lambda nrows: dev.view(W, BF16, (nrows, k)).astype(np.float32), y, groups, m, n, k, row0,
+         group_rows, xgs, xrs, ygs, yrs, out_f32)
+
+
+@twin("grouped_gemv", "grouped_gemv_fp8_block")
+def grouped_gemv_fp8_block(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32):
+    _run(dev, x, _fp8_rows(dev, W, scale, k, np.float32), y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs,
+         yrs, out_f32)
+
+
+@twin("grouped_gemv", "grouped_gemv_fp8_block_e8m0")
+def grouped_gemv_fp8_block_e8m0(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs,
+                                out_f32):
+    _run(dev, x, _fp8_rows(dev, W, scale, k, E8M0), y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs,
+         out_f32)

@@ -1,0 +1,72 @@
+"""Helpers for the DeepSeek-V3 MTP tests: tiny checkpoints written once per process, the reference's weights
+read straight from the checkpoint (dequantised on the host, never from the device), and the chain check."""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from mtp_cupy.runtime.dtypes import bf16_round
+from mtp_cupy.weights import Checkpoint, dequant_linear
+
+ROUTE_TIE = 1e-2     # router selection gap below which a different expert choice is legitimate
+ARGMAX_TIE = 0.1     # top-2 logit gap (in logit std) below which a different draft is legitimate
+
+_CKPTS: dict = {}
+
+
+def tiny_ckpt(fmt: str = "fp8", seed: int = 0, **kw) -> Path:
+    from mtp_cupy.weights.deepseek_v3 import write_tiny_checkpoint
+    key = (fmt, seed, tuple(sorted(kw.items())))
+    if key not in _CKPTS:
+        _CKPTS[key] = write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"dsv3_{fmt}_"), seed, fmt, **kw)
+    return _CKPTS[key]
+
+
+def config_of(path) -> dict:
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+def ref_weights(path) -> dict[str, np.ndarray]:
+    """Every tensor under its checkpoint key as float32 (projections dequantised); the embedding / head
+    under the top-level names even when only the MTP layer's copies exist."""
+    ck, cfg = Checkpoint(path), config_of(path)
+    w = {k: dequant_linear(ck, k) if len(ck.info(k).shape) == 2 else ck.numpy(k).astype(np.float32)
+         for k in ck.keys() if not k.endswith("weight_scale_inv")}
+    p = f"model.layers.{cfg['num_hidden_layers']}."
+    w.setdefault("model.embed_tokens.weight", w.get(p + "embed_tokens.weight"))
+    w.setdefault("lm_head.weight", w.get(p + "shared_head.head.weight"))
+    return w
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def clear_argmax(logits: np.ndarray) -> bool:
+    top = np.sort(logits)[-2:]
+    return bool(top[1] - top[0] > ARGMAX_TIE * logits.std())
+
+
+def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: float, label: str = "") -> int:
+    """Replays a propose on `ref` (a DeepseekMtpRef or the transformers oracle) with the device's drafts
+    teacher-forced and the carried hidden rounded to bf16 as the device stores it; checks each draft's
+    logits and argmax. Returns how many leading rows are uncontaminated: a routing near-tie at draft j
+    (a legitimately different expert choice) changes draft j's logits and its carried hidden, so drafts
+    from j on are not compared and rows after j differ (row j itself depends only on its inputs)."""
+    tok, h = token, bf16_round(hidden).astype(np.float64)
+    clean = len(res.tokens)
+    for i in range(len(res.tokens)):
+        logits, g = ref.step(tok, h, position + i)
+        if i < clean and getattr(ref, "last_margin", np.inf) < ROUTE_TIE:
+            clean = i + 1           # this draft's own expert choice may differ: row i is still clean
+        elif i < clean:
+            e = rel(res.logits[i], logits)
+            assert e <= (tol0 if i == 0 else tol), f"{label} draft {i}: logits rel err {e:.2e}"
+            if clear_argmax(logits):
+                assert res.tokens[i] == int(np.argmax(logits)), f"{label} draft {i}: argmax"
+        tok, h = res.tokens[i], bf16_round(g).astype(np.float64)
+    return clean
