@@ -14,6 +14,18 @@ def _parser() -> argparse.ArgumentParser:
         "that runs the same code on CPU-only machines."))
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
+    s = sub.add_parser("generate", help="speculative decoding: the target model verifies its MTP drafter's tokens")
+    s.add_argument("--prompt", default="import os\nimport sys\n\n\ndef main(", help="prompt text (byte-level)")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--num-drafts", type=int, default=3, help="draft tokens per verify pass (default 3)")
+    s.add_argument("--checkpoint", help="deepseek_v3-layout checkpoint with its MTP layer (default: the "
+                   "embedded model trained on Python's stdlib)")
+    s.add_argument("--device", choices=("auto", "cuda", "ref"), default="auto")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 = lossless rejection sampling")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--metrics-json", help="write acceptance counters (vLLM's names) and throughput here")
+    s.add_argument("--no-baseline", action="store_true", help="skip the target-only run")
+
     s = sub.add_parser("info", help="family, dims, weight formats and bytes per draft step of a checkpoint")
     s.add_argument("path", help="HF-layout checkpoint directory (config.json + *.safetensors)")
 
@@ -70,6 +82,9 @@ def main(argv=None) -> int:
             return cmd_info(args)
         if args.cmd == "kernels":
             return cmd_kernels(args)
+        if args.cmd == "generate":
+            from .generate_cmd import run_generate
+            return run_generate(args)
         if args.cmd == "demo":
             from .demo import run_demo
             return run_demo(args)
