@@ -47,4 +47,8 @@ def load_proposer(path, gpu=None, max_seq_len: int = 4096, comm=None, **options)
     from ..runtime import device
     gpu = gpu if gpu is not None else device("auto")
     family, module = MODEL_TYPES[model_type_of(path)]
-    return importlib.import_module(module).from_checkpoint(path, gpu, max_seq_len=max_seq_len, comm=comm, **options)
+    graphs = options.pop("cuda_graphs", None)   # every family: replay propose(k) as a CUDA graph (default on CUDA)
+    prop = importlib.import_module(module).from_checkpoint(path, gpu, max_seq_len=max_seq_len, comm=comm, **options)
+    if graphs is not None:
+        prop.cuda_graphs = bool(graphs) and gpu.is_cuda
+    return prop

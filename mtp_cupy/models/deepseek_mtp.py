@@ -28,6 +28,7 @@ from ..weights.deepseek_v3 import DeepseekV3MtpWeights, load_mtp_weights, write_
 
 class DeepseekV3MtpProposer(MtpProposerBase):
     family = "deepseek_v3"
+    graph_safe = True
 
     def __init__(self, gpu: Backend, cfg: DeepseekV3Config, weights: DeepseekV3MtpWeights, max_seq_len: int = 4096,
                  max_sequences: int = 1, max_drafts: int = 8, mtp_vocab_size: int = 0, max_prefill_rows: int = 128):

@@ -41,6 +41,7 @@ HIDDEN_FORMS = ("streams", "single")
 
 class DeepseekV4MtpProposer(MtpProposerBase):
     family = "deepseek_v4"
+    graph_safe = True
 
     def __init__(self, gpu: Backend, cfg: DeepseekV4Config, weights: V4MtpWeights, max_seq_len: int = 4096,
                  max_drafts: int = 8, mtp_vocab_size: int = 0, max_prefill_rows: int = 128,
@@ -84,6 +85,9 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         shape = super()._check_hidden_shape(hidden)
         self._streams_in = len(shape) == 2
         return shape
+
+    def _graph_variant(self):
+        return self._streams_in
 
     def _hidden_row_elems(self) -> int:
         return self.hc * self.hidden_size if self._prefill_streams else self.hidden_size

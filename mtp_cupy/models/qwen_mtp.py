@@ -67,6 +67,7 @@ def default_quantization(cfg: Qwen3NextConfig) -> MtpQuantization:
 
 class QwenMtpProposer(BatchProposeMixin, MtpProposerBase):
     family = "qwen3_next"
+    graph_safe = True
 
     def __init__(self, gpu: Backend, cfg: Qwen3NextConfig, weights: QwenMtpWeights, max_seq_len: int = 4096,
                  quantization: "str | MtpQuantization | None" = None, mtp_vocab_size: int = 0,

@@ -122,7 +122,7 @@ class Backend:
     def synchronize(self, stream=None) -> None:
         pass
 
-    def new_stream(self):
+    def new_stream(self, non_blocking: bool = True):
         return None
 
     def new_event(self):
@@ -137,6 +137,22 @@ class Backend:
     @property
     def is_cuda(self) -> bool:
         return False
+
+    def alloc_pinned(self, nbytes: int) -> np.ndarray:
+        """Host staging memory (page-locked on CUDA: a captured copy from it reads it at replay time)."""
+        return np.zeros(int(nbytes), np.uint8)
+
+    def using(self, stream):
+        """Context making `stream` the one launches with stream=None go to."""
+        import contextlib
+        return contextlib.nullcontext()
+
+    def capture(self, fn, stream):
+        """Record fn()'s launches on `stream` as a graph (None where the device has no graphs)."""
+        return None
+
+    def replay(self, graph, stream) -> None:
+        raise NotImplementedError
 
     # -- typed conveniences (host <-> device) -----------------------------------------------------
     def upload(self, host: np.ndarray) -> DeviceBuffer:

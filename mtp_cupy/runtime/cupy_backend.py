@@ -35,6 +35,7 @@ class CupyBackend(Backend):
         cupy.cuda.Device(device_id).use()
         self._modules: dict[str, object] = {}
         self._smem_optin: dict[int, int] = {}   # id(RawKernel) -> dynamic shared bytes opted in
+        self._pinned: list = []
         self.launches = 0
 
     @property
@@ -111,8 +112,29 @@ class CupyBackend(Backend):
         else:
             stream.synchronize()
 
-    def new_stream(self):
-        return self.cp.cuda.Stream(non_blocking=True)
+    def alloc_pinned(self, nbytes: int) -> np.ndarray:
+        mem = self.cp.cuda.alloc_pinned_memory(int(nbytes))
+        arr = np.frombuffer(mem, np.uint8, int(nbytes))
+        self._pinned.append(mem)          # the array does not own the pinned block
+        return arr
+
+    def using(self, stream):
+        return stream
+
+    def capture(self, fn, stream):
+        with stream:
+            stream.begin_capture()
+            try:
+                fn()
+            finally:
+                graph = stream.end_capture()
+        return graph
+
+    def replay(self, graph, stream) -> None:
+        graph.launch(stream=stream)
+
+    def new_stream(self, non_blocking: bool = True):
+        return self.cp.cuda.Stream(non_blocking=non_blocking)
 
     def new_event(self):
         return self.cp.cuda.Event()

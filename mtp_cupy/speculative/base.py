@@ -20,7 +20,7 @@ import numpy as np
 from .. import ops
 from ..cache import PagedKvCache, SeqBlocks
 from ..errors import CapacityError, InputError
-from ..runtime.arena import ForwardBuffers, pack_mtp_attn_meta
+from ..runtime.arena import META_TABLE_OFFSET, ForwardBuffers, pack_mtp_attn_meta
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
 from .inputs import check_bitmask, check_position, check_token, hidden_to_device
@@ -32,10 +32,11 @@ log = logging.getLogger("mtp_cupy")
 class MtpProposerBase:
     family = "base"
     refeed_accepted = False
+    graph_safe = False   # a family whose _step/_pick launch only device work on fixed buffers sets True
 
     def __init__(self, gpu, vocab_size: int, hidden_size: int, max_seq_len: int, kv: PagedKvCache,
                  max_drafts: int = 8, mtp_vocab_size: int = 0, max_prefill_rows: int = 512,
-                 extra_regions: dict[str, int] | None = None):
+                 extra_regions: dict[str, int] | None = None, cuda_graphs: bool | None = None):
         self.gpu, self.vocab_size, self.hidden_size = gpu, int(vocab_size), int(hidden_size)
         self.max_seq_len, self.kv, self.max_drafts = int(max_seq_len), kv, int(max_drafts)
         self.vocab_eff = min(mtp_vocab_size, vocab_size) if mtp_vocab_size > 0 else vocab_size
@@ -49,10 +50,25 @@ class MtpProposerBase:
                    "prefill_hidden": 2 * self.hidden_size * self.max_prefill_rows}
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
+        # a slab holds a block table as long as max_seq_len needs, so a graph never outgrows it
+        self._slab_bytes = META_TABLE_OFFSET + 4 * PagedKvCache.blocks_for(self.max_seq_len)
+        if self._slab_bytes > self.bufs.mtp_meta_capacity:
+            raise CapacityError(f"max_seq_len {self.max_seq_len} needs a {self._slab_bytes}-byte metadata slab; "
+                                f"the scratch holds {self.bufs.mtp_meta_capacity}")
+        self._stage = None
+        self.cuda_graphs = bool(gpu.is_cuda) if cuda_graphs is None else bool(cuda_graphs) and gpu.is_cuda
+        # blocking: ordered after work the caller left on the default stream (e.g. the target's hidden)
+        self.stream = gpu.new_stream(non_blocking=False)
+        self._graphs: dict = {}
+        self._warm: set = set()
 
     # -- hooks -----------------------------------------------------------------------------------
     def _hidden_shapes(self) -> list[tuple[int, ...]]:
         return [(self.hidden_size,)]
+
+    def _graph_variant(self):
+        """Anything besides (k, masked) that changes which launches a chain makes (V4: the hidden form)."""
+        return None
 
     def _hidden_row_elems(self) -> int:
         """Elements of one prefill hidden row behind a device pointer (V4 streams: hc * D)."""
@@ -88,12 +104,6 @@ class MtpProposerBase:
         if st.released:
             raise InputError("proposer state was freed")
 
-    def _meta(self, st, position: int, row: int) -> None:
-        """Upload the MTP attention metadata of one step (rows 0..row visible) to scratch+MTP_META_OFFSET."""
-        slab = pack_mtp_attn_meta(position, st.blocks.slot(row), row + 1, st.blocks.table,
-                                  self.bufs.mtp_meta_capacity)
-        self.gpu.copy_h2d_async(self.bufs.mtp_meta, slab)
-
     def _reserve(self, st, rows: int) -> None:
         if rows > self.max_seq_len:
             raise CapacityError(f"drafter would hold {rows} rows; it was sized for {self.max_seq_len}")
@@ -120,26 +130,30 @@ class MtpProposerBase:
         rows0 = st.blocks.rows
         self._reserve(st, rows0 + n)
         try:
-            for c0 in range(0, n, self.max_prefill_rows):
-                c = min(self.max_prefill_rows, n - c0)
-                pos = np.arange(start + c0, start + c0 + c, dtype=np.uint32)
-                slots = np.array([st.blocks.slot(rows0 + c0 + r) for r in range(c)], dtype=np.int64)
-                self.gpu.copy_h2d(self.bufs.prefill_ids, toks[c0:c0 + c + 1].astype(np.int32))
-                self.gpu.copy_h2d(self.bufs.prefill_pos, pos)
-                self.gpu.copy_h2d(self.bufs.prefill_slots, slots)
-                if isinstance(h, np.ndarray):
-                    self.gpu.copy_h2d(self.bufs.prefill_hidden, h[c0:c0 + c])
-                    hp = self.bufs.prefill_hidden
-                else:
-                    hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
-                self._write_rows(st, self.bufs.prefill_ids, hp, self.bufs.prefill_pos, self.bufs.prefill_slots,
-                                 rows0 + c0, c)
-                st.blocks.rows = rows0 + c0 + c
+            with self.gpu.using(self.stream):
+                self._prefill_chunks(st, toks, h, start, rows0, n)
         except Exception:
             st.blocks.truncate(rows0)
             raise
         st.keys.extend(range(start, start + n))
         return n
+
+    def _prefill_chunks(self, st, toks, h, start: int, rows0: int, n: int) -> None:
+        for c0 in range(0, n, self.max_prefill_rows):
+            c = min(self.max_prefill_rows, n - c0)
+            pos = np.arange(start + c0, start + c0 + c, dtype=np.uint32)
+            slots = np.array([st.blocks.slot(rows0 + c0 + r) for r in range(c)], dtype=np.int64)
+            self.gpu.copy_h2d(self.bufs.prefill_ids, toks[c0:c0 + c + 1].astype(np.int32))
+            self.gpu.copy_h2d(self.bufs.prefill_pos, pos)
+            self.gpu.copy_h2d(self.bufs.prefill_slots, slots)
+            if isinstance(h, np.ndarray):
+                self.gpu.copy_h2d(self.bufs.prefill_hidden, h[c0:c0 + c])
+                hp = self.bufs.prefill_hidden
+            else:
+                hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
+            self._write_rows(st, self.bufs.prefill_ids, hp, self.bufs.prefill_pos, self.bufs.prefill_slots,
+                             rows0 + c0, c)
+            st.blocks.rows = rows0 + c0 + c
 
     def _host_hiddens(self, hiddens, n: int):
         if isinstance(hiddens, (DevicePtr, int)) and not isinstance(hiddens, np.ndarray):
@@ -197,27 +211,15 @@ class MtpProposerBase:
         self._reserve(st, rows0 + k)
         gpu, b = self.gpu, self.bufs
         try:
-            hidden_to_device(gpu, hidden, hshape, b.hidden_in)
-            gpu.copy_h2d_async(b.ids, np.array([token], dtype=np.int32))
-            if masks is not None:
-                gpu.copy_h2d_async(b.mask, masks)
-            words = (self.vocab_size + 31) // 32
-            hid, done, lps = b.hidden_in, k, []
-            for i in range(k):
-                logits = b.logits.offset(4 * self.vocab_eff * i)
-                self._meta(st, position + i, rows0 + i)
-                self._step(st, b.ids.offset(4 * i), hid, position + i, rows0 + i, logits)
-                st.blocks.rows = rows0 + i + 1
-                mask = b.mask.offset(4 * words * i) if masks is not None else None
-                self._pick(i, logits, mask, min_logprob is not None)
-                hid = self.carry
-                if min_logprob is not None:
-                    lp = float(gpu.read(b.lp.offset(4 * i), np.float32, 1)[0])
-                    lps.append(lp)
-                    if lp < min_logprob and i + 1 < k:
-                        done = i + 1
-                        break
-            ids = gpu.read(b.ids.offset(4), np.int32, done).tolist()
+            with gpu.using(self.stream):
+                hidden_to_device(gpu, hidden, hshape, b.hidden_in)
+                gpu.copy_h2d_async(b.ids, np.array([token], dtype=np.int32))
+                if masks is not None:
+                    gpu.copy_h2d_async(b.mask, masks)
+                self._stage_meta(st, position, rows0, k)
+                done, lps = self._run_chain(st, position, rows0, k, masks is not None, min_logprob)
+                st.blocks.rows = rows0 + k              # written rows; the confidence stop trims below
+                ids = gpu.read(b.ids.offset(4), np.int32, done).tolist()
         except Exception:
             st.blocks.truncate(rows0)
             raise
@@ -233,6 +235,49 @@ class MtpProposerBase:
         if logits is not None and self.vocab_eff < self.vocab_size:
             logits = np.pad(logits, ((0, 0), (0, self.vocab_size - self.vocab_eff)), constant_values=-np.inf)
         return DraftResult(ids, logits, lps or None)
+
+    # -- the k-step chain: eager, captured once per (k, masked), replayed ---------------------------
+    def _stage_meta(self, st, position: int, rows0: int, k: int) -> None:
+        """The k steps' metadata slabs, in host staging memory the chain copies from (pinned on CUDA)."""
+        if self._stage is None:
+            self._stage = self.gpu.alloc_pinned(self.max_drafts * self._slab_bytes).reshape(self.max_drafts, -1)
+        for i in range(k):
+            raw = pack_mtp_attn_meta(position + i, st.blocks.slot(rows0 + i), rows0 + i + 1, st.blocks.table,
+                                     self._slab_bytes)
+            self._stage[i, :len(raw)] = np.frombuffer(raw, np.uint8)
+
+    def _chain(self, k: int, masked: bool, min_logprob: float | None = None, st=None, position: int = 0,
+               rows0: int = 0) -> tuple[int, list[float]]:
+        """Launch the k steps. Per-call values live in device buffers (ids, hidden_in, the staged slabs), so
+        the same launches replay as a graph. Returns (steps run, log-probs read for the confidence stop)."""
+        gpu, b = self.gpu, self.bufs
+        words = (self.vocab_size + 31) // 32
+        hid, lps = b.hidden_in, []
+        for i in range(k):
+            logits = b.logits.offset(4 * self.vocab_eff * i)
+            gpu.copy_h2d_async(b.mtp_meta, self._stage[i])
+            self._step(st, b.ids.offset(4 * i), hid, position + i, rows0 + i, logits)
+            self._pick(i, logits, b.mask.offset(4 * words * i) if masked else None, min_logprob is not None)
+            hid = self.carry
+            if min_logprob is not None:
+                lps.append(float(gpu.read(b.lp.offset(4 * i), np.float32, 1)[0]))
+                if lps[-1] < min_logprob and i + 1 < k:
+                    return i + 1, lps
+        return k, lps
+
+    def _run_chain(self, st, position: int, rows0: int, k: int, masked: bool, min_logprob) -> tuple[int, list]:
+        if not (self.cuda_graphs and self.graph_safe) or min_logprob is not None:
+            return self._chain(k, masked, min_logprob, st, position, rows0)
+        key = (k, masked, self._graph_variant())
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._warm:   # the first call per key runs eagerly: lazy workspaces get allocated
+                self._warm.add(key)
+                return self._chain(k, masked, None, st, position, rows0)
+            graph = self._graphs[key] = self.gpu.capture(lambda: self._chain(k, masked, None, st, position, rows0),
+                                                         self.stream)
+        self.gpu.replay(graph, self.stream)
+        return k, []
 
     def after_verify(self, st: ProposerState, num_accepted: int) -> None:
         self._live(st)
