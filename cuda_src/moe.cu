@@ -1,0 +1,534 @@
+// Mixture-of-experts decode kernels: router top-k rules, expert GEMVs read in place through device pointer
+// tables, and the routing-weighted sum.
+//
+// Pairs. Row r of the batch and its slot k (its k-th chosen expert) form pair q = r * n_slots + k;
+// ids[q] is that pair's expert. The input vector of pair q is x + r * x_row_stride + k * x_slot_stride
+// (elements): the token's hidden for gate/up (slot stride 0), the pair's own SwiGLU row for down. A
+// single-weight GEMV (router, shared expert) is the same launch with one table entry, n_slots = 1 and
+// ids all zero.
+//
+// Pointer tables. A projection's table is u64 [n_experts, 3]: weight address, scale address, and the
+// nvfp4 global scale (f32 bits in the low word). A NULL weight is an expert held by another rank (EP):
+// its pairs get zeros. Tables are built once; no weight is copied.
+//
+// Read-once. The block of pair q works only if q is the first pair that chose its expert; it then runs
+// every later pair of that expert too, right after, so an expert chosen by several rows is streamed
+// from HBM once per step (the repeats hit L2).
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------------
+// Routing. One warp per row; the row's scores live in shared memory (2 * n_experts floats).
+
+enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
+
+// (v, i) beats (bv, bi): larger value, ties to the lower index. NaN never wins (taken experts are NaN).
+__device__ __forceinline__ bool beats(float v, u32 i, float bv, u32 bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void warp_best(float& bv, u32& bi) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const u32 oi = __shfl_xor_sync(0xffffffffu, bi, o);
+        if (beats(ov, oi, bv, bi)) bv = ov, bi = oi;
+    }
+}
+
+// Best unselected entry of sel[0, n). The sentinel (-inf, n) loses to any real entry, -inf included, so
+// the result is always < n while n - taken > 0.
+__device__ __forceinline__ u32 argbest(const float* sel, u32 n, u32 lane) {
+    float bv = -INFINITY;
+    u32 bi = n;
+    for (u32 i = lane; i < n; i += 32)
+        if (beats(sel[i], i, bv, bi)) bv = sel[i], bi = i;
+    warp_best(bv, bi);
+    return bi;
+}
+
+__device__ __forceinline__ float score_of(int fn, float z) {
+    if (fn == SCORE_SIGMOID) return 1.f / (1.f + expf(-z));
+    return sqrtf(z > 20.f ? z : log1pf(expf(z)));  // sqrt(softplus(z)); softplus(z) = z above 20 (torch)
+}
+
+// sc[i] = score(z[i]); sel[i] = sc[i] + bias[i] with NaN mapped to -inf (selection key only).
+__device__ void score_row(int fn, const float* z, const float* bias, float* sc, float* sel, u32 E, u32 lane) {
+    if (fn == SCORE_SOFTMAX) {
+        float mx = -INFINITY, sum = 0.f;
+        for (u32 i = lane; i < E; i += 32) mx = fmaxf(mx, z[i]);
+        mx = warp_max(mx);
+        for (u32 i = lane; i < E; i += 32) sc[i] = expf(z[i] - mx), sum += sc[i];
+        sum = warp_sum(sum);
+        for (u32 i = lane; i < E; i += 32) sc[i] /= sum;
+    } else {
+        for (u32 i = lane; i < E; i += 32) sc[i] = score_of(fn, z[i]);
+    }
+    for (u32 i = lane; i < E; i += 32) {
+        const float v = sc[i] + (bias ? bias[i] : 0.f);
+        sel[i] = v != v ? -INFINITY : v;
+    }
+    __syncwarp();
+}
+
+// Group limit (DeepSeek noaux_tc): group score = sum of its two best keys; keep the topk_group best groups
+// (ties to the lower group), set every other expert's key to -inf. n_group <= 32, E % n_group == 0.
+__device__ void mask_groups(float* sel, u32 E, u32 n_group, u32 topk_group, u32 lane) {
+    const u32 gsz = E / n_group;
+    float gs = -INFINITY;  // lanes without a group (and taken groups) hold (-inf, ~0): they never win
+    u32 gi = 0xffffffffu;
+    if (lane < n_group) {
+        float a = -INFINITY, b = -INFINITY;
+        for (u32 j = 0; j < gsz; ++j) {
+            const float v = sel[lane * gsz + j];
+            if (v > a) b = a, a = v;
+            else if (v > b) b = v;
+        }
+        gs = a + b, gi = lane;
+    }
+    u32 keep = 0;
+    for (u32 t = 0; t < topk_group; ++t) {
+        float bv = gs;
+        u32 bi = gi;
+        warp_best(bv, bi);
+        keep |= 1u << bi;
+        if (lane == bi) gs = -INFINITY, gi = 0xffffffffu;
+    }
+    for (u32 i = lane; i < E; i += 32)
+        if (!((keep >> (i / gsz)) & 1u)) sel[i] = -INFINITY;
+    __syncwarp();
+}
+
+// Top-k of one row (or the fixed hash ids), then weights = score of the chosen / (sum + eps) when norm
+// (and sum > 0), times scale. Lane t < top_k owns slot t. An id outside [0, E) (bad hash entry or token) gets weight 0.
+__device__ void finish_row(const float* sc, float* sel, u32 E, u32 top_k, i32 fixed_id, bool hashed, u32 norm,
+                           float eps, float scale, i32* ids, float* w, u32 lane) {
+    i32 id = hashed ? fixed_id : -1;
+    if (!hashed) {
+        for (u32 t = 0; t < top_k; ++t) {
+            const u32 bi = argbest(sel, E, lane);
+            if (lane == t) id = (i32)bi;
+            if (lane == (bi & 31)) sel[bi] = __int_as_float(0x7fc00000);
+            __syncwarp();
+        }
+    }
+    const bool mine = lane < top_k;
+    float v = mine && id >= 0 && (u32)id < E ? sc[id] : 0.f;
+    const float sum = warp_sum(v);
+    if (norm && sum > 0.f) v /= sum + eps;  // nothing chosen (a bad hash token): weights stay 0
+    if (mine) ids[lane] = id, w[lane] = v * scale;
+}
+
+extern __shared__ float moe_smem[];  // routing: sc[E] then sel[E]
+
+// Grid m (one block per row), block 32, dynamic shared memory 8 * E bytes.
+template <int FN>
+__device__ void topk_row(const float* logits, const float* bias, i32* ids, float* w, u32 m, u32 E, u32 top_k,
+                         u32 n_group, u32 topk_group, u32 norm, float eps, float scale) {
+    float *sc = moe_smem, *sel = moe_smem + E;
+    const u32 r = blockIdx.x, lane = threadIdx.x;
+    if (r >= m) return;
+    score_row(FN, logits + (u64)r * E, bias, sc, sel, E, lane);
+    if (n_group > 1) mask_groups(sel, E, n_group, topk_group, lane);
+    finish_row(sc, sel, E, top_k, -1, false, norm, eps, scale, ids + r * top_k, w + r * top_k, lane);
+}
+
+// Qwen3-Next: softmax over all experts (fp32), top-k of the probabilities, renormalised when norm.
+extern "C" __global__ void moe_topk_softmax(const float* logits, i32* ids, float* w, u32 m, u32 n_experts,
+                                            u32 top_k, u32 norm, float scale) {
+    topk_row<SCORE_SOFTMAX>(logits, nullptr, ids, w, m, n_experts, top_k, 1, 1, norm, 0.f, scale);
+}
+
+// DeepSeek-V3 / GLM noaux_tc: sigmoid scores; selection by score + bias (NULL = none) under the group
+// limit; weights are the unbiased sigmoids, normalised with +1e-20 (HF) when norm, times scale.
+extern "C" __global__ void moe_topk_sigmoid_grouped(const float* logits, const float* bias, i32* ids, float* w,
+                                                    u32 m, u32 n_experts, u32 top_k, u32 n_group,
+                                                    u32 topk_group, u32 norm, float scale) {
+    topk_row<SCORE_SIGMOID>(logits, bias, ids, w, m, n_experts, top_k, n_group, topk_group, norm, 1e-20f, scale);
+}
+
+// DeepSeek-V4: s = sqrt(softplus(z)); selection by s + bias, no groups; weights s / sum(s) * scale.
+extern "C" __global__ void moe_topk_sqrtsoftplus(const float* logits, const float* bias, i32* ids, float* w,
+                                                 u32 m, u32 n_experts, u32 top_k, u32 norm, float scale) {
+    topk_row<SCORE_SQRTSOFTPLUS>(logits, bias, ids, w, m, n_experts, top_k, 1, 1, norm, 0.f, scale);
+}
+
+// DeepSeek-V4 hash layers: ids = tid2eid[token] (i32 [vocab, top_k]); weights from score_fn
+// (0 softmax, 1 sigmoid, 2 sqrtsoftplus) as above. A token outside [0, vocab) selects nothing (ids -1).
+// Token ids are i32 read at token_ids + r * token_ids_stride (bytes).
+extern "C" __global__ void moe_topk_hash(const float* logits, const u8* token_ids, u32 token_ids_stride,
+                                         const i32* tid2eid, u32 vocab, i32* ids, float* w, u32 m,
+                                         u32 n_experts, u32 top_k, u32 score_fn, u32 norm, float scale) {
+    float *sc = moe_smem, *sel = moe_smem + n_experts;
+    const u32 r = blockIdx.x, lane = threadIdx.x;
+    if (r >= m) return;
+    score_row((int)score_fn, logits + (u64)r * n_experts, nullptr, sc, sel, n_experts, lane);
+    const i32 tok = *(const i32*)(token_ids + (u64)r * token_ids_stride);
+    const bool ok = tok >= 0 && (u32)tok < vocab && lane < top_k;
+    const i32 id = ok ? tid2eid[(u64)tok * top_k + lane] : -1;
+    finish_row(sc, sel, n_experts, top_k, id, true, norm, 0.f, scale, ids + r * top_k, w + r * top_k, lane);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Expert GEMVs. A weight row is read in 16-byte chunks (EPC elements along K; lane c takes chunks
+// c, c + 32, ...). Each format decodes a chunk as EPC/2 element pairs; block-scaled formats apply one
+// scale per group of a chunk (a chunk never straddles a scale block), and a per-row factor at the end.
+
+enum { F_BF16, F_F32, F_FP8_ROW, F_FP8_BLOCK, F_FP8_E8M0, F_NVFP4, F_MXFP4 };
+
+__device__ __forceinline__ float2 bf16_pair(u32 w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+__device__ __forceinline__ float2 fp8_pair(u32 w, int hi) {
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2((__nv_fp8x2_storage_t)(w >> (16 * hi)), __NV_E4M3);
+    return __half22float2(__half2(h));
+}
+
+// Two E2M1 codes (low nibble = even element) -> their fp16 bit patterns, which are the values / 2^14;
+// the 2^14 is folded into the row factor. Exact for every code including the subnormal 0.5.
+__device__ __forceinline__ float2 fp4_pair(u32 b) {
+    __half2_raw h;
+    h.x = (u16)(((b & 8u) << 12) | ((b & 7u) << 9));
+    h.y = (u16)(((b & 0x80u) << 8) | ((b & 0x70u) << 5));
+    return __half22float2(__half2(h));
+}
+
+template <int F> struct Fmt;
+
+template <> struct Fmt<F_BF16> {
+    static constexpr int EPC = 8, G = 1;
+    __device__ static float2 pair(const u32 (&w)[4], int p) { return bf16_pair(w[p]); }
+    __device__ static u64 row_bytes(u32 K) { return (u64)K * 2; }
+    __device__ static const u8* srow(const u8*, u32, u32) { return nullptr; }
+    __device__ static void scales(const u8*, u32, float (&)[G]) {}
+    __device__ static float rfac(const u8*, u32, float) { return 1.f; }
+};
+
+template <> struct Fmt<F_F32> {
+    static constexpr int EPC = 4, G = 1;
+    __device__ static float2 pair(const u32 (&w)[4], int p) {
+        return make_float2(__uint_as_float(w[2 * p]), __uint_as_float(w[2 * p + 1]));
+    }
+    __device__ static u64 row_bytes(u32 K) { return (u64)K * 4; }
+    __device__ static const u8* srow(const u8*, u32, u32) { return nullptr; }
+    __device__ static void scales(const u8*, u32, float (&)[G]) {}
+    __device__ static float rfac(const u8*, u32, float) { return 1.f; }
+};
+
+struct Fp8Base {
+    static constexpr int EPC = 16, G = 1;
+    __device__ static float2 pair(const u32 (&w)[4], int p) { return fp8_pair(w[p >> 1], p & 1); }
+    __device__ static u64 row_bytes(u32 K) { return K; }
+};
+
+// Per-row f32 scale (a per-tensor scale is broadcast to [n] by the loader).
+template <> struct Fmt<F_FP8_ROW> : Fp8Base {
+    __device__ static const u8* srow(const u8*, u32, u32) { return nullptr; }
+    __device__ static void scales(const u8*, u32, float (&)[G]) {}
+    __device__ static float rfac(const u8* S, u32 n, float) { return ((const float*)S)[n]; }
+};
+
+// 128x128 blocks, scale [ceil(n/128), ceil(K/128)]: chunk c (16 elements) lies in K-block c / 8.
+template <> struct Fmt<F_FP8_BLOCK> : Fp8Base {
+    __device__ static const u8* srow(const u8* S, u32 n, u32 K) { return S + (u64)(n >> 7) * ((K + 127) >> 7) * 4; }
+    __device__ static void scales(const u8* s, u32 c, float (&o)[G]) { o[0] = ((const float*)s)[c >> 3]; }
+    __device__ static float rfac(const u8*, u32, float) { return 1.f; }
+};
+
+template <> struct Fmt<F_FP8_E8M0> : Fp8Base {
+    __device__ static const u8* srow(const u8* S, u32 n, u32 K) { return S + (u64)(n >> 7) * ((K + 127) >> 7); }
+    __device__ static void scales(const u8* s, u32 c, float (&o)[G]) { o[0] = e8m0_to_f(s[c >> 3]); }
+    __device__ static float rfac(const u8*, u32, float) { return 1.f; }
+};
+
+// e4m3 scale per 16 elements ([n, K/16]): two per chunk, read as one u16; global scale2 per row factor.
+template <> struct Fmt<F_NVFP4> {
+    static constexpr int EPC = 32, G = 2;
+    __device__ static float2 pair(const u32 (&w)[4], int p) { return fp4_pair(w[p >> 2] >> (8 * (p & 3))); }
+    __device__ static u64 row_bytes(u32 K) { return K / 2; }
+    __device__ static const u8* srow(const u8* S, u32 n, u32 K) { return S + (u64)n * (K / 16); }
+    __device__ static void scales(const u8* s, u32 c, float (&o)[G]) {
+        const u16 two = ((const u16*)s)[c];
+        o[0] = fp8_to_f((u8)two), o[1] = fp8_to_f((u8)(two >> 8));
+    }
+    __device__ static float rfac(const u8*, u32, float s2) { return s2 * 16384.f; }
+};
+
+// e8m0 scale per 32 elements ([n, K/32]): one per chunk.
+template <> struct Fmt<F_MXFP4> {
+    static constexpr int EPC = 32, G = 1;
+    __device__ static float2 pair(const u32 (&w)[4], int p) { return fp4_pair(w[p >> 2] >> (8 * (p & 3))); }
+    __device__ static u64 row_bytes(u32 K) { return K / 2; }
+    __device__ static const u8* srow(const u8* S, u32 n, u32 K) { return S + (u64)n * (K / 32); }
+    __device__ static void scales(const u8* s, u32 c, float (&o)[G]) { o[0] = e8m0_to_f(s[c]); }
+    __device__ static float rfac(const u8*, u32, float) { return 16384.f; }
+};
+
+// Weights are streamed once: read-only, no L1 allocation (x stays cached instead).
+__device__ __forceinline__ uint4 ld_stream(const u8* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// EPC bf16 of x starting at element k0, as EPC/2 packed pairs (16-byte loads; 8-byte for f32 weights).
+template <int NW>
+__device__ __forceinline__ void load_x(const u16* x, u32 k0, u32 (&xw)[NW]) {
+    if constexpr (NW == 2) {
+        const uint2 v = __ldg((const uint2*)(x + k0));
+        xw[0] = v.x, xw[1] = v.y;
+    } else {
+#pragma unroll
+        for (int i = 0; i < NW / 4; ++i) {
+            const uint4 v = __ldg((const uint4*)(x + k0) + i);
+            xw[4 * i] = v.x, xw[4 * i + 1] = v.y, xw[4 * i + 2] = v.z, xw[4 * i + 3] = v.w;
+        }
+    }
+}
+
+// acc[r] += W_row_r . x over chunks c0, c0 + step, ... of K. The R weight rows are loaded together (R
+// 16-byte loads in flight per lane) and each x chunk is loaded once for all R rows.
+template <int F, int R>
+__device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* const (&srow)[R], u32 K,
+                                         const u16* x, float (&acc)[R], u32 c0, u32 step) {
+    using T = Fmt<F>;
+    constexpr int PAIRS = T::EPC / 2, PPG = PAIRS / T::G;
+    const u32 nc = K / T::EPC;
+    for (u32 c = c0; c < nc; c += step) {
+        u32 w[R][4];
+        float s[R][T::G];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const uint4 v = ld_stream(wrow[r] + (u64)c * 16);
+            w[r][0] = v.x, w[r][1] = v.y, w[r][2] = v.z, w[r][3] = v.w;
+            T::scales(srow[r], c, s[r]);
+        }
+        u32 xw[PAIRS];
+        load_x(x, c * T::EPC, xw);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+#pragma unroll
+            for (int g = 0; g < T::G; ++g) {
+                float part = 0.f;
+#pragma unroll
+                for (int p = g * PPG; p < (g + 1) * PPG; ++p) {
+                    const float2 wv = T::pair(w[r], p), xv = bf16_pair(xw[p]);
+                    part = fmaf(wv.x, xv.x, part);
+                    part = fmaf(wv.y, xv.y, part);
+                }
+                if constexpr (F == F_FP8_BLOCK || F == F_FP8_E8M0 || F == F_NVFP4 || F == F_MXFP4)
+                    acc[r] = fmaf(part, s[r][g], acc[r]);
+                else
+                    acc[r] += part;
+            }
+        }
+    }
+}
+
+constexpr int WARPS = 8;  // 256 threads per block
+constexpr int R = 4;      // weight rows per warp: gate/up -> 2 outputs (a gate and an up row each), else 4
+
+__device__ __forceinline__ float swiglu(float g, float u, float limit) {
+    if (limit > 0.f) {  // written so that NaN passes through (torch clamp semantics)
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+    }
+    return g / (1.f + expf(-g)) * u;
+}
+
+// Block (32, ks, 8 / ks): the ks warps of a row group (threadIdx.z) split K (lane c of split j takes chunks
+// j * 32 + c, step 32 * ks) and add their partials in a fixed order, so few-tile launches (a shared
+// expert, small experts) still fill the GPU. Grid (ceil(N / (row groups * outputs per warp)), n_pairs).
+// GU: tab_a = gate, tab_b = up, out = bf16 h [n_pairs, N] = swiglu(gate x, up x); else out = f32 y
+// [n_pairs, N] = W x (tab_b unused). The pairs that share an expert run one after another in the same
+// block, so the repeats of a weight tile are L2 hits.
+template <int F, bool GU>
+__device__ void expert_gemv(const u64* tab_a, const u64* tab_b, const i32* ids, u32 n_pairs, u32 n_slots,
+                            u32 n_experts, const u16* x, u32 x_row_stride, u32 x_slot_stride, void* out,
+                            u32 N, u32 K, float limit) {
+    using T = Fmt<F>;
+    constexpr u32 OUT = GU ? 2 : R;
+    __shared__ float part[WARPS][R];
+    const u32 lane = threadIdx.x, ks = threadIdx.y, KS = blockDim.y, p = blockIdx.y;
+    const u32 wid = threadIdx.z * KS + ks;
+    const u32 n0 = (blockIdx.x * blockDim.z + threadIdx.z) * OUT;
+    const i32 e = ids[p];
+    const bool valid =
+        n0 < N && e >= 0 && (u32)e < n_experts && tab_a[3 * e] != 0 && (!GU || tab_b[3 * e] != 0);
+    const u8* wrow[R];
+    const u8* srow[R];
+    float rf[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const u64* t = GU && r >= 2 ? tab_b : tab_a;
+        const u32 n = min(n0 + (GU ? (r & 1) : r), N - 1);  // rows past N repeat the last (not stored)
+        wrow[r] = srow[r] = nullptr, rf[r] = 1.f;
+        if (valid) {
+            const u8 *W = (const u8*)t[3 * e], *S = (const u8*)t[3 * e + 1];
+            wrow[r] = W + n * T::row_bytes(K);
+            srow[r] = T::srow(S, n, K);
+            rf[r] = T::rfac(S, n, __uint_as_float((u32)t[3 * e + 2]));
+        }
+    }
+    for (u32 q0 = 0; q0 < n_pairs; q0 += 32) {
+        u32 hit = __ballot_sync(0xffffffffu, q0 + lane < n_pairs && ids[q0 + lane] == e);
+        if (q0 <= p) {
+            const u32 before = p - q0 >= 32 ? 0xffffffffu : (1u << (p - q0)) - 1u;
+            if (hit & before) return;  // an earlier pair's block runs this expert (uniform over the block)
+            hit &= ~before;
+        }
+        for (; hit; hit &= hit - 1) {  // uniform over the block
+            const u32 q = q0 + __ffs(hit) - 1;
+            float acc[R] = {};
+            const u16* xq = x + (u64)(q / n_slots) * x_row_stride + (u64)(q % n_slots) * x_slot_stride;
+            if (valid) dot_rows<F, R>(wrow, srow, K, xq, acc, ks * 32 + lane, 32 * KS);
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
+            if (KS > 1) {
+                if (lane == 0)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) part[wid][r] = acc[r];
+                __syncthreads();
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    acc[r] = part[wid - ks][r];
+                    for (u32 j = 1; j < KS; ++j) acc[r] += part[wid - ks + j][r];
+                }
+                __syncthreads();  // `part` is reused by the next pair
+            }
+            if (lane == 0 && ks == 0 && n0 < N) {
+                const u64 o = (u64)q * N + n0;
+#pragma unroll
+                for (u32 j = 0; j < OUT; ++j) {
+                    if (n0 + j >= N) break;
+                    if constexpr (GU)
+                        ((__nv_bfloat16*)out)[o + j] = f2bf(swiglu(acc[j] * rf[j], acc[2 + j] * rf[2 + j], limit));
+                    else
+                        ((float*)out)[o + j] = acc[j] * rf[j];
+                }
+            }
+        }
+    }
+}
+
+// y f32 [n_pairs, N] = W[ids[q]] x_q: down projections, the shared expert's down, an f32 router.
+extern "C" __global__ __launch_bounds__(256) void moe_gemv_bf16(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_BF16, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
+                               0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gemv_f32(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_F32, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
+                              0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_row(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_FP8_ROW, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N,
+                                  K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_FP8_BLOCK, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y,
+                                    N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block_e8m0(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_FP8_E8M0, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N,
+                                   K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gemv_nvfp4(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_NVFP4, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
+                                0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gemv_mxfp4(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_MXFP4, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
+                                0.f);
+}
+
+// h bf16 [n_pairs, N] = swiglu(Wg[ids[q]] x_q, Wu[ids[q]] x_q), clamped when limit > 0.
+extern "C" __global__ __launch_bounds__(256) void moe_gate_up_bf16(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_BF16, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h, N,
+                              K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_row(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_FP8_ROW, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h,
+                                 N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_FP8_BLOCK, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                   h, N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block_e8m0(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_FP8_E8M0, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h,
+                                  N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gate_up_nvfp4(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_NVFP4, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h, N,
+                               K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256) void moe_gate_up_mxfp4(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_MXFP4, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h, N,
+                               K, limit);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// out[r, d] = bf16( sum_k w[r, k] * y[r, k, d]  +  g_r * ys[r, d] ), g_r = sigmoid(gate[r]) or 1 when gate
+// is NULL; the shared term is skipped when ys is NULL. fp32 throughout, k in order, one rounding.
+extern "C" __global__ void moe_weighted_sum(const float* y, const float* w, u32 top_k, const float* ys,
+                                            const float* gate, __nv_bfloat16* out, u32 m, u32 hidden) {
+    const u64 total = (u64)m * hidden;
+    for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
+        const u64 r = i / hidden, d = i - r * hidden;
+        float acc = 0.f;
+        for (u32 k = 0; k < top_k; ++k) acc = fmaf(w[r * top_k + k], y[(r * top_k + k) * hidden + d], acc);
+        if (ys) acc = fmaf(gate ? 1.f / (1.f + expf(-gate[r])) : 1.f, ys[i], acc);
+        out[i] = f2bf(acc);
+    }
+}

@@ -1,0 +1,185 @@
+"""Routed mixture of experts for decode: router GEMV, the family's top-k rule, SwiGLU experts read in place
+through device pointer tables (no weight is copied), an optional shared expert, and the weighted sum.
+
+One forward is 5 launches (router GEMV through ops.linear, top-k, gate/up, down, weighted sum) plus 2 for a
+shared expert and 1 for Qwen's shared-expert gate; it allocates nothing and reads every per-call value from device memory, so
+it can be captured in a CUDA graph. Expert ids missing from `experts` live on other ranks (EP): they
+contribute 0, and the caller all-reduces `out` across ranks (with `add_shared=True` on one rank only)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..errors import ConfigError, InputError
+from ..runtime.ptr import NULL, DevicePtr
+from ..weights.linear import Linear
+
+ROUTINGS = ("softmax", "sigmoid_grouped", "sqrtsoftplus", "hash")
+_ALIGN = 256
+
+
+@dataclass
+class MoeConfig:
+    n_experts: int
+    top_k: int
+    hidden: int
+    inter: int                      # routed experts' intermediate size
+    routing: str = "softmax"        # softmax (Qwen3-Next) | sigmoid_grouped (DeepSeek-V3, GLM) |
+                                    # sqrtsoftplus (DeepSeek-V4) | hash (V4 hash layers: tid2eid[token])
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling: float = 1.0
+    norm_topk_prob: bool = True
+    swiglu_limit: float = 0.0       # > 0: V4's clamped SwiGLU (routed and shared experts)
+    hash_score: str = "sqrtsoftplus"  # the score that weights hash-routed experts
+
+    def __post_init__(self) -> None:
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"unknown MoE routing {self.routing!r}; one of {ROUTINGS}")
+        if not 1 <= self.top_k <= min(32, self.n_experts):
+            raise ConfigError(f"top_k {self.top_k} must be in [1, min(32, n_experts={self.n_experts})]")
+        if self.routing == "sigmoid_grouped" and (self.n_experts % self.n_group or not
+                                                  1 <= self.topk_group <= self.n_group <= 32):
+            raise ConfigError(f"n_group {self.n_group} / topk_group {self.topk_group} do not fit "
+                              f"{self.n_experts} experts")
+        if self.hash_score not in ops.ROUTER_SCORES:
+            raise ConfigError(f"hash_score {self.hash_score!r} is not one of {list(ops.ROUTER_SCORES)}")
+
+
+def _check(L, what: str, n: int, k: int) -> None:
+    if (L.n, L.k) != (n, k):
+        raise ConfigError(f"MoE {what}: weight is [{L.n}, {L.k}], expected [{n}, {k}]")
+    if L.fmt not in ops.EXPERT_FORMATS or (L.fmt == "f32" and what != "router"):
+        raise ConfigError(f"MoE {what}: format {L.fmt!r} is not supported")
+
+
+def _one_format(linears, what: str) -> str:
+    fmts = {L.fmt for L in linears}
+    if len(fmts) != 1:
+        raise ConfigError(f"MoE {what} projections mix formats {sorted(fmts)}; one launch needs one format")
+    return fmts.pop()
+
+
+class MoE:
+    """`MoE(gpu, cfg, router, experts, bias, shared, shared_gate, tid2eid, max_rows)` then
+    `forward(x, out, m)`: out bf16 [m, hidden] = sum_k w_k E_{id_k}(x) (+ shared(x), times
+    sigmoid(shared_gate . x) when given). router: Linear [n_experts, hidden] (bf16, or any expert format;
+    an object with fmt "f32" for f32 checkpoints); experts: id -> (gate, up, down); bias: f32 [n_experts]
+    device pointer (selection only; sigmoid_grouped / sqrtsoftplus); tid2eid: i32 [vocab, top_k] device
+    pointer for hash routing (with `vocab`)."""
+
+    def __init__(self, gpu, cfg: MoeConfig, router: Linear, experts: dict[int, tuple[Linear, Linear, Linear]],
+                 bias: DevicePtr = NULL, shared: tuple[Linear, Linear, Linear] | None = None,
+                 shared_gate: Linear | None = None, tid2eid: DevicePtr = NULL, max_rows: int = 32, vocab: int = 0):
+        E, K, D, I = cfg.n_experts, cfg.top_k, cfg.hidden, cfg.inter
+        if not experts:
+            raise ConfigError("MoE needs at least one local expert")
+        if any(not 0 <= e < E for e in experts):
+            raise ConfigError(f"MoE expert ids must be in [0, {E})")
+        if cfg.routing == "hash" and (int(tid2eid) == 0 or vocab < 1):
+            raise ConfigError("hash routing needs tid2eid and vocab")
+        if shared_gate is not None and shared is None:
+            raise ConfigError("MoE shared_gate without a shared expert")
+        _check(router, "router", E, D)
+        for e, tri in experts.items():
+            for L, role, (n, k) in zip(tri, ("gate", "up", "down"), ((I, D), (I, D), (D, I))):
+                _check(L, f"expert {e} {role}", n, k)
+        self.fmt_gu = _one_format([p for t in experts.values() for p in t[:2]], "gate/up")
+        self.fmt_down = _one_format([t[2] for t in experts.values()], "down")
+        self.inter_s = 0
+        if shared is not None:
+            self.inter_s = Is = shared[0].n
+            for L, role, (n, k) in zip(shared, ("gate", "up", "down"), ((Is, D), (Is, D), (D, Is))):
+                _check(L, f"shared {role}", n, k)
+            _one_format(shared[:2], "shared gate/up")
+        if shared_gate is not None:
+            _check(shared_gate, "shared_gate", 1, D)
+        self.gpu, self.cfg, self.max_rows, self.vocab = gpu, cfg, int(max_rows), int(vocab)
+        self.router, self.experts, self.shared, self.shared_gate = router, dict(experts), shared, shared_gate
+        self.bias, self.tid2eid = DevicePtr(bias), DevicePtr(tid2eid)
+
+        # pointer tables: gate, up, down [E, 3] each, then shared gate/up/down and the router [1, 3] each
+        # (the router's is used for an f32 weight only: ops.linear takes every Linear format)
+        local = [experts.get(e) for e in range(E)]
+        tabs = [ops.expert_table([t and t[j] for t in local]) for j in range(3)]
+        tabs += [ops.expert_table([L]) for L in list(shared or (None, None, None)) + [router]]
+        self._tables = gpu.upload(np.concatenate(tabs))
+        base, row = self._tables.ptr, 3 * 8
+        self.tab_gate, self.tab_up, self.tab_down = (base.offset(j * E * row) for j in range(3))
+        self.tab_sh_gate, self.tab_sh_up, self.tab_sh_down, self.tab_router = (base.offset((3 * E + j) * row)
+                                                                               for j in range(4))
+
+        R = self.max_rows
+        regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * K * I, "y": 4 * R * K * D,
+                   "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
+                   "glogit": 4 * R if shared_gate is not None else 0}
+        offs, total = {}, 0
+        for name, nbytes in regions.items():
+            offs[name] = total
+            total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        self._scratch = gpu.alloc(total)
+        gpu.fill(self._scratch.ptr, total, 0)  # `zeros` (the expert id of single-weight launches) stays 0
+        for name, off in offs.items():
+            setattr(self, name, self._scratch.ptr.offset(off))
+
+    def forward(self, x, out, m: int = 1, token_ids=NULL, token_ids_stride: int = 4, add_shared: bool = True,
+                stream=None) -> None:
+        """out bf16 [m, hidden] = routed experts (+ the shared expert when add_shared) for x bf16 [m, hidden].
+        token_ids (i32 at token_ids + r * token_ids_stride bytes) are read by hash routing only."""
+        c, gpu = self.cfg, self.gpu
+        E, K, D, I = c.n_experts, c.top_k, c.hidden, c.inter
+        if not 1 <= m <= self.max_rows:
+            raise InputError(f"MoE forward: m {m} outside [1, max_rows={self.max_rows}]")
+        if self.router.fmt == "f32":
+            ops.moe_gemv(gpu, self.tab_router, "f32", self.zeros, m, 1, 1, x, D, 0, self.logits, E, D, stream=stream)
+        else:
+            ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream)
+        self._route(m, token_ids, token_ids_stride, stream)
+        ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I, D,
+                        c.swiglu_limit, stream=stream)
+        ops.moe_gemv(gpu, self.tab_down, self.fmt_down, self.ids, m * K, K, E, self.h, K * I, I, self.y, D, I,
+                     stream=stream)
+        ys = gate = NULL
+        if add_shared and self.shared is not None:
+            g, u, d = self.shared
+            ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
+                            self.inter_s, D, c.swiglu_limit, stream=stream)
+            ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, self.inter_s, 0, self.ys, D,
+                         self.inter_s, stream=stream)
+            ys = self.ys
+            if self.shared_gate is not None:
+                ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream)
+                gate = self.glogit
+        ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, ys, gate, stream=stream)
+
+    def _route(self, m: int, token_ids, token_ids_stride: int, stream) -> None:
+        c, gpu = self.cfg, self.gpu
+        args = (c.n_experts, c.top_k)
+        if c.routing == "softmax":
+            ops.moe_topk_softmax(gpu, self.logits, self.ids, self.w, m, *args, c.norm_topk_prob, c.routed_scaling,
+                                 stream=stream)
+        elif c.routing == "sigmoid_grouped":
+            ops.moe_topk_sigmoid_grouped(gpu, self.logits, self.bias, self.ids, self.w, m, *args, c.n_group,
+                                         c.topk_group, c.norm_topk_prob, c.routed_scaling, stream=stream)
+        elif c.routing == "sqrtsoftplus":
+            ops.moe_topk_sqrtsoftplus(gpu, self.logits, self.bias, self.ids, self.w, m, *args, c.norm_topk_prob,
+                                      c.routed_scaling, stream=stream)
+        else:
+            if int(token_ids) == 0:
+                raise InputError("hash-routed MoE needs token_ids")
+            ops.moe_topk_hash(gpu, self.logits, token_ids, token_ids_stride, self.tid2eid, self.vocab, self.ids,
+                              self.w, m, *args, c.hash_score, c.norm_topk_prob, c.routed_scaling, stream=stream)
+
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Bytes one decode step of m rows reads: the router, min(m * top_k, n_experts) distinct experts (as if
+        all were local), the shared expert and its gate."""
+        g, u, d = next(iter(self.experts.values()))
+        per_expert = g.weight_bytes + u.weight_bytes + d.weight_bytes
+        total = self.router.weight_bytes + min(m * self.cfg.top_k, self.cfg.n_experts) * per_expert
+        if self.shared is not None:
+            total += sum(L.weight_bytes for L in self.shared)
+        if self.shared_gate is not None:
+            total += self.shared_gate.weight_bytes
+        return total

@@ -1,0 +1,185 @@
+"""Twins of cuda_src/moe.cu: router top-k rules, expert GEMVs through pointer tables, the weighted sum.
+
+Scores and selection use the kernels' fp32 arithmetic (selection order: larger key, ties to the lower
+expert id); GEMVs dequantise each chosen expert once (weights/quant_host.py) and accumulate in fp32, so
+GPU-vs-twin differences are accumulation order only."""
+import numpy as np
+
+from ...runtime.dtypes import BF16, E8M0, FP8
+from ...weights.quant_host import dequant_fp8_block, dequant_fp8_row, dequant_mxfp4, dequant_nvfp4
+from ..registry import twin
+from .elementwise import row_scalars, strided
+
+F32 = np.float32
+SCORES = {0: "softmax", 1: "sigmoid", 2: "sqrtsoftplus"}
+
+
+# -- routing ---------------------------------------------------------------------------------------
+def scores(z: np.ndarray, fn: str) -> np.ndarray:
+    """fp32 scores of logits z [..., E]: softmax over E, sigmoid, or sqrt(softplus) (z itself above 20)."""
+    z = z.astype(F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if fn == "softmax":
+            e = np.exp(z - z.max(-1, keepdims=True))
+            return e / e.sum(-1, keepdims=True, dtype=F32)
+        if fn == "sigmoid":
+            return F32(1) / (F32(1) + np.exp(-z))
+        return np.sqrt(np.where(z > 20, z, np.log1p(np.exp(z))))
+
+
+def best_first(key: np.ndarray) -> np.ndarray:
+    """Indices by key descending, ties to the lower index (NaN keys last)."""
+    k = np.where(np.isnan(key), -np.inf, key)
+    return np.lexsort((np.arange(k.size), -k.astype(np.float64)))
+
+
+def select_row(sel: np.ndarray, top_k: int, n_group: int, topk_group: int) -> np.ndarray:
+    """Top-k of one row's selection keys (NaN -> -inf) under the group limit: group score = sum of its two
+    best keys, the topk_group best groups kept, every other expert's key -inf."""
+    sel = np.where(np.isnan(sel), -np.inf, sel).astype(F32)
+    if n_group > 1:
+        g = sel.reshape(n_group, -1)
+        two = -np.sort(-g, axis=1)[:, :2]
+        keep = best_first(two[:, 0] + two[:, 1])[:topk_group]
+        mask = np.zeros(n_group, bool)
+        mask[keep] = True
+        sel = np.where(np.repeat(mask, g.shape[1]), sel, -np.inf).astype(F32)
+    return best_first(sel)[:top_k]
+
+
+def finish(sc: np.ndarray, ids: np.ndarray, norm: int, eps: float, scale: float) -> np.ndarray:
+    """Weights of one row's chosen ids: sc[id] (0 for an id outside [0, E)), / (sum + eps) when norm and
+    the sum is positive, * scale."""
+    ok = (ids >= 0) & (ids < sc.size)
+    w = np.where(ok, sc[np.where(ok, ids, 0)], F32(0)).astype(F32)
+    if norm and w.sum(dtype=F32) > 0:
+        w = w / (w.sum(dtype=F32) + F32(eps))
+    return (w * F32(scale)).astype(F32)
+
+
+def _topk(dev, logits, bias, ids, w, m, E, top_k, n_group, topk_group, norm, eps, scale, fn):
+    z = dev.view(logits, F32, (m, E))
+    b = dev.view(bias, F32, E) if int(bias) else F32(0)
+    sc = scores(z, fn)
+    iv, wv = dev.view(ids, "i32", (m, top_k)), dev.view(w, F32, (m, top_k))
+    for r in range(m):
+        sel_ids = select_row(sc[r] + b, top_k, n_group, topk_group).astype(np.int32)
+        iv[r], wv[r] = sel_ids, finish(sc[r], sel_ids, norm, eps, scale)
+
+
+@twin("moe", "moe_topk_softmax")
+def moe_topk_softmax(dev, logits, ids, w, m, n_experts, top_k, norm, scale):
+    _topk(dev, logits, 0, ids, w, m, n_experts, top_k, 1, 1, norm, 0.0, scale, "softmax")
+
+
+@twin("moe", "moe_topk_sigmoid_grouped")
+def moe_topk_sigmoid_grouped(dev, logits, bias, ids, w, m, n_experts, top_k, n_group, topk_group, norm, scale):
+    _topk(dev, logits, bias, ids, w, m, n_experts, top_k, n_group, topk_group, norm, 1e-20, scale, "sigmoid")
+
+
+@twin("moe", "moe_topk_sqrtsoftplus")
+def moe_topk_sqrtsoftplus(dev, logits, bias, ids, w, m, n_experts, top_k, norm, scale):
+    _topk(dev, logits, bias, ids, w, m, n_experts, top_k, 1, 1, norm, 0.0, scale, "sqrtsoftplus")
+
+
+@twin("moe", "moe_topk_hash")
+def moe_topk_hash(dev, logits, token_ids, token_ids_stride, tid2eid, vocab, ids, w, m, n_experts, top_k, score_fn,
+                  norm, scale):
+    sc = scores(dev.view(logits, F32, (m, n_experts)), SCORES[int(score_fn)])
+    toks = row_scalars(dev, token_ids, "i32", m, token_ids_stride)
+    table = dev.view(tid2eid, "i32", (vocab, top_k))
+    iv, wv = dev.view(ids, "i32", (m, top_k)), dev.view(w, F32, (m, top_k))
+    for r in range(m):
+        t = int(toks[r])
+        sel_ids = table[t].copy() if 0 <= t < vocab else np.full(top_k, -1, np.int32)
+        iv[r], wv[r] = sel_ids, finish(sc[r], sel_ids, norm, 0.0, scale)
+
+
+# -- expert GEMVs ----------------------------------------------------------------------------------
+def dequant(dev, fmt: str, w: int, s: int, s2: float, n: int, k: int) -> np.ndarray:
+    """One expert projection's weight [n, k] as fp32, read from the table's addresses."""
+    kb, nb = -(-k // 128), -(-n // 128)
+    if fmt == "bf16":
+        return dev.view(w, BF16, (n, k)).astype(F32)
+    if fmt == "f32":
+        return dev.view(w, F32, (n, k)).copy()
+    if fmt == "fp8_row":
+        return dequant_fp8_row(dev.view(w, FP8, (n, k)), dev.view(s, F32, n))
+    if fmt == "fp8_block":
+        return dequant_fp8_block(dev.view(w, FP8, (n, k)), dev.view(s, F32, (nb, kb)))
+    if fmt == "fp8_block_e8m0":
+        return dequant_fp8_block(dev.view(w, FP8, (n, k)), dev.view(s, E8M0, (nb, kb)))
+    if fmt == "nvfp4":
+        return dequant_nvfp4(dev.view(w, "u8", (n, k // 2)), dev.view(s, FP8, (n, k // 16)), s2)
+    return dequant_mxfp4(dev.view(w, "u8", (n, k // 2)), dev.view(s, E8M0, (n, k // 32)))
+
+
+def _table(dev, tab, n_experts: int):
+    t = dev.view(tab, np.uint64, (n_experts, 3))
+    return [(int(a), int(b), float(np.uint32(c & 0xFFFFFFFF).view(F32))) for a, b, c in t.tolist()]
+
+
+def _pairs(dev, ids, n_pairs, n_slots, x, x_row_stride, x_slot_stride, K):
+    """Expert id and input vector (fp32 [K]) of every pair."""
+    e = dev.view(ids, "i32", n_pairs)
+    rows = -(-n_pairs // n_slots)
+    xv = strided(dev, x, BF16, (rows, n_slots, K), (x_row_stride, x_slot_stride, 1))
+    return e, [xv[q // n_slots, q % n_slots].astype(F32) for q in range(n_pairs)]
+
+
+def _expert_products(dev, fmt, tabs, ids, n_pairs, n_slots, n_experts, x, xrs, xss, N, K):
+    """[n_pairs, len(tabs), N] fp32 products W_t[ids[q]] x_q; zeros for a NULL or out-of-range expert. Pairs
+    are grouped by their table entries, so each distinct weight is dequantised once."""
+    e, xs = _pairs(dev, ids, n_pairs, n_slots, x, xrs, xss, K)
+    tables = [_table(dev, t, n_experts) for t in tabs]
+    groups: dict[tuple, list[int]] = {}
+    for q, ex in enumerate(e.tolist()):
+        if 0 <= ex < n_experts and all(t[ex][0] for t in tables):
+            groups.setdefault(tuple(t[ex] for t in tables), []).append(q)
+    out = np.zeros((n_pairs, len(tabs), N), F32)
+    for entries, qs in groups.items():
+        X = np.stack([xs[q] for q in qs], axis=1)
+        for j, entry in enumerate(entries):
+            out[qs, j] = (dequant(dev, fmt, *entry, N, K) @ X).T
+    return out
+
+
+def swiglu(g: np.ndarray, u: np.ndarray, limit: float) -> np.ndarray:
+    """silu(g) * u in fp32; with limit > 0, g clamped above at limit and u to [-limit, limit] (NaN kept)."""
+    if limit > 0:
+        L = F32(limit)
+        g = np.where(g > L, L, g)
+        u = np.where(u > L, L, np.where(u < -L, -L, u))
+    with np.errstate(over="ignore"):
+        return (g / (F32(1) + np.exp(-g)) * u).astype(F32)
+
+
+def _gemv(fmt):
+    def fn(dev, tab, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K):
+        p = _expert_products(dev, fmt, [tab], ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, N, K)
+        dev.view(y, F32, (n_pairs, N))[:] = p[:, 0]
+    return fn
+
+
+def _gate_up(fmt):
+    def fn(dev, tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h, N, K, limit):
+        p = _expert_products(dev, fmt, [tab_gate, tab_up], ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                             x_slot_stride, N, K)
+        dev.view(h, BF16, (n_pairs, N))[:] = swiglu(p[:, 0], p[:, 1], limit).astype(BF16)
+    return fn
+
+
+for _f in ("bf16", "f32", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4"):
+    twin("moe", f"moe_gemv_{_f}")(_gemv(_f))
+    if _f != "f32":
+        twin("moe", f"moe_gate_up_{_f}")(_gate_up(_f))
+
+
+@twin("moe", "moe_weighted_sum")
+def moe_weighted_sum(dev, y, w, top_k, ys, gate, out, m, hidden):
+    acc = np.einsum("rk,rkd->rd", dev.view(w, F32, (m, top_k)).astype(np.float64),
+                    dev.view(y, F32, (m, top_k, hidden)).astype(np.float64))
+    if int(ys):
+        g = np.ones(m) if not int(gate) else 1.0 / (1.0 + np.exp(-dev.view(gate, F32, m).astype(np.float64)))
+        acc += g[:, None] * dev.view(ys, F32, (m, hidden))
+    dev.view(out, BF16, (m, hidden))[:] = acc.astype(F32).astype(BF16)

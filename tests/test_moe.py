@@ -1,0 +1,472 @@
+"""MoE: routing rules, expert GEMVs in every weight format, the layer, EP; twins vs float64 textbook math
+written here, and CUDA vs twin at real model dims (marker gpu).
+
+Layer inputs are drawn on a grid (x in k/4, router weights in k/64) so logits are exact in fp32 and
+float64 alike, and correction biases are continuous: the selected experts are then a property of the
+inputs, not of rounding, and the reference may route on its own."""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mtp_cupy import ops
+from mtp_cupy.errors import ConfigError, InputError, KernelError
+from mtp_cupy.layers.moe import MoE, MoeConfig
+from mtp_cupy.runtime.dtypes import BF16, FP8
+from mtp_cupy.runtime.ptr import NULL
+from mtp_cupy.weights.linear import Linear
+from helpers import assert_close, bf16, f32, get, out, run_on_both, up
+
+E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+FORMATS = ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
+
+
+# -- textbook routing (float64, sorted() with explicit tie keys) -------------------------------------
+def _score(z, fn):
+    z = np.asarray(z, np.float64)
+    if fn == "softmax":
+        e = np.exp(z - z.max())
+        return e / e.sum()
+    if fn == "sigmoid":
+        return 1 / (1 + np.exp(-z))
+    return np.sqrt(np.log1p(np.exp(z)))
+
+
+def ref_route(z, rule, top_k, bias=None, n_group=1, topk_group=1, norm=True, scale=1.0):
+    """One row: (ids, weights) by the rule's textbook definition; ties go to the lower expert id."""
+    s = _score(z, {"softmax": "softmax", "sigmoid_grouped": "sigmoid", "sqrtsoftplus": "sqrtsoftplus"}[rule])
+    key = s + (0 if bias is None else np.asarray(bias, np.float64))
+    E = len(z)
+    if n_group > 1:
+        gsz = E // n_group
+        gscore = [sum(sorted(key[g * gsz:(g + 1) * gsz])[-2:]) for g in range(n_group)]
+        kept = sorted(range(n_group), key=lambda g: (-gscore[g], g))[:topk_group]
+        key = np.array([key[i] if i // gsz in kept else -np.inf for i in range(E)])
+    ids = sorted(range(E), key=lambda i: (-key[i], i))[:top_k]
+    w = s[ids]
+    if norm:
+        w = w / (w.sum() + (1e-20 if rule == "sigmoid_grouped" else 0))
+    return np.array(ids), w * scale
+
+
+def tied_inputs(rng, m, E, profiles, scale=1.0):
+    """Logits [m, E] and bias [E] where each expert copies one of a few random "profiles" (its logit in
+    every row and its bias): many exact ties, yet keys are equal only for equal profiles, so group sums tie
+    only exactly (never as sigmoid(a) + sigmoid(-a) = 1, or as swapped bias pairs, could on a grid) and the
+    tie structure is the same in fp32 and float64."""
+    prof = rng.integers(0, profiles, E)
+    z = (rng.standard_normal((m, profiles)) * scale).astype(np.float32)[:, prof]
+    return z, (rng.standard_normal(profiles) * 0.5).astype(np.float32)[prof]
+
+
+# -- weights in every format: random codes and scales, dense float64 dequant written here ------------
+def host_weight(rng, fmt, n, k):
+    """((weight, scale or None, scale2), dense) with dense() the float64 [n, k] dequantisation written
+    here. Random codes and scales; weights of order 0.05."""
+    if fmt == "bf16":
+        w = bf16(rng.standard_normal((n, k)) * 0.05)
+        return (w, None, 1.0), lambda: f32(w).astype(np.float64)
+    if fmt.startswith("fp8"):
+        # random e4m3 bytes with the top exponent bit clear: |v| in [2^-9, 1.875], log-uniform, never NaN
+        codes = (rng.integers(0, 256, (n, k), dtype=np.uint8) & np.uint8(0xBF)).view(FP8)
+        if fmt == "fp8_row":
+            s = (rng.uniform(0.5, 1.5, n) / 8).astype(np.float32)
+            full = lambda: np.repeat(s[:, None], k, 1)  # noqa: E731
+        elif fmt == "fp8_block":
+            s = (rng.uniform(0.5, 1.5, (-(-n // 128), -(-k // 128))) / 8).astype(np.float32)
+            full = lambda: np.repeat(np.repeat(s, 128, 0), 128, 1)[:n, :k]  # noqa: E731
+        else:
+            s = (127 + rng.integers(-4, -1, (-(-n // 128), -(-k // 128)))).astype(np.uint8)
+            full = lambda: np.repeat(np.repeat(2.0 ** (s.astype(np.float64) - 127), 128, 0), 128, 1)[:n, :k]  # noqa
+        return (codes, s, 1.0), lambda: codes.astype(np.float64) * full()
+    codes = rng.integers(0, 16, (n, k)).astype(np.uint8)
+    packed = (codes[:, 0::2] | codes[:, 1::2] << 4).astype(np.uint8)
+    if fmt == "nvfp4":
+        sb = rng.integers(0x28, 0x48, (n, k // 16)).astype(np.uint8)  # e4m3 0.125 .. 2
+        s2 = float(np.float32(rng.uniform(0.01, 0.03)))
+        bs = sb.view(FP8).astype(np.float64)
+        return (packed, sb, s2), lambda: E2M1[codes] * np.repeat(bs, 16, 1) * s2
+    sb = (127 + rng.integers(-6, -3, (n, k // 32))).astype(np.uint8)
+    return (packed, sb, 1.0), lambda: E2M1[codes] * np.repeat(2.0 ** (sb.astype(np.float64) - 127), 32, 1)
+
+
+def upload_weight(dev, fmt, n, k, arrays):
+    w, s, s2 = arrays
+    wb = up(dev, w)
+    sb = up(dev, s) if s is not None else None
+    return Linear(fmt, n, k, wb.ptr, sb.ptr if sb else NULL, s2, owners=[wb, sb])
+
+
+def grid_x(rng, m, D):
+    return bf16(rng.integers(-4, 5, (m, D)) / 4)
+
+
+# -- reference MoE (float64) -----------------------------------------------------------------------
+def swiglu(g, u, limit):
+    if limit > 0:
+        g, u = np.minimum(g, limit), np.clip(u, -limit, limit)
+    return g / (1 + np.exp(-g)) * u
+
+
+def ref_moe(x, router, experts, cfg, bias=None, shared=None, shared_gate=None, tok=None, tid2eid=None,
+            only=None):
+    """x [m, D] f64; experts: id -> dense (g, u, d); only: expert ids whose contributions count."""
+    out = np.zeros((x.shape[0], cfg.hidden))
+    for r, xr in enumerate(x):
+        z = router @ xr
+        if cfg.routing == "hash":
+            ids = tid2eid[tok[r]]
+            s = _score(z, cfg.hash_score)[ids]
+            w = s / s.sum() * cfg.routed_scaling if cfg.norm_topk_prob else s * cfg.routed_scaling
+        else:
+            ids, w = ref_route(z, cfg.routing, cfg.top_k, bias, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                               cfg.routed_scaling)
+        for e, we in zip(ids, w):
+            if e in experts and (only is None or e in only):
+                g, u, d = experts[e]
+                out[r] += we * (d @ swiglu(g @ xr, u @ xr, cfg.swiglu_limit))
+        if shared is not None:
+            g, u, d = shared
+            gate = 1.0 if shared_gate is None else 1 / (1 + np.exp(-(shared_gate @ xr)[0]))
+            out[r] += gate * (d @ swiglu(g @ xr, u @ xr, cfg.swiglu_limit))
+    return out
+
+
+class Built:
+    """Host weights for a MoE config and their upload to a device. `pool` > 0 makes that many distinct
+    weight sets stand in for all experts (the pointer tables alias them)."""
+
+    def __init__(self, rng, cfg, fmt, shared_inter=0, shared_gate=False, pool=0, bias=False,
+                 hash_vocab=0):
+        E, D, I = cfg.n_experts, cfg.hidden, cfg.inter
+        self.cfg, self.fmt = cfg, fmt
+        self.shapes = ((I, D), (I, D), (D, I))
+        self.shared_shapes = ((shared_inter, D), (shared_inter, D), (D, shared_inter))
+        self.router = (rng.integers(-4, 5, (E, D)) / 64).astype(np.float32).astype(BF16)
+        sets = [tuple(host_weight(rng, fmt, *sh) for sh in self.shapes) for _ in range(pool or E)]
+        self.experts = {e: sets[e % len(sets)] for e in range(E)}
+        self.shared = tuple(host_weight(rng, fmt, *sh) for sh in self.shared_shapes) if shared_inter else None
+        self.shared_gate = bf16(rng.standard_normal((1, D)) * 0.05) if shared_gate else None
+        self.bias = (rng.standard_normal(E) * 0.1).astype(np.float32) if bias else None
+        self.tid2eid = None
+        if hash_vocab:
+            self.tid2eid = np.stack([rng.permutation(E)[:cfg.top_k] for _ in range(hash_vocab)]).astype(np.int32)
+
+    def _upload(self, dev, shapes, tri):
+        return tuple(upload_weight(dev, self.fmt, *sh, hw[0]) for sh, hw in zip(shapes, tri))
+
+    def build(self, dev, only=None):
+        """The MoE on `dev` with the experts in `only` (all when None) local."""
+        c, D = self.cfg, self.cfg.hidden
+        sets, experts = {}, {}
+        for e, tri in self.experts.items():
+            if only is None or e in only:
+                if id(tri) not in sets:
+                    sets[id(tri)] = self._upload(dev, self.shapes, tri)
+                experts[e] = sets[id(tri)]
+        rb = up(dev, self.router)
+        kw = dict(router=Linear("bf16", c.n_experts, D, rb.ptr, owners=[rb]))
+        if self.shared:
+            kw["shared"] = self._upload(dev, self.shared_shapes, self.shared)
+        if self.shared_gate is not None:
+            gb = up(dev, self.shared_gate)
+            kw["shared_gate"] = Linear("bf16", 1, D, gb.ptr, owners=[gb])
+        keep = []
+        if self.bias is not None:
+            keep.append(up(dev, self.bias))
+            kw["bias"] = keep[-1].ptr
+        if self.tid2eid is not None:
+            keep.append(up(dev, self.tid2eid))
+            kw.update(tid2eid=keep[-1].ptr, vocab=self.tid2eid.shape[0])
+        moe = MoE(dev, c, experts=experts, **kw)
+        moe.test_buffers = keep  # the bias / table buffers live as long as the layer
+        return moe
+
+    def reference(self, x, tok=None, only=None):
+        sets = {id(t): t for t in self.experts.values()}
+        dense_sets = {k: tuple(hw[1]() for hw in t) for k, t in sets.items()}
+        dense = {e: dense_sets[id(t)] for e, t in self.experts.items()}
+        shared = tuple(hw[1]() for hw in self.shared) if self.shared else None
+        sg = f32(self.shared_gate).astype(np.float64) if self.shared_gate is not None else None
+        return ref_moe(f32(x).astype(np.float64), f32(self.router).astype(np.float64), dense, self.cfg,
+                       self.bias, shared, sg, tok, self.tid2eid, only)
+
+
+def forward(dev, moe, x, m, tok=None, add_shared=True):
+    xb = up(dev, x)
+    o = out(dev, "bf16", (m, moe.cfg.hidden))
+    tb = up(dev, np.asarray(tok, np.int32)) if tok is not None else None
+    moe.forward(xb.ptr, o.ptr, m, token_ids=tb.ptr if tb else NULL, add_shared=add_shared)
+    return f32(get(dev, o, "bf16", (m, moe.cfg.hidden)))
+
+
+# -- routing ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("rule,E,top_k,n_group,topk_group", [
+    ("softmax", 64, 10, 1, 1), ("sigmoid_grouped", 64, 8, 8, 4), ("sigmoid_grouped", 48, 6, 1, 1),
+    ("sigmoid_grouped", 16, 6, 8, 2),  # fewer unmasked experts than top_k: masked ones by lower id
+    ("sqrtsoftplus", 64, 6, 1, 1)])
+@pytest.mark.parametrize("norm,ties", [(True, True), (False, True), (True, False)])
+def test_routing(dev, rng, rule, E, top_k, n_group, topk_group, norm, ties):
+    m = 7
+    if ties:
+        z, bias = tied_inputs(rng, m, E, 6)
+    else:
+        z, bias = rng.standard_normal((m, E)).astype(np.float32), (rng.standard_normal(E) * 0.5).astype(np.float32)
+    bias = None if rule == "softmax" else bias
+    scale = 2.5 if rule != "softmax" else 1.0
+    zb, ids, w = up(dev, z), out(dev, "i32", (m, top_k)), out(dev, "f32", (m, top_k))
+    if rule == "softmax":
+        ops.moe_topk_softmax(dev, zb.ptr, ids.ptr, w.ptr, m, E, top_k, norm, scale)
+    else:
+        bb = up(dev, bias)
+        if rule == "sigmoid_grouped":
+            ops.moe_topk_sigmoid_grouped(dev, zb.ptr, bb.ptr, ids.ptr, w.ptr, m, E, top_k, n_group, topk_group,
+                                         norm, scale)
+        else:
+            ops.moe_topk_sqrtsoftplus(dev, zb.ptr, bb.ptr, ids.ptr, w.ptr, m, E, top_k, norm, scale)
+    got_ids, got_w = get(dev, ids, "i32", (m, top_k)), get(dev, w, "f32", (m, top_k))
+    for r in range(m):
+        rid, rw = ref_route(z[r], rule, top_k, bias, n_group, topk_group, norm, scale)
+        assert got_ids[r].tolist() == rid.tolist(), (r, got_ids[r], rid)
+        assert_close(got_w[r], rw, 1e-6, f"row {r} weights")
+
+
+def test_routing_no_bias_and_nan(dev, rng):
+    """NULL bias is no bias; a NaN logit is never chosen over a finite one."""
+    m, E, top_k = 3, 32, 4
+    z = rng.standard_normal((m, E)).astype(np.float32)
+    z[:, 5] = np.nan
+    zb, ids, w = up(dev, z), out(dev, "i32", (m, top_k)), out(dev, "f32", (m, top_k))
+    ops.moe_topk_sigmoid_grouped(dev, zb.ptr, NULL, ids.ptr, w.ptr, m, E, top_k, 4, 2, True, 1.0)
+    got = get(dev, ids, "i32", (m, top_k))
+    for r in range(m):
+        zr = np.where(np.isnan(z[r]), -np.inf, z[r])
+        assert got[r].tolist() == ref_route(zr, "sigmoid_grouped", top_k, None, 4, 2)[0].tolist()
+    assert np.isfinite(get(dev, w, "f32", (m, top_k))).all()
+
+
+@pytest.mark.parametrize("score", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_hash_routing(dev, rng, score):
+    m, E, top_k, vocab, stride = 5, 64, 6, 50, 8
+    z = rng.standard_normal((m, E)).astype(np.float32)
+    table = np.stack([rng.permutation(E)[:top_k] for _ in range(vocab)]).astype(np.int32)
+    toks = rng.integers(0, vocab, m)
+    toks[3] = vocab + 7  # out of range: selects nothing
+    slab = np.zeros((m, stride // 4), np.int32)
+    slab[:, 0] = toks
+    zb, tb, tab = up(dev, z), up(dev, slab), up(dev, table)
+    ids, w = out(dev, "i32", (m, top_k)), out(dev, "f32", (m, top_k))
+    ops.moe_topk_hash(dev, zb.ptr, tb.ptr, stride, tab.ptr, vocab, ids.ptr, w.ptr, m, E, top_k, score, True, 1.5)
+    got_ids, got_w = get(dev, ids, "i32", (m, top_k)), get(dev, w, "f32", (m, top_k))
+    for r in range(m):
+        if r == 3:
+            assert (got_ids[r] == -1).all() and (got_w[r] == 0).all()
+            continue
+        s = _score(z[r], score)[table[toks[r]]]
+        assert got_ids[r].tolist() == table[toks[r]].tolist()
+        assert_close(got_w[r], s / s.sum() * 1.5, 1e-6)
+
+
+# -- expert GEMVs ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS + ("f32",))
+def test_moe_gemv_formats(dev, rng, fmt):
+    """y[q] = W[ids[q]] x_q over pairs with repeated experts (one pass per expert), an absent expert (NULL
+    entry), an out-of-range id, an N tail, and several K chunks per lane."""
+    n_experts, m, n_slots, N, K = 5, 3, 3, 136, 2048 if fmt != "f32" else 256
+    host = [host_weight(rng, "bf16" if fmt == "f32" else fmt, N, K) for _ in range(n_experts)]
+    if fmt == "f32":  # an f32 router weight: Linear has no f32 format, the table takes any such object
+        host = [((f32(a[0]), None, 1.0), d) for a, d in host]
+    keep = [up(dev, a[0]) for a, _ in host] if fmt == "f32" else []
+    lins = [(SimpleNamespace(fmt=fmt, weight=keep[e].ptr, scale=NULL, scale2=1.0) if fmt == "f32" else
+             upload_weight(dev, fmt, N, K, a)) if e != 3 else None for e, (a, _) in enumerate(host)]
+    tab = up(dev, ops.expert_table(lins))
+    ids = np.array([[0, 2, 3], [2, 1, 0], [4, 9, 2]], np.int32)
+    x = bf16(rng.standard_normal((m, n_slots, K)))
+    xb, ib, y = up(dev, x), up(dev, ids), out(dev, "f32", (m * n_slots, N))
+    ops.moe_gemv(dev, tab.ptr, fmt, ib.ptr, m * n_slots, n_slots, n_experts, xb.ptr, n_slots * K, K, y.ptr, N, K)
+    got = get(dev, y, "f32", (m * n_slots, N))
+    for q, e in enumerate(ids.ravel()):
+        ref = np.zeros(N) if e in (3, 9) else host[e][1]() @ f32(x.reshape(-1, K)[q]).astype(np.float64)
+        if e in (3, 9):
+            assert np.array_equal(got[q], ref), (q, e)
+        else:
+            assert_close(got[q], ref, 1e-5, f"pair {q} expert {e}")
+
+
+@pytest.mark.parametrize("limit", [0.0, 0.5])
+def test_moe_gate_up(dev, rng, limit):
+    n_experts, m, N, K = 4, 2, 24, 256
+    host = [[host_weight(rng, "fp8_block", N, K) for _ in range(2)] for _ in range(n_experts)]
+    lins = [[upload_weight(dev, "fp8_block", N, K, h[j][0]) for h in host] for j in range(2)]  # kept alive
+    tabs = [up(dev, ops.expert_table(lj)) for lj in lins]
+    ids = np.array([[1, 3], [3, 0]], np.int32)
+    x = bf16(rng.standard_normal((m, K)) * 4)
+    xb, ib, h = up(dev, x), up(dev, ids), out(dev, "bf16", (m * 2, N))
+    ops.moe_gate_up(dev, tabs[0].ptr, tabs[1].ptr, "fp8_block", ib.ptr, m * 2, 2, n_experts, xb.ptr, K, 0, h.ptr, N,
+                    K, limit)
+    got = f32(get(dev, h, "bf16", (m * 2, N)))
+    for q, e in enumerate(ids.ravel()):
+        xr = f32(x[q // 2]).astype(np.float64)
+        ref = swiglu(host[e][0][1]() @ xr, host[e][1][1]() @ xr, limit)
+        assert_close(got[q], ref, 1e-2, f"pair {q}")
+        if limit:
+            assert np.abs(got[q]).max() <= limit * limit + 1e-6
+
+
+def test_weighted_sum(dev, rng):
+    m, K, D = 3, 4, 96
+    y, w, ys, g = (rng.standard_normal(s).astype(np.float32) for s in ((m, K, D), (m, K), (m, D), (m,)))
+    yb, wb, ysb, gb = up(dev, y), up(dev, w), up(dev, ys), up(dev, g)
+    for shared, gate in ((NULL, NULL), (ysb.ptr, NULL), (ysb.ptr, gb.ptr)):
+        o = out(dev, "bf16", (m, D))
+        ops.moe_weighted_sum(dev, yb.ptr, wb.ptr, K, o.ptr, m, D, shared, gate)
+        ref = np.einsum("rk,rkd->rd", w.astype(np.float64), y)
+        if shared:
+            ref += (1 / (1 + np.exp(-g.astype(np.float64))) if gate else np.ones(m))[:, None] * ys
+        assert_close(f32(get(dev, o, "bf16", (m, D))), ref, 1e-2)
+
+
+# -- the layer -------------------------------------------------------------------------------------
+LAYER_CASES = {
+    "deepseek_v3": dict(cfg=dict(n_experts=32, top_k=8, routing="sigmoid_grouped", n_group=8, topk_group=4,
+                                 routed_scaling=2.5), shared_inter=64, bias=True),
+    "glm5": dict(cfg=dict(n_experts=32, top_k=8, routing="sigmoid_grouped", routed_scaling=2.5), shared_inter=64,
+                 bias=True),
+    "deepseek_v4": dict(cfg=dict(n_experts=32, top_k=6, routing="sqrtsoftplus", routed_scaling=1.5,
+                                 swiglu_limit=0.25), shared_inter=64, bias=True),
+    "v4_hash": dict(cfg=dict(n_experts=32, top_k=6, routing="hash", routed_scaling=1.5, swiglu_limit=0.25),
+                    shared_inter=64, hash_vocab=40),
+    "qwen3_next": dict(cfg=dict(n_experts=48, top_k=10, routing="softmax"), shared_inter=32, shared_gate=True),
+}
+
+
+def _built(rng, case, fmt, D=256, I=128, **kw):
+    c = LAYER_CASES[case]
+    cfg = MoeConfig(hidden=D, inter=I, **c["cfg"])
+    opts = {k: v for k, v in c.items() if k != "cfg"}
+    opts.update(kw)
+    return Built(rng, cfg, fmt, **opts)
+
+
+# every routing on bf16; every format on a grouped-sigmoid and a softmax layer
+@pytest.mark.parametrize("case,fmt", [(c, "bf16") for c in LAYER_CASES] +
+                         [(c, f) for c in ("deepseek_v3", "qwen3_next") for f in FORMATS[1:]])
+def test_moe_layer(dev, rng, case, fmt):
+    b = _built(rng, case, fmt)
+    m = 3
+    x = grid_x(rng, m, b.cfg.hidden)
+    tok = rng.integers(0, 40, m) if case == "v4_hash" else None
+    got = forward(dev, b.build(dev), x, m, tok)
+    assert_close(got, b.reference(x, tok), 1e-2, f"{case} {fmt}")
+
+
+def test_moe_layer_batch_shares_experts(dev, rng):
+    """m = 20 rows over 8 experts: every expert serves several rows; each row still gets its own result."""
+    b = Built(rng, MoeConfig(n_experts=8, top_k=4, hidden=256, inter=128), "nvfp4", shared_inter=32,
+              shared_gate=True)
+    x = grid_x(rng, 20, 256)
+    assert_close(forward(dev, b.build(dev), x, 20), b.reference(x), 1e-2)
+
+
+def test_moe_expert_parallel(dev, rng):
+    """Half the experts on each of two ranks: each rank's output is the full result minus the other half's
+    contributions, and the two (shared expert on one only) sum to the full result."""
+    b = _built(rng, "deepseek_v3", "fp8_block")
+    m = 4
+    x = grid_x(rng, m, b.cfg.hidden)
+    even = {e for e in range(b.cfg.n_experts) if e % 2 == 0}
+    odd = set(range(b.cfg.n_experts)) - even
+    full = forward(dev, b.build(dev), x, m)
+    part_even = forward(dev, b.build(dev, only=even), x, m)
+    part_odd = forward(dev, b.build(dev, only=odd), x, m, add_shared=False)
+    assert_close(part_even, b.reference(x, only=even), 1e-2, "even half + shared")
+    routed_odd = b.reference(x, only=odd) - b.reference(x, only=set())  # odd experts without the shared one
+    assert_close(part_even, b.reference(x) - routed_odd, 1e-2, "full minus the other half")
+    assert_close(part_odd, routed_odd, 1e-2, "odd half alone")
+    assert_close(part_even + part_odd, full, 1e-2, "halves sum to the full result")
+
+
+def test_moe_layer_errors(ref, rng):
+    b = _built(rng, "qwen3_next", "bf16")
+    moe = b.build(ref)
+    x = up(ref, grid_x(rng, 1, 256))
+    o = out(ref, "bf16", (1, 256))
+    with pytest.raises(InputError):
+        moe.forward(x.ptr, o.ptr, m=33)
+    with pytest.raises(ConfigError):
+        MoeConfig(n_experts=8, top_k=2, hidden=64, inter=32, routing="topk")
+    with pytest.raises(ConfigError):
+        MoE(ref, moe.cfg, moe.router, {0: moe.experts[0], 1: (moe.experts[1][2],) * 3})
+    with pytest.raises(KernelError):
+        ops.moe_gemv(ref, moe.tab_down, "nvfp4", moe.ids, 1, 1, 48, x.ptr, 0, 0, o.ptr, 256, 48)
+    hb = _built(rng, "v4_hash", "bf16").build(ref)
+    with pytest.raises(InputError):
+        hb.forward(x.ptr, o.ptr)
+
+
+def test_weight_bytes_per_step(ref, rng):
+    b = _built(rng, "deepseek_v3", "fp8_block")
+    moe = b.build(ref)
+    D, I, E = 256, 128, 32
+    expert = 3 * (D * I + 4 * 2 * 1)  # fp8 codes + the f32 block scales of [128, 256] / [256, 128]
+    shared = 3 * (D * 64 + 4 * 2)
+    assert moe.weight_bytes_per_step() == 2 * E * D + 8 * expert + shared
+    assert moe.weight_bytes_per_step(m=8) == 2 * E * D + E * expert + shared
+
+
+# -- CUDA vs twin at real model dims ---------------------------------------------------------------
+REAL = {  # (config, fmt, shared inter, shared gate, bias)
+    "deepseek_v3": (dict(n_experts=256, top_k=8, hidden=7168, inter=2048, routing="sigmoid_grouped", n_group=8,
+                         topk_group=4, routed_scaling=2.5), "fp8_block", 2048, False, True),
+    "deepseek_v4": (dict(n_experts=256, top_k=6, hidden=4096, inter=2048, routing="sqrtsoftplus",
+                         routed_scaling=1.5, swiglu_limit=10.0), "mxfp4", 2048, False, True),
+    "glm5": (dict(n_experts=256, top_k=8, hidden=6144, inter=2048, routing="sigmoid_grouped", routed_scaling=2.5),
+             "fp8_block", 2048, False, True),
+    "qwen3_next_bf16": (dict(n_experts=512, top_k=10, hidden=2048, inter=512, routing="softmax"), "bf16", 512,
+                        True, False),
+    "qwen3_next_nvfp4": (dict(n_experts=512, top_k=10, hidden=2048, inter=512, routing="softmax"), "nvfp4", 512,
+                         True, False),
+}
+
+
+def _run_real(dev, built, x, m, local):
+    moe = built.build(dev, only=local)
+    return forward(dev, moe, x, m), dev.read(moe.ids, "i32", (m, built.cfg.top_k))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,m", [(name, 1) for name in REAL] + [("deepseek_v3", 4), ("qwen3_next_nvfp4", 8)])
+def test_moe_real_dims_cuda_vs_twin(rng, model, m):
+    """4 distinct weight sets stand in for all experts (pointer tables alias them); 1 in 8 experts is
+    absent (EP). Routing must agree exactly, outputs to bf16 accuracy."""
+    cfg, fmt, si, sg, bias = REAL[model]
+    cfg = MoeConfig(**cfg)
+    b = Built(rng, cfg, fmt, shared_inter=si, shared_gate=sg, bias=bias, pool=4)
+    x = grid_x(rng, m, cfg.hidden)
+    local = {e for e in range(cfg.n_experts) if e % 8 != 5}
+    (o_ref, id_ref), (o_gpu, id_gpu) = run_on_both(_run_real, b, x, m, local)
+    assert np.array_equal(id_ref, id_gpu)
+    assert_close(o_gpu, o_ref, 1e-2, model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule,E,top_k,n_group,topk_group", [
+    ("softmax", 512, 10, 1, 1), ("sigmoid_grouped", 256, 8, 8, 4), ("sqrtsoftplus", 256, 6, 1, 1)])
+def test_routing_real_dims_cuda_vs_twin(rng, rule, E, top_k, n_group, topk_group):
+    m = 32
+    z, bias = tied_inputs(rng, m, E, 24, 2.0)
+
+    def run(dev):
+        zb, bb, ids, w = up(dev, z), up(dev, bias), out(dev, "i32", (m, top_k)), out(dev, "f32", (m, top_k))
+        if rule == "softmax":
+            ops.moe_topk_softmax(dev, zb.ptr, ids.ptr, w.ptr, m, E, top_k)
+        elif rule == "sigmoid_grouped":
+            ops.moe_topk_sigmoid_grouped(dev, zb.ptr, bb.ptr, ids.ptr, w.ptr, m, E, top_k, n_group, topk_group,
+                                         True, 2.5)
+        else:
+            ops.moe_topk_sqrtsoftplus(dev, zb.ptr, bb.ptr, ids.ptr, w.ptr, m, E, top_k, True, 1.5)
+        return get(dev, ids, "i32", (m, top_k)), get(dev, w, "f32", (m, top_k))
+
+    (i_ref, w_ref), (i_gpu, w_gpu) = run_on_both(run)
+    assert np.array_equal(i_ref, i_gpu)
+    assert_close(w_gpu, w_ref, 1e-5)
