@@ -1,0 +1,155 @@
+"""DeepSeek sparse attention (DSA): the lightning indexer picks the top-k cache rows, then absorbed MLA attends
+only those rows (arch_math.md C.2 / C.3).
+
+    qr   = q_a_layernorm(q_a(xn))                   shared with MLA (the indexer reads it, never recomputes it)
+    q    = (qr @ wq_b.T).view(nh, hd);  RoPE on q[:, :rope]   (interleaved GLM-5, neox V3.2: the config flag)
+    k    = LayerNorm(xn @ wk.T; k_norm, eps 1e-6);  RoPE on k[:rope]     -> the indexer cache row (bf16 [hd])
+    w    = xn @ weights_proj.T                      (f32)
+    I[j] = nh^-0.5 hd^-0.5 sum_h w_h relu(q_h . k_j)  for every row j <= t (causal, the new row included)
+    sel  = rows of the min(index_topk, visible) largest I (ties to the lower row), then MLA over sel
+
+The indexer cache is a CacheSpec of bf16 rows of hd in the same PagedKvCache as the latent (same block ids,
+so a slot addresses both). bf16 keeps the scores within bf16 rounding of the reference; vLLM's FP8 + f32
+scale row (132 B instead of 256 B) would halve the bytes a step reads (1 MB at 4096 rows), a later option.
+The indexer's RoPE uses the MLA's frequencies and cos/sin magnitude, at the same positions."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops
+from ..cache.paged import PagedKvCache
+from ..errors import ConfigError
+from ..runtime.backend import Backend
+from ..runtime.ptr import NULL, DevicePtr
+from ..weights.linear import Linear
+from .mla import SLOT_OFFSET, MlaAttention, MlaDims, MlaRope, MlaWeights
+
+INDEX_CACHE = "index_k"
+K_NORM_EPS = 1e-6     # LayerNorm(head_dim, eps=1e-6) in every public implementation
+
+
+@dataclass(frozen=True)
+class IndexerDims:
+    heads: int                   # index_n_heads
+    head_dim: int                # index_head_dim
+    rope: int                    # RoPE on dims [0, rope) of q and k (qk_rope_head_dim)
+    topk: int                    # index_topk
+    interleaved: bool = True     # indexer_rope_interleave
+
+    @property
+    def score_scale(self) -> float:
+        return self.heads ** -0.5 * self.head_dim ** -0.5
+
+
+@dataclass
+class IndexerWeights:
+    wq_b: Linear                 # [heads * head_dim, q_lora]
+    wk: Linear                   # [head_dim, D]
+    k_norm: DevicePtr            # bf16 [head_dim]
+    k_norm_bias: DevicePtr       # bf16 [head_dim]
+    weights_proj: Linear         # [heads, D]
+
+
+class DsaIndexer:
+    """Indexer cache rows for prefill / decode, and the top-k selection of m decode rows."""
+
+    def __init__(self, gpu: Backend, w: IndexerWeights, dims: IndexerDims, rope: MlaRope, kv: PagedKvCache,
+                 max_seq_len: int, q_lora: int, cache: str = INDEX_CACHE, layer: int = 0, max_rows: int = 1,
+                 max_kv_rows: int = 512):
+        nh, hd = dims.heads, dims.head_dim
+        D = w.wk.k
+        for name, lin, n, k in (("wq_b", w.wq_b, nh * hd, q_lora), ("wk", w.wk, hd, D),
+                                ("weights_proj", w.weights_proj, nh, D)):
+            if (lin.n, lin.k) != (n, k):
+                raise ConfigError(f"indexer {name}: expected [{n}, {k}], got [{lin.n}, {lin.k}]")
+        if not 0 < dims.rope <= hd or dims.rope % 2:
+            raise ConfigError(f"indexer rope dims {dims.rope} must be even and within head_dim {hd}")
+        if dims.topk < 1:
+            raise ConfigError(f"index_topk {dims.topk} must be >= 1")
+        spec = kv.specs.get(cache)
+        if spec is None or spec.row_width != hd or spec.dtype != "bf16":
+            raise ConfigError(f"indexer cache {cache!r} must hold bf16 rows of {hd}")
+        self.gpu, self.w, self.d, self.rope, self.kv, self.cache, self.layer = gpu, w, dims, rope, kv, cache, layer
+        self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
+        self.score_stride, self.sel_stride = int(max_seq_len), dims.topk
+        self._inv_freq = gpu.upload(np.asarray(rope.inv_freq, np.float32))
+        r = self.max_rows
+        sizes = {"q": 2 * r * nh * hd, "k": 2 * self.max_kv_rows * hd, "w": 4 * r * nh,
+                 "scores": 4 * r * self.score_stride, "sel": 4 * r * self.sel_stride}
+        self._buf = gpu.alloc(sum(-(-n // 256) * 256 for n in sizes.values()))
+        off, self.ptr = 0, {}
+        for name, n in sizes.items():
+            self.ptr[name] = self._buf.ptr.offset(off)
+            off += -(-n // 256) * 256
+
+    @property
+    def sel(self) -> DevicePtr:
+        """i32 [max_rows, topk]: the rows the last `select` picked (-1 = unused)."""
+        return self.ptr["sel"]
+
+    def write_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                   slot_stride: int, stream=None) -> None:
+        """Indexer cache rows of m normed inputs: LayerNorm(wk xn) with RoPE on its first `rope` dims."""
+        if not 1 <= m <= self.max_kv_rows:
+            raise ConfigError(f"indexer sized for {self.max_kv_rows} cache rows per call, got {m}")
+        gpu, d, k = self.gpu, self.d, self.ptr["k"]
+        hd = d.head_dim
+        ops.linear(gpu, xn, self.w.wk, k, m, stream=stream)
+        ops.layer_norm_bias(gpu, k, self.w.k_norm, self.w.k_norm_bias, k, m, hd, K_NORM_EPS, stream=stream)
+        ops.rope(gpu, k, pos, pos_stride, m, 1, hd, d.rope, 0, hd, hd, self._inv_freq.ptr, d.interleaved,
+                 self.rope.mscale, stream=stream)
+        ops.reshape_and_cache(gpu, k, hd, slots, slot_stride, self.kv.base(self.cache, self.layer), m, hd, hd, 0,
+                              stream=stream)
+
+    def select(self, xn: DevicePtr, qr: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
+               stream=None) -> DevicePtr:
+        """Write the m decode rows' own indexer rows (slots from the slabs), score every visible row and leave
+        the top-k in `sel`; returns `sel`."""
+        if not 1 <= m <= self.max_rows:
+            raise ConfigError(f"indexer sized for {self.max_rows} decode rows, got {m}")
+        gpu, d, p = self.gpu, self.d, self.ptr
+        nh, hd = d.heads, d.head_dim
+        self.write_rows(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
+        ops.linear(gpu, qr, self.w.wq_b, p["q"], m, stream=stream)
+        ops.rope(gpu, p["q"], meta, meta_stride, m, nh, hd, d.rope, 0, nh * hd, hd, self._inv_freq.ptr,
+                 d.interleaved, self.rope.mscale, stream=stream)
+        ops.linear(gpu, xn, self.w.weights_proj, p["w"], m, out_dtype="f32", stream=stream)
+        cache = self.kv.base(self.cache, self.layer)
+        ops.dsa_index_scores(gpu, p["q"], p["w"], cache, meta, meta_stride, p["scores"], m, nh, hd,
+                             self.score_stride, d.score_scale, stream=stream)
+        ops.dsa_topk(gpu, p["scores"], self.score_stride, meta, meta_stride, p["sel"], self.sel_stride, m, d.topk,
+                     stream=stream)
+        return p["sel"]
+
+
+class DsaMlaAttention(MlaAttention):
+    """MLA whose attention runs over the indexer's selection: cache writes add the indexer row to the latent
+    row; the decode forward hands MLA's q latent to the indexer between MLA's q projection and attention."""
+
+    def __init__(self, gpu: Backend, w: MlaWeights, dims: MlaDims, rope: MlaRope, kv: PagedKvCache,
+                 indexer: DsaIndexer, cache: str = "latent", layer: int = 0, max_rows: int = 1,
+                 max_kv_rows: int = 512):
+        if w.q_a is None:
+            raise ConfigError("DSA needs the q LoRA (its normed latent is the indexer's query input)")
+        super().__init__(gpu, w, dims, rope, kv, cache=cache, layer=layer, max_rows=max_rows, max_kv_rows=max_kv_rows)
+        self.indexer = indexer
+
+    def write_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                   slot_stride: int, stream=None) -> None:
+        super().write_rows(xn, m, pos, pos_stride, slots, slot_stride, stream)
+        self.indexer.write_rows(xn, m, pos, pos_stride, slots, slot_stride, stream)
+
+    def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
+                sel: DevicePtr = NULL, sel_stride: int = 0, stream=None) -> None:
+        """As MlaAttention.forward, attending the indexer's top-k rows (a caller's `sel` is not accepted)."""
+        if int(sel):
+            raise ConfigError("DSA attention picks its own rows; pass no sel")
+        if not 1 <= m <= self.max_rows:
+            raise ConfigError(f"MLA sized for {self.max_rows} decode rows, got {m}")
+        super().write_rows(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
+        qr = self.q_latent(xn, m, stream)
+        self.absorbed_q(qr, m, meta, meta_stride, stream)
+        chosen = self.indexer.select(xn, qr, m, meta, meta_stride, stream)
+        self.attend(out, m, meta, meta_stride, chosen, self.indexer.sel_stride, stream)

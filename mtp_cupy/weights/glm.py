@@ -1,0 +1,233 @@
+"""GLM-5 (`glm_moe_dsa`) MTP checkpoint keys (arch_math.md C.3), per-rank shard loading, tiny checkpoint.
+
+The MTP module is `model.layers.{num_hidden_layers}.*`: enorm, hnorm, eh_proj, shared_head.norm and a full
+decoder layer (DSA attention with `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}` + routed MoE). It has
+no embedding or head of its own: `model.embed_tokens.weight` and `lm_head.weight` are the target's (the
+layer's own copies, when a converter added them, are the fallback).
+
+Sharding over `world` ranks (rank r), as a text layer is sharded; world 1 loads everything:
+  attention  heads split contiguously: rank r owns heads [r H/W, (r+1) H/W): its rows of q_b_proj and
+             kv_b_proj (and W_UK^T), its columns of o_proj (row-parallel: each rank's o_proj output is a
+             partial sum, all-reduced). The latent (q_a, kv_a, their norms, the 576-wide cache row) is shared
+             by all heads, so it is replicated, as is the indexer (every rank computes the same top-k from
+             the same all-reduced input; sharding its heads would need an all-reduce of every score).
+  MoE        routed experts split contiguously: rank r owns experts [r E/W, (r+1) E/W) (EP; vLLM's expert
+             map); the router is replicated; the shared expert is tensor-parallel (its intermediate split
+             contiguously: gate/up rows, down columns), so each rank's MoE output is a partial sum,
+             all-reduced.
+  LM head    vocab split contiguously when vocab % W == 0 (rank r sweeps [r V/W, (r+1) V/W)); the whole
+             head otherwise. The embedding is replicated (any rank embeds any token).
+A sub-tensor keeps its stored format when its bounds fall on the 128x128 scale blocks (or the format has
+none); otherwise it is dequantised to BF16 on the host."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..layers.dsa import IndexerWeights
+from ..runtime.backend import Backend
+from ..runtime.dtypes import BF16
+from . import quant_host as qh
+from .config import GlmMoeDsaConfig
+from .deepseek_v3 import (GROUPED_FORMATS, NORMS, DeepseekV3MtpWeights, expert_keys, first_present, mtp_keys,
+                          tiny_tensors, transpose_uk)
+from .linear import FORMATS, Linear
+from .loader import WeightLoader, dequant_linear, detect_linear
+from .safetensors_io import Checkpoint
+from .writer import write_checkpoint
+
+BLOCK = 128
+
+
+def glm_keys(cfg: GlmMoeDsaConfig) -> dict[str, str]:
+    """Role -> key (prefix for projections): the DeepSeek-V3 roles plus the indexer's."""
+    k = mtp_keys(cfg)
+    i = cfg.mtp_prefix + "self_attn.indexer."
+    k.update({"wq_b": i + "wq_b", "wk": i + "wk", "weights_proj": i + "weights_proj",
+              "k_norm": i + "k_norm.weight", "k_norm_bias": i + "k_norm.bias"})
+    return k
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Rank `rank` of `world`: which heads, experts, shared-expert columns and vocab rows it holds."""
+    rank: int = 0
+    world: int = 1
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """(start, count) of this rank's contiguous equal part of n."""
+        if n % self.world:
+            raise ConfigError(f"{what} ({n}) does not divide over {self.world} ranks")
+        per = n // self.world
+        return self.rank * per, per
+
+    def vocab(self, vocab: int) -> tuple[int, int]:
+        """This rank's head rows; the whole vocab when it does not divide (the head is then unsharded)."""
+        return self.split(vocab, "vocab") if vocab % self.world == 0 else (0, vocab)
+
+
+@dataclass(kw_only=True)
+class GlmMtpWeights(DeepseekV3MtpWeights):
+    """DeepseekV3MtpWeights of this rank's shard (q_b, kv_b, w_uk_t, o_proj: its heads; experts: its own;
+    shared: its slice; head: its vocab rows) plus the indexer."""
+    indexer: IndexerWeights
+    shard: Shard
+    heads: tuple[int, int]               # (first head, count) held
+    head_v0: int                         # head rows [head_v0, head_v0 + head.n)
+
+
+def _aligned(start: int, count: int, full: int) -> bool:
+    return start % BLOCK == 0 and ((start + count) % BLOCK == 0 or start + count == full)
+
+
+def _upload_bf16(gpu: Backend, w: np.ndarray) -> Linear:
+    buf = gpu.upload(np.ascontiguousarray(np.asarray(w, np.float32).astype(BF16)))
+    return Linear("bf16", w.shape[0], w.shape[1], buf.ptr, owners=[buf])
+
+
+def load_part(wl: WeightLoader, prefix: str, n: int, k: int, rows: tuple[int, int] | None = None,
+              cols: tuple[int, int] | None = None, allow=FORMATS) -> Linear:
+    """Rows [r0, r0 + nr) x columns [c0, c0 + nc) of projection `prefix` ([n, k]), in its stored format when
+    the slice keeps whole scale blocks and the format is in `allow`, else BF16 dequantised on the host."""
+    (r0, nr), (c0, nc) = rows or (0, n), cols or (0, k)
+    src = detect_linear(wl.ckpt, prefix)
+    if (r0, nr, c0, nc) == (0, n, 0, k) and src.fmt in allow:
+        return wl.linear(prefix, n, k)
+    wl.ckpt.check(src.weight, (n, k) if src.fmt not in ("nvfp4", "mxfp4") else (n, k // 2))
+    rs, cs = slice(r0, r0 + nr), slice(c0, c0 + nc)
+    if src.fmt == "bf16" and "bf16" in allow:
+        return _upload_bf16(wl.gpu, wl.ckpt.numpy(src.weight)[rs, cs])
+    if src.fmt in ("fp8_block", "fp8_block_e8m0") and src.fmt in allow and _aligned(r0, nr, n) and _aligned(c0, nc, k):
+        q = np.ascontiguousarray(wl.ckpt.numpy(src.weight)[rs, cs])
+        s = np.ascontiguousarray(wl.ckpt.numpy(src.scale)[r0 // BLOCK: -(-(r0 + nr) // BLOCK),
+                                                          c0 // BLOCK: -(-(c0 + nc) // BLOCK)])
+        qb, sb = wl.gpu.upload(q), wl.gpu.upload(s)
+        return Linear(src.fmt, nr, nc, qb.ptr, sb.ptr, owners=[qb, sb])
+    return _upload_bf16(wl.gpu, dequant_linear(wl.ckpt, prefix)[rs, cs])
+
+
+def _uk_t(wl: WeightLoader, prefix: str, H: int, dn: int, dv: int, C: int, h0: int, hl: int) -> Linear:
+    """W_UK^T rows of heads [h0, h0 + hl): [hl * C, dn] (see deepseek_v3.transpose_uk)."""
+    full = transpose_uk(wl.gpu, wl.ckpt, prefix, H, dn, dv, C)
+    if hl == H:
+        return full
+    if full.fmt == "bf16" or _aligned(h0 * C, hl * C, H * C):
+        return full.rows(h0 * C, hl * C)
+    w = dequant_linear(wl.ckpt, prefix).reshape(H, dn + dv, C)[h0:h0 + hl, :dn]      # [hl, dn, C]
+    return _upload_bf16(wl.gpu, w.transpose(0, 2, 1).reshape(hl * C, dn))
+
+
+def load_glm_weights(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Shard(),
+                     progress: bool | None = None) -> GlmMtpWeights:
+    """This rank's shard of the GLM MTP layer at `path` on `gpu`."""
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(Path(path))
+    if not cfg.has_indexer or not cfg.q_lora_rank:
+        raise ConfigError("glm_moe_dsa MTP needs the DSA indexer (index_topk > 0) and a q LoRA")
+    if not cfg.mtp_is_moe:
+        raise ConfigError(f"the MTP layer {cfg.num_hidden_layers} is dense (first_k_dense_replace "
+                          f"{cfg.first_k_dense_replace}); only a MoE MTP layer is supported")
+    K = glm_keys(cfg)
+    D, V, H, ql = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.q_lora_rank
+    C, dn, dr, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+    E, inter, nh, hd = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.index_n_heads, cfg.index_head_dim
+    h0, hl = shard.split(H, "attention heads")
+    e0, el = shard.split(E, "routed experts")
+    si = inter * cfg.n_shared_experts
+    s0, sl = shard.split(si, "shared-expert intermediate") if cfg.n_shared_experts else (0, 0)
+    v0, vn = shard.vocab(V)
+    with WeightLoader(gpu, ckpt, progress=progress) as wl:
+        embed = wl.tensor(first_present(ckpt, *cfg.embed_keys, K["embed_copy"]), (V, D), as_dtype="bf16")
+        head_key = first_present(ckpt, *cfg.head_keys, K["head_copy"]).removesuffix(".weight")
+        norms = {n: wl.tensor(K[n], (D,), as_dtype="bf16") for n in NORMS}
+        norms["q_a_layernorm"] = wl.tensor(K["q_a_layernorm"], (ql,), as_dtype="bf16")
+        norms["kv_a_layernorm"] = wl.tensor(K["kv_a_layernorm"], (C,), as_dtype="bf16")
+        kn, kb = (wl.tensor(K[n], (hd,), as_dtype="bf16") for n in ("k_norm", "k_norm_bias"))
+        bias = wl.tensor(K["bias"], (E,), as_dtype="f32")
+        experts = {}
+        for e in range(e0, e0 + el):
+            g, u, d = expert_keys(cfg, e)
+            experts[e] = (wl.linear(g, inter, D), wl.linear(u, inter, D), wl.linear(d, D, inter))
+        shared = None
+        if cfg.n_shared_experts:
+            g, u, d = expert_keys(cfg, None)
+            shared = (load_part(wl, g, si, D, rows=(s0, sl)), load_part(wl, u, si, D, rows=(s0, sl)),
+                      load_part(wl, d, D, si, cols=(s0, sl)))
+        indexer = IndexerWeights(wq_b=wl.linear(K["wq_b"], nh * hd, ql), wk=wl.linear(K["wk"], hd, D),
+                                 k_norm=kn.ptr, k_norm_bias=kb.ptr,
+                                 weights_proj=wl.linear(K["weights_proj"], nh, D))
+        return GlmMtpWeights(
+            embed=embed.ptr, head=load_part(wl, head_key, V, D, rows=(v0, vn)),
+            norms={n: b.ptr for n, b in norms.items()}, eh_proj=wl.linear(K["eh_proj"], D, 2 * D),
+            q_a=wl.linear(K["q_a_proj"], ql, D),
+            q_b=load_part(wl, K["q_b_proj"], H * (dn + dr), ql, rows=(h0 * (dn + dr), hl * (dn + dr)),
+                          allow=GROUPED_FORMATS),
+            kv_a=wl.linear(K["kv_a_proj_with_mqa"], C + dr, D),
+            w_uk_t=_uk_t(wl, K["kv_b_proj"], H, dn, dv, C, h0, hl),
+            kv_b=load_part(wl, K["kv_b_proj"], H * (dn + dv), C, rows=(h0 * (dn + dv), hl * (dn + dv)),
+                           allow=GROUPED_FORMATS),
+            o_proj=load_part(wl, K["o_proj"], D, H * dv, cols=(h0 * dv, hl * dv)),
+            router=wl.linear(K["gate"], E, D), bias=bias.ptr, experts=experts, shared=shared,
+            owners=[embed, *norms.values(), kn, kb, bias], indexer=indexer, shard=shard, heads=(h0, hl), head_v0=v0)
+
+
+# -- tiny checkpoint -----------------------------------------------------------------------------------
+# Small but faithful: separate nope/rope/v dims (rope 64 as GLM-5's, so a latent row of 64 + 64 fits the
+# attention kernel's 64-column tiles), q and kv LoRA, 8 indexer heads of 64 with index_topk 8 (the sparse
+# pick drops rows once a sequence holds more than 8; with 8 heads a row whose every relu is 0, an exact
+# score tie, is rare), 16 experts top-4 with no group limit (n_group 1, GLM-5's routing), vocab 512
+# (divides over 2, 4 and 8 ranks), the MTP layer at index num_hidden_layers = 2 with no embedding / head
+# copies (GLM checkpoints carry none).
+TINY_DIMS = dict(hidden_size=256, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+                 qk_rope_head_dim=64, v_head_dim=32, index_n_heads=8, index_head_dim=64, index_topk=8,
+                 n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1, moe_intermediate_size=64,
+                 n_shared_experts=1, vocab_size=512, num_hidden_layers=2, first_k_dense_replace=1,
+                 intermediate_size=512, rms_norm_eps=1e-5, routed_scaling_factor=2.5, rope_theta=10000.0)
+
+
+def tiny_config(fmt: str = "bf16", **dims) -> dict:
+    """config.json of a tiny GLM-5 (HF names; unknown keys in `dims` are an error)."""
+    bad = set(dims) - set(TINY_DIMS)
+    if bad:
+        raise ValueError(f"unknown dims {sorted(bad)}; known: {sorted(TINY_DIMS)}")
+    c = {**TINY_DIMS, **dims}
+    c.update(model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"], hidden_act="silu",
+             scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1,
+             tie_word_embeddings=False, rope_interleave=True, indexer_rope_interleave=True,
+             rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
+             max_position_embeddings=4096, torch_dtype="bfloat16", num_key_value_heads=c["num_attention_heads"],
+             head_dim=c["qk_rope_head_dim"])
+    if fmt == "fp8":
+        c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                    "weight_block_size": [BLOCK, BLOCK]}
+    return c
+
+
+def write_tiny_checkpoint(path, seed: int = 0, fmt: str = "bf16", **dims) -> Path:
+    """A small random GLM-5 MTP checkpoint (config.json + model.safetensors) in the real key layout at `path`.
+    fmt "bf16" (GLM-5's BF16 release) or "fp8" (block FP8 projections with weight_scale_inv; eh_proj, router,
+    weights_proj, norms, embedding and head BF16). `dims` override TINY_DIMS (HF names)."""
+    if fmt not in ("fp8", "bf16"):
+        raise ValueError(f"fmt {fmt!r}: choose fp8 or bf16")
+    cfg = tiny_config(fmt, **dims)
+    tensors = tiny_tensors(cfg, seed, fmt, top_level=True, layer_copies=False)
+    c = GlmMoeDsaConfig.from_dict(cfg)
+    K = glm_keys(c)
+    rng = np.random.default_rng(seed + 7919)
+    D, nh, hd, ql = c.hidden_size, c.index_n_heads, c.index_head_dim, c.q_lora_rank
+
+    def lin(n: int, k: int) -> np.ndarray:
+        return (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+
+    for role, w, as_fmt in (("wq_b", lin(nh * hd, ql), fmt), ("wk", lin(hd, D), fmt),
+                            ("weights_proj", lin(nh, D), "bf16")):
+        if as_fmt == "fp8":
+            q, s = qh.quant_fp8_block(w)
+            tensors.update({K[role] + ".weight": q, K[role] + ".weight_scale_inv": s})
+        else:
+            tensors[K[role] + ".weight"] = w.astype(BF16)
+    tensors[K["k_norm"]] = (1.0 + 0.1 * rng.standard_normal(hd)).astype(BF16)
+    tensors[K["k_norm_bias"]] = (0.1 * rng.standard_normal(hd)).astype(BF16)
+    return Path(write_checkpoint(path, tensors, config=cfg))
