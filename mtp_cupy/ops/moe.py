@@ -55,10 +55,11 @@ def _check_gemv(name: str, fmt: str, n_pairs: int, n_slots: int, n_experts: int,
          f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
 
 
-def _expert_launch(gpu, name: str, n: int, k: int, fmt: str, outputs_per_warp: int, n_pairs: int):
+def _expert_launch(gpu, name: str, n: int, k: int, fmt: str, outputs_per_warp: int, n_pairs: int, n_slots: int):
     """Grid and block (32, ks, 8 / ks) of an expert launch: ks warps split K when the row tiles alone
     (n / outputs_per_warp per pair) would leave the GPU short of warps, keeping >= 2 chunks per lane."""
-    tiles = -(-n // outputs_per_warp) * n_pairs
+    # batch-invariant: split K as for one row's pairs (n_slots = top_k), whatever the number of rows
+    tiles = -(-n // outputs_per_warp) * (min(n_pairs, n_slots) if gpu.batch_invariant else n_pairs)
     chunks = k // CHUNK[fmt]
     ks = 1
     while ks < WARPS and tiles * ks < TARGET_WARPS and chunks >= 64 * 2 * ks:
@@ -73,7 +74,7 @@ def moe_gemv(gpu, table, fmt: str, ids, n_pairs: int, n_slots: int, n_experts: i
     chosen expert's weight is streamed once. x bf16."""
     name = f"moe_gemv_{fmt}"
     _check_gemv(name, fmt, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
-    _expert_launch(gpu, name, n, k, fmt, 4, n_pairs).arg_ptr(table).arg_ptr(ids).arg_u32(n_pairs) \
+    _expert_launch(gpu, name, n, k, fmt, 4, n_pairs, n_slots).arg_ptr(table).arg_ptr(ids).arg_u32(n_pairs) \
         .arg_u32(n_slots).arg_u32(n_experts).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(y) \
         .arg_u32(n).arg_u32(k).launch(stream)
 
@@ -86,7 +87,7 @@ def moe_gate_up(gpu, table_gate, table_up, fmt: str, ids, n_pairs: int, n_slots:
     need(fmt != "f32", f"{name}: f32 experts are not supported")
     _check_gemv(name, fmt, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
     need(limit >= 0, f"{name}: negative swiglu limit {limit}")
-    _expert_launch(gpu, name, n, k, fmt, 2, n_pairs).arg_ptr(table_gate).arg_ptr(table_up).arg_ptr(ids) \
+    _expert_launch(gpu, name, n, k, fmt, 2, n_pairs, n_slots).arg_ptr(table_gate).arg_ptr(table_up).arg_ptr(ids) \
         .arg_u32(n_pairs).arg_u32(n_slots).arg_u32(n_experts).arg_ptr(x).arg_u32(x_row_stride) \
         .arg_u32(x_slot_stride).arg_ptr(h).arg_u32(n).arg_u32(k).arg_f32(limit).launch(stream)
 

@@ -35,14 +35,17 @@ def _smem_bytes(dk: int, dv: int, sep_v: bool, fp8: bool) -> int:
     return b + 2 * 32 * 40 * 2 + 32 * 4 + 2 * 32 * 4
 
 
-def _splits(num_seqs: int, head_blocks: int) -> int:
-    return max(1, min(_MAX_SPLITS, -(-_TARGET_BLOCKS // (num_seqs * head_blocks))))
+def _splits(num_seqs: int, head_blocks: int, invariant: bool = False) -> int:
+    """Row chunks per sequence. Batch-invariant: chosen as for one sequence, so a sequence's chunking (and
+    the combine order of its partials) does not depend on how many others run beside it."""
+    seqs = 1 if invariant else num_seqs
+    return max(1, min(_MAX_SPLITS, -(-_TARGET_BLOCKS // (seqs * head_blocks))))
 
 
-def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: int) -> int:
+def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: int, invariant: bool = False) -> int:
     """Partials of `num_seqs` sequences: f32 [seqs, splits, heads, dv] + (m, l) [seqs, splits, heads, 2].
     head_blocks: ceil(heads / 32) for mla_decode, q_heads / min(32, q_heads // kv_heads) for gqa_decode."""
-    return 4 * num_seqs * _splits(num_seqs, head_blocks) * heads * (dv + 2)
+    return 4 * num_seqs * _splits(num_seqs, head_blocks, invariant) * heads * (dv + 2)
 
 
 def _workspace(gpu, nbytes: int) -> DevicePtr:
@@ -55,9 +58,9 @@ def _workspace(gpu, nbytes: int) -> DevicePtr:
 
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace):
     """The partial-pass launch with its geometry set, and where its partials go."""
-    splits = _splits(num_seqs, head_blocks)
+    splits = _splits(num_seqs, head_blocks, gpu.batch_invariant)
     ws = DevicePtr(int(workspace)) if workspace else \
-        _workspace(gpu, attention_workspace_bytes(num_seqs, heads, dv, head_blocks))
+        _workspace(gpu, attention_workspace_bytes(num_seqs, heads, dv, head_blocks, gpu.batch_invariant))
     k = launch(gpu, "paged_attention", name)
     k.grid(splits, head_blocks, num_seqs).block(_THREADS).shared(smem)
     return k, ws, ws.offset(4 * num_seqs * splits * heads * dv), splits

@@ -41,6 +41,8 @@ class DeepseekV3Target:
         if not isinstance(cfg, DeepseekV3Config):
             raise ConfigError(f"{path} is a {cfg.family} checkpoint; the target runner reads deepseek_v3")
         self.gpu, self.cfg, self.max_seq_len, self.R = gpu, cfg, int(max_seq_len), int(rows_per_pass)
+        # verify rows must compute exactly as decode rows do, or greedy speculation drifts at near-ties
+        gpu.batch_invariant = True
         D, V, eps = cfg.hidden_size, cfg.vocab_size, float(cfg.rms_norm_eps)
         self.vocab_size, self.hidden_size, self.eps = V, D, eps
         dims = MlaDims(cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,

@@ -138,9 +138,10 @@ def _expert_products(dev, fmt, tabs, ids, n_pairs, n_slots, n_experts, x, xrs, x
             groups.setdefault(tuple(t[ex] for t in tables), []).append(q)
     out = np.zeros((n_pairs, len(tabs), N), F32)
     for entries, qs in groups.items():
-        X = np.stack([xs[q] for q in qs], axis=1)
+        # float64 products: a pair's result must not depend on which other pairs share its expert
+        X = np.stack([xs[q] for q in qs], axis=1).astype(np.float64)
         for j, entry in enumerate(entries):
-            out[qs, j] = (dequant(dev, fmt, *entry, N, K) @ X).T
+            out[qs, j] = (dequant(dev, fmt, *entry, N, K).astype(np.float64) @ X).T
     return out
 
 
