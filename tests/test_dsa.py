@@ -8,7 +8,7 @@ from mtp_cupy import ops
 from mtp_cupy.runtime.arena import pack_mtp_attn_meta
 from helpers import assert_close, get, out, rand_bf16, run_on_both, up
 
-SLAB = 1024   # metadata slab per sequence: pos @0, slot @8, seq_len @16, table @256 (<= 192 blocks)
+SLAB = 2048   # metadata slab per sequence: pos @0, slot @8, seq_len @16, table @256 (<= 448 blocks)
 
 
 def paged(rng, seq_lens, width):
