@@ -2,11 +2,57 @@
 // Shared argument tail of every kernel: (x, y, M, N, K, x_stride, y_stride, out_f32): x bf16 rows
 // x + m*x_stride; y rows y + m*y_stride, bf16 or (out_f32 != 0) f32. fp32 accumulation, no atomics.
 //
-// Geometry (set by ops/gemv.py; results do not depend on it beyond fp32 summation order):
-// block (32, KS, 8/KS): warp (threadIdx.y, threadIdx.z) sums k-slice y of row tile z; the KS partial
-// sums meet in shared memory and are added in slice order. x is tiny next to W and re-read by every
-// warp, so it goes through L1 (__ldg) instead of being staged in shared memory: no 48 KB limit on K.
+// Streaming GEMV kernels (the defaults). Geometry is set by ops/gemv.py; results do not depend on it
+// beyond fp32 summation order:
+//   grid.x blocks of (32, KS) threads, a persistent grid: block b owns the row tiles b, b + gridDim.x, ...
+//   Its KS warps split every tile's k range, which is cut into units of one pipeline stage each; warp ks
+//   takes units ks, ks + KS, ... Each warp streams its (tile, unit) sequence through a private ring of
+//   S stages in dynamic shared memory with cp.async (16-byte copies that bypass L1), S - 1 stages ahead
+//   of the math and across tile boundaries, so its loads stay in flight while it computes. S is what the
+//   dynamic shared memory holds: S = (dynamic bytes - reduction area) / (KS * stage bytes).
+//   KS > 1: per tile the warps meet once (__syncthreads) and add their partials in slice order, through a
+//   double-buffered reduction area after the rings.
+// x is tiny next to W and re-read by every warp, so it goes through L1 (__ldg): no limit on K.
+// Kernels named *_v0 are the previous register-round kernels, kept for side-by-side benchmarks.
 #include "common.cuh"
+
+extern __shared__ __align__(16) uint4 g_dsm[];  // dynamic shared memory of the streaming kernels
+
+__device__ __forceinline__ u32 dyn_smem_bytes() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// 16 bytes of a streamed weight, global -> shared, cached in L2 only, 256-byte L2 fetches; ok == false
+// zero-fills without reading (callers still pass an in-bounds address).
+__device__ __forceinline__ void cp_async_stream(uint4* smem, const void* gmem, bool ok) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Wait until at most n of this thread's copy groups are pending (n > 7 waits for 7: stricter, still right).
+__device__ __forceinline__ void cp_async_wait_n(u32 n) {
+    switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+    }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 // Weights are read exactly once: non-coherent, no L1 allocation (L1 stays for x). Callers keep p in
 // bounds and zero what they do not want, so the loads stay unpredicated and all in flight together.
@@ -37,8 +83,9 @@ __device__ __forceinline__ u32 word(const uint4& v, int i) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// dense_gemv_bf16: one x row per blockIdx.y, warp per 2 rows, lane l reads 16-byte chunks
-// l, l+32*KS, ... of its k-slice: each warp load is 512 contiguous bytes of one row.
+// dense_gemv_bf16_v0 (the previous m = 1 kernel): one x row per blockIdx.y, block (32, KS, 8 / KS), warp
+// per 2 rows, lane l reads 16-byte chunks l, l+32*KS, ... of its k-slice in register rounds: each warp load
+// is 512 contiguous bytes of one row; the KS partial sums meet in shared memory in slice order.
 
 constexpr int G_ROWS = 2, G_UNROLL = 4;
 
@@ -65,7 +112,7 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
     return acc;
 }
 
-extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16(
+extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_v0(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
     __shared__ float red[8][G_ROWS];
@@ -110,8 +157,97 @@ extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16(
 }
 
 // ---------------------------------------------------------------------------------------------
+// dense_gemv_bf16: streaming FMA GEMV, one x row per blockIdx.y. Tile: FR weight rows; unit: 32 * FC
+// 16-byte chunks of each row (FR * FC * 512 bytes a stage). Lane l copies, and later reads back, chunks
+// l, l + 32, ... of the unit: every warp copy is 512 contiguous bytes of one row and no lane reads another
+// lane's copies (no warp syncs needed).
+
+constexpr int FR = 2, FC = 2;
+
+extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    constexpr u32 STAGE = FR * FC * 32;  // uint4 per warp and stage
+    const u32 lane = threadIdx.x, ks = threadIdx.y, KS = blockDim.y, m = blockIdx.y;
+    if (m >= M) return;
+    const u32 KC = K / 8, UC = 32 * FC, NU = (KC + UC - 1) / UC, T = (N + FR - 1) / FR;
+    const u32 ntile = blockIdx.x < T ? (T - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const u32 nunit = ks < NU ? (NU - 1 - ks) / KS + 1 : 0;
+    const u32 red_bytes = KS > 1 ? 2 * KS * FR * 4 : 0;
+    const u32 S = (dyn_smem_bytes() - red_bytes) / (KS * STAGE * 16);  // >= 1 (launcher)
+    uint4* const ring = g_dsm + ks * S * STAGE + lane;
+    float* const red = (float*)(g_dsm + KS * S * STAGE);
+    const uint4* xr = (const uint4*)(x + (u64)m * x_stride);
+
+    u32 it = 0, iu = 0, islot = 0, left = ntile * nunit;  // issue side: next tile, unit, ring slot
+    auto issue = [&]() {
+        if (left) {
+            --left;
+            const u32 row0 = (blockIdx.x + it * gridDim.x) * FR, c0 = (ks + iu * KS) * UC + lane;
+            uint4* dst = ring + islot * STAGE;
+#pragma unroll
+            for (int r = 0; r < FR; ++r) {
+                const uint4* wr = (const uint4*)(W + (u64)min(row0 + r, N - 1) * K);
+#pragma unroll
+                for (int c = 0; c < FC; ++c) {
+                    const u32 ch = c0 + c * 32;
+                    cp_async_stream(dst + (r * FC + c) * 32, wr + (ch < KC ? ch : 0), ch < KC);
+                }
+            }
+            if (++iu == nunit) { iu = 0; ++it; }
+            if (++islot == S) islot = 0;
+        }
+        cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    };
+
+    for (u32 p = 1; p < S; ++p) issue();
+    u32 cslot = 0;
+    for (u32 i = 0; i < ntile; ++i) {
+        const u32 row0 = (blockIdx.x + i * gridDim.x) * FR;
+        float acc[FR] = {};
+        for (u32 j = 0; j < nunit; ++j) {
+            issue();
+            const u32 c0 = (ks + j * KS) * UC + lane;
+            uint4 xv[FC];
+#pragma unroll
+            for (int c = 0; c < FC; ++c) {
+                const u32 ch = c0 + c * 32;
+                xv[c] = ch < KC ? __ldg(xr + ch) : make_uint4(0, 0, 0, 0);
+            }
+            cp_async_wait_n(S - 1);
+            const uint4* src = ring + cslot * STAGE;
+#pragma unroll
+            for (int c = 0; c < FC; ++c)
+#pragma unroll
+                for (int r = 0; r < FR; ++r) acc[r] = dot8(src[(r * FC + c) * 32], xv[c], acc[r]);
+            if (++cslot == S) cslot = 0;
+        }
+#pragma unroll
+        for (int r = 0; r < FR; ++r) acc[r] = warp_sum(acc[r]);
+        if (KS == 1) {
+            if (lane == 0)
+#pragma unroll
+                for (int r = 0; r < FR; ++r)
+                    if (row0 + r < N) store_out(y, (u64)m * y_stride + row0 + r, acc[r], out_f32);
+        } else {
+            float* rb = red + (i & 1) * KS * FR;  // double buffer: tile i + 2 writes after tile i + 1's sync
+            if (lane == 0)
+#pragma unroll
+                for (int r = 0; r < FR; ++r) rb[ks * FR + r] = acc[r];
+            __syncthreads();
+            if (ks == 0 && lane < FR && row0 + lane < N) {
+                float s = rb[lane];
+                for (u32 q = 1; q < KS; ++q) s += rb[q * FR + lane];
+                store_out(y, (u64)m * y_stride + row0 + lane, s, out_f32);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Tensor-core GEMV (mma.sync m16n8k16, bf16 in, fp32 accumulate) for M > 1 and every quantised
-// format. A = 16 weight rows, B = up to 8 x rows per n-tile. At step s lane (g, t) holds the 16-byte
+// format; mma_stream is the default, mma_gemv the previous register-round version (the _v0 kernels).
+// A = 16 weight rows, B = up to 8 x rows per n-tile. At step s lane (g, t) holds the 16-byte
 // chunk 4s+t of weight rows g and g+8 and, as B, the same k range of x row g (+8 per n-tile): a dot
 // product does not care which k sits in which fragment slot, as long as A and B agree. Weights are
 // decoded to bf16 in registers (exactly: every e4m3 / e2m1*e4m3 / e2m1*e8m0 value fits in bf16).
@@ -332,71 +468,254 @@ __device__ __forceinline__ void mma_gemv(const u8* W, const void* S, float scale
     }
 }
 
-// M <= 8, one pass over W.
-extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batchm(
+// Streaming tensor-core GEMV (the default for M > 1 and every quantised format). Tile: 16 * RT weight
+// rows; unit: CH = 8 chunks (128 bytes) of each row, i.e. two mma steps of 4 chunks. Copies run along
+// rows (8 lanes per row, 4 rows per warp copy); lane (g, t) then reads the chunks 4s + t of rows g, g + 8
+// that the fragment layout above wants, so the warp syncs around each stage. Chunk c of ring row r sits at
+// r * CH + (c ^ 4 * (r & 1)): both the copies and the fragment reads are free of bank conflicts.
+template <int F, int MT, int RT>
+__device__ __forceinline__ void mma_stream(const u8* W, const void* S, float scale2, const u16* x, void* y,
+                                           u32 M, u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
+{
+    constexpr int KC = kchunk<F>(), NM = KC / 4, CH = 8, TR = 16 * RT, E = RT * MT * 4;
+    constexpr u32 STAGE = TR * CH;  // uint4 per warp and stage
+    constexpr bool FP4 = F == NVFP4 || F == MXFP4, BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0;
+    const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3, ks = threadIdx.y, KS = blockDim.y;
+    const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH, T = (N + TR - 1) / TR;
+    const u32 ntile = blockIdx.x < T ? (T - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+    const u32 nunit = ks < NU ? (NU - 1 - ks) / KS + 1 : 0;
+    const u64 rowbytes = (u64)K * (F == BF16 ? 2 : 1) / (FP4 ? 2 : 1);
+    const u32 red_bytes = KS > 1 ? 2 * KS * E * 32 * 4 : 0;
+    const u32 NS = (dyn_smem_bytes() - red_bytes) / (KS * STAGE * 16);  // ring stages, >= 1 (launcher)
+    uint4* const ring = g_dsm + ks * NS * STAGE;
+    float* const red = (float*)(g_dsm + KS * NS * STAGE);
+
+    const u32 cc = lane & 7, cr = lane >> 3;  // this lane copies chunk cc of rows 4i + cr
+    u32 it = 0, iu = 0, islot = 0, left = ntile * nunit;
+    auto issue = [&]() {
+        if (left) {
+            --left;
+            const u32 row0 = (blockIdx.x + it * gridDim.x) * TR, c0 = (ks + iu * KS) * CH, ch = c0 + cc;
+            const bool ok = ch < KCH;
+            uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
+#pragma unroll
+            for (int i = 0; i < TR / 4; ++i) {
+                const u32 r = 4 * i + cr;
+                cp_async_stream(dst + r * CH, W + (u64)min(row0 + r, N - 1) * rowbytes + (ok ? ch : 0) * 16u, ok);
+            }
+            if (FP4 && lane < TR)  // this unit's block scales: into L2 now, read (through L1) when consumed
+                prefetch_l2((const u8*)S + (u64)min(row0 + lane, N - 1) * (F == NVFP4 ? K / 16 : K / 32) +
+                            c0 * (F == NVFP4 ? 2 : 1));
+            if (++iu == nunit) { iu = 0; ++it; }
+            if (++islot == NS) islot = 0;
+        }
+        cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    };
+
+    for (u32 p = 1; p < NS; ++p) issue();
+    u32 cslot = 0;
+    const float fm = F == NVFP4 ? scale2 * 256.f : F == MXFP4 ? 0x1p64f : 1.f;  // undo fp4_scale
+    for (u32 i = 0; i < ntile; ++i) {
+        const u32 row0 = (blockIdx.x + i * gridDim.x) * TR;
+        u32 rows[RT][2];
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) rows[r][h] = min(row0 + r * 16 + g + 8 * h, N - 1);
+        float acc[RT][MT][4] = {};
+        for (u32 j = 0; j < nunit; ++j) {
+            __syncwarp();  // every lane is done reading the slot that this issue overwrites
+            issue();
+            const u32 c0 = (ks + j * KS) * CH;
+            // x words and fp4 scale bytes of the unit's two steps (not through the ring)
+            u32 X[2][MT][KC / 2], sv[2][RT][2];
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const u32 c = c0 + 4 * s + t;
+#pragma unroll
+                for (int jm = 0; jm < MT; ++jm) {
+                    const u32 xm = 8 * jm + g;
+                    const uint4* xp = (const uint4*)(x + (u64)xm * xs + (u64)c * KC);
+#pragma unroll
+                    for (int v = 0; v < KC / 8; ++v) {
+                        const uint4 q = xm < M && c < KCH ? __ldg(xp + v) : make_uint4(0, 0, 0, 0);
+                        X[s][jm][4 * v] = q.x; X[s][jm][4 * v + 1] = q.y;
+                        X[s][jm][4 * v + 2] = q.z; X[s][jm][4 * v + 3] = q.w;
+                    }
+                }
+#pragma unroll
+                for (int r = 0; r < RT; ++r)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        sv[s][r][h] = 0;
+                        if (F == NVFP4 && c < KCH) sv[s][r][h] = __ldg((const u16*)S + (u64)rows[r][h] * (K / 32) + c);
+                        if (F == MXFP4 && c < KCH) sv[s][r][h] = __ldg((const u8*)S + (u64)rows[r][h] * (K / 32) + c);
+                    }
+            }
+            float f = 1.f;  // fp8 block scale: a unit is 128 k, one 128x128 block for the whole tile
+            if (BLOCK) {
+                const u64 si = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128) + (c0 >> 3);
+                f = F == FP8_BLOCK ? __ldg((const float*)S + si) : e8m0_to_f(__ldg((const u8*)S + si));
+            }
+            cp_async_wait_n(NS - 1);
+            __syncwarp();  // the other lanes' copies of this stage are visible
+            const uint4* st = ring + cslot * STAGE;
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                if (c0 + 4 * s >= KCH) break;  // warp-uniform: the step lies past K
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    uint4 wv[2];
+                    const u32 pc = (4 * s + t) ^ ((g & 1) << 2);  // rows g, g + 8 have g's parity
+                    wv[0] = st[(r * 16 + g) * CH + pc];
+                    wv[1] = st[(r * 16 + g + 8) * CH + pc];
+                    u32 sc[2][2] = {};
+                    if (FP4)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            sc[h][0] = fp4_scale<F>(sv[s][r][h], 0);
+                            if (F == NVFP4) sc[h][1] = fp4_scale<F>(sv[s][r][h], 1);
+                        }
+                    // a fresh accumulator per step, as in mma_gemv
+                    float tmp[MT][4] = {};
+#pragma unroll
+                    for (int mi = 0; mi < NM; ++mi) {
+                        u32 a[4];
+                        frag_a<F>(wv, sc, mi, a);
+#pragma unroll
+                        for (int jm = 0; jm < MT; ++jm) {
+                            u32 b[2];
+                            frag_b<F>(X[s][jm], mi, b);
+                            mma16816(tmp[jm], a, b);
+                        }
+                    }
+#pragma unroll
+                    for (int jm = 0; jm < MT; ++jm)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[r][jm][e] = fmaf(tmp[jm][e], f, acc[r][jm][e]);
+                }
+            }
+            if (++cslot == NS) cslot = 0;
+        }
+        // C fragment element e of (slab r, n-tile jm): x row 8jm + 2t + (e & 1), weight row 16r + g + 8(e >> 1)
+        auto emit = [&](u32 r, u32 jm, u32 e, float v) {
+            const u32 m = 8 * jm + 2 * t + (e & 1), n = row0 + r * 16 + g + 8 * (e >> 1);
+            if (m < M && n < N)
+                store_out(y, (u64)m * ys + n, v * (F == FP8_ROW ? __ldg((const float*)S + n) : fm), out_f32);
+        };
+        if (KS == 1) {
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int jm = 0; jm < MT; ++jm)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) emit(r, jm, e, acc[r][jm][e]);
+        } else {
+            float* rb = red + (i & 1) * KS * E * 32;  // double buffer: tile i + 2 writes after tile i + 1's sync
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int jm = 0; jm < MT; ++jm)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) rb[(ks * E + (r * MT + jm) * 4 + e) * 32 + lane] = acc[r][jm][e];
+            __syncthreads();
+            for (u32 e = ks; e < E; e += KS) {  // the warps share the sums; each adds the slices in order
+                float v = rb[e * 32 + lane];
+                for (u32 q = 1; q < KS; ++q) v += rb[(q * E + e) * 32 + lane];
+                emit(e / (4 * MT), (e / 4) % MT, e % 4, v);
+            }
+        }
+    }
+}
+
+// M <= 8, one pass over W (streaming kernels; block (32, KS), KS <= 16).
+extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batchm(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    mma_stream<BF16, 1, 1>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// M <= 32, one pass over W; 32 weight rows per tile so each x chunk (from L1/L2) serves two A tiles.
+extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch32(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    mma_stream<BF16, 4, 2>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// e4m3 W [N, K], f32 scale [N]; M <= 8.
+extern "C" __global__ __launch_bounds__(512) void gemv_fp8w(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_ROW, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// e4m3 W [N, K], f32 scale [ceil(N/128), ceil(K/128)] (DeepSeek weight_scale_inv); M <= 8.
+extern "C" __global__ __launch_bounds__(512) void w8a16_gemv(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_BLOCK, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// As w8a16_gemv with E8M0 scale bytes (2^(b-127)).
+extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_e8m0(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_BLOCK_E8M0, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// NVFP4: W u8 [N, K/2] (low nibble = even k), e4m3 scale [N, K/16], f32 global scale2; M <= 8.
+extern "C" __global__ __launch_bounds__(512) void w4a16_gemv(
+    const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
+    u32 y_stride, u32 out_f32)
+{
+    mma_stream<NVFP4, 1, 1>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// MXFP4: W u8 [N, K/2], E8M0 scale [N, K/32], no global scale; M <= 8.
+extern "C" __global__ __launch_bounds__(512) void w4a16_gemv_mx(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<MXFP4, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// The previous register-round kernels (block (32, KS, 8 / KS)), for side-by-side benchmarks.
+extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batchm_v0(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
     mma_gemv<BF16, 1, 1, 4>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// M <= 32, one pass over W; 32 weight rows per warp so each x chunk (from L1/L2) serves two A tiles.
-extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batch32(
-    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
-{
-    mma_gemv<BF16, 4, 2, 2>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
-}
-
-// e4m3 W [N, K], f32 scale [N]; M <= 8.
-extern "C" __global__ __launch_bounds__(256) void gemv_fp8w(
-    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
-    u32 out_f32)
-{
-    mma_gemv<FP8_ROW, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
-}
-
-// e4m3 W [N, K], f32 scale [ceil(N/128), ceil(K/128)] (DeepSeek weight_scale_inv); M <= 8.
-extern "C" __global__ __launch_bounds__(256) void w8a16_gemv(
+extern "C" __global__ __launch_bounds__(256) void w8a16_gemv_v0(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
     mma_gemv<FP8_BLOCK, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// As w8a16_gemv with E8M0 scale bytes (2^(b-127)).
-extern "C" __global__ __launch_bounds__(256) void w8a16_gemv_e8m0(
-    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
-    u32 out_f32)
-{
-    mma_gemv<FP8_BLOCK_E8M0, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
-}
-
-// NVFP4: W u8 [N, K/2] (low nibble = even k), e4m3 scale [N, K/16], f32 global scale2; M <= 8.
-extern "C" __global__ __launch_bounds__(256) void w4a16_gemv(
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_v0(
     const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
     u32 y_stride, u32 out_f32)
 {
     mma_gemv<NVFP4, 1, 1, 4>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// MXFP4: W u8 [N, K/2], E8M0 scale [N, K/32], no global scale; M <= 8.
-extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_mx(
-    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
-    u32 out_f32)
-{
-    mma_gemv<MXFP4, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
-}
-
 // ---------------------------------------------------------------------------------------------
 // dense_gemm_bf16 (prefill): block tile 128 x rows * 128 W rows * 32 k, 8 warps as 2 (m) x 4 (n) with
-// 64 x 32 warp tiles; two cp.async stages; smem rows padded to 40 bf16 (80 B) so the 8 row addresses
-// of every ldmatrix phase fall on distinct banks. grid (ceil(M/128), ceil(N/128)): consecutive blocks
-// share a W tile, which stays in L2 while x (small) is reused from L2 too.
+// 64 x 32 warp tiles; a ring of GS cp.async stages in dynamic shared memory (GEMM_SMEM bytes, set by the
+// launcher), GS - 1 k-steps in flight, one barrier per k-step; smem rows padded to 40 bf16 (80 B) so the
+// 8 row addresses of every ldmatrix phase fall on distinct banks. grid (ceil(M/128), ceil(N/128)):
+// consecutive blocks share a W tile, which stays in L2 while x (small) is reused from L2 too.
 
-constexpr int TM = 128, TN = 128, TK = 32, TPAD = 40;
+constexpr int TM = 128, TN = 128, TK = 32, TPAD = 40, GS = 4;  // GEMM_SMEM = GS * (TM + TN) * TPAD * 2
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
     const u32 s = (u32)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(ok ? 16 : 0));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(ok ? 16 : 0)
+                 : "memory");
 }
 
 __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
@@ -408,34 +727,34 @@ __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
 extern "C" __global__ __launch_bounds__(256) void dense_gemm_bf16(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
-    __shared__ __align__(16) u16 sx[2][TM][TPAD];
-    __shared__ __align__(16) u16 sw[2][TN][TPAD];
+    u16 (*sx)[TM][TPAD] = (u16 (*)[TM][TPAD])g_dsm;         // [GS][TM][TPAD]
+    u16 (*sw)[TN][TPAD] = (u16 (*)[TN][TPAD])(sx + GS);     // [GS][TN][TPAD]
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;
     const u32 m0 = blockIdx.x * TM, n0 = blockIdx.y * TN;
     const u32 nk = (K + TK - 1) / TK;
 
-    auto load = [&](u32 st, u32 k0) {
+    auto load = [&](u32 kt) {  // k-step kt into its ring slot, then close the group (empty past the end)
+        if (kt < nk) {
+            const u32 st = kt % GS, k0 = kt * TK;
 #pragma unroll
-        for (int i = 0; i < 2; ++i) {  // 128 rows * 4 chunks per operand = 2 chunks per thread
-            const u32 idx = tid + 256 * i, r = idx >> 2, kk = k0 + (idx & 3) * 8;
-            const bool okx = m0 + r < M && kk < K, okw = n0 + r < N && kk < K;
-            cp_async16(&sx[st][r][(idx & 3) * 8], x + (okx ? (u64)(m0 + r) * x_stride + kk : 0), okx);
-            cp_async16(&sw[st][r][(idx & 3) * 8], W + (okw ? (u64)(n0 + r) * K + kk : 0), okw);
+            for (int i = 0; i < 2; ++i) {  // 128 rows * 4 chunks per operand = 2 chunks per thread
+                const u32 idx = tid + 256 * i, r = idx >> 2, kk = k0 + (idx & 3) * 8;
+                const bool okx = m0 + r < M && kk < K, okw = n0 + r < N && kk < K;
+                cp_async16(&sx[st][r][(idx & 3) * 8], x + (okx ? (u64)(m0 + r) * x_stride + kk : 0), okx);
+                cp_async16(&sw[st][r][(idx & 3) * 8], W + (okw ? (u64)(n0 + r) * K + kk : 0), okw);
+            }
         }
-        asm volatile("cp.async.commit_group;");
+        cp_async_commit();
     };
 
     float acc[4][4][4] = {};
-    load(0, 0);
+#pragma unroll
+    for (int s = 0; s < GS - 1; ++s) load(s);
     for (u32 kt = 0; kt < nk; ++kt) {
-        if (kt + 1 < nk) {
-            load((kt + 1) & 1, (kt + 1) * TK);
-            asm volatile("cp.async.wait_group 1;");
-        } else {
-            asm volatile("cp.async.wait_group 0;");
-        }
-        __syncthreads();
-        const u32 st = kt & 1;
+        cp_async_wait<GS - 2>();  // this thread's copies of step kt have landed
+        __syncthreads();          // everyone's have; and everyone is done with step kt - 1's slot
+        load(kt + GS - 1);        // refills that slot
+        const u32 st = kt % GS;
 #pragma unroll
         for (int kk = 0; kk < TK; kk += 16) {
             u32 a[4][4], b[4][2];
@@ -453,7 +772,6 @@ extern "C" __global__ __launch_bounds__(256) void dense_gemm_bf16(
 #pragma unroll
                 for (int j = 0; j < 4; ++j) mma16816(acc[i][j], a[i], b[j]);
         }
-        __syncthreads();
     }
     const u32 g = lane >> 2, t = lane & 3;
 #pragma unroll

@@ -5,10 +5,26 @@
 // once: thread t holds the 16-byte vectors t, t + blockDim.x, ... (at most MAXV of them), so a block of
 // 1024 threads covers dim <= 32768. The launcher guarantees dim % 8 == 0, 16-byte aligned rows and a
 // blockDim.x that is a multiple of 32. fp32 math; each output is rounded to bf16 once. x may equal y
-// (every read of a row happens before the block_sum barrier that precedes its writes).
+// (every read of a row happens before the block_sum1 barrier that precedes its writes).
 #include "common.cuh"
 
 #define MAXV 4
+
+// Block-wide sum behind a single barrier: each warp publishes its warp_sum, then every thread adds all
+// the partials in warp order (one order everywhere, so every thread holds the same sum). `red` is 2 x 32
+// floats; consecutive calls alternate halves (`parity`), so a warp that runs ahead into the next call
+// writes the other half while slow warps may still be reading this one; the barrier of the call in
+// between orders the reuse.
+__device__ __forceinline__ float block_sum1(float v, float* red, u32 parity) {
+    const u32 lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    float* r = red + 32 * (parity & 1);
+    if (lane == 0) r[wid] = v;
+    __syncthreads();
+    float s = r[0];
+    for (u32 i = 1; i < nw; ++i) s += r[i];
+    return s;
+}
 
 __device__ __forceinline__ void load_row(const __nv_bfloat16* x, u32 nvec, uint4 (&v)[MAXV]) {
 #pragma unroll
@@ -37,22 +53,28 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 }
 
 // y = (x * r) * g with r = 1 / sqrt(mean(x^2) + eps) and g = w, 1 + w, or 1 when w is NULL. The weight is
-// loaded with x so both latencies overlap the reduction. Products are not fused, so the twin rounds alike.
+// loaded with x, unconditionally (a NULL w reads x's row instead and ignores it): behind a branch, ptxas
+// would issue it only after the x sum of squares, i.e. after a first full memory round trip. Products are
+// not fused, so the twin rounds alike.
 __device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
-                                        u32 dim, float eps, bool unit_offset, float* red) {
+                                        u32 dim, float eps, bool unit_offset, float* red, u32 parity) {
     const u32 nvec = dim >> 3;
     uint4 v[MAXV], wv[MAXV];
     load_row(x, nvec, v);
-    if (w != nullptr) load_row(w, nvec, wv);
-    float ss = 0.f;
+    load_row(w != nullptr ? w : x, nvec, wv);
+    float ssk[MAXV];  // one chain per vector: 8-deep FFMA chains instead of one 8 * MAXV deep
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
         float f[8];
         unpack8(v[k], f);
+        ssk[k] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) ss += f[j] * f[j];
+        for (int j = 0; j < 8; ++j) ssk[k] += f[j] * f[j];
     }
-    ss = block_sum(ss, red);
+    float ss = ssk[0];
+#pragma unroll
+    for (int k = 1; k < MAXV; ++k) ss += ssk[k];
+    ss = block_sum1(ss, red, parity);
     const float r = 1.f / sqrtf(ss / (float)dim + eps);
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
@@ -78,17 +100,17 @@ __device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloa
 // DeepSeek / GLM: y = w * x * rms(x) over contiguous rows of `dim` (w NULL: no weight).
 extern "C" __global__ __launch_bounds__(1024) void rms_norm_vanilla(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
-    __shared__ float red[32];
-    for (u32 r = blockIdx.x; r < rows; r += gridDim.x)
-        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, false, red);
+    __shared__ float red[64];
+    for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
+        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, false, red, p);
 }
 
 // Qwen3-Next: y = (1 + w) * x * rms(x).
 extern "C" __global__ __launch_bounds__(1024) void rms_norm(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
-    __shared__ float red[32];
-    for (u32 r = blockIdx.x; r < rows; r += gridDim.x)
-        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, true, red);
+    __shared__ float red[64];
+    for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
+        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, true, red, p);
 }
 
 // Per-head norm of x[r, h, :dim] (element r * x_row_stride + h * x_head_stride + d) into the same place
@@ -96,12 +118,13 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm(
 extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 heads, u32 dim,
     u32 x_row_stride, u32 x_head_stride, u32 y_row_stride, u32 y_head_stride, float eps, u32 unit_offset) {
-    __shared__ float red[32];
+    __shared__ float red[64];
     const u64 n = (u64)rows * heads;
-    for (u64 b = blockIdx.x; b < n; b += gridDim.x) {
+    u32 p = 0;
+    for (u64 b = blockIdx.x; b < n; b += gridDim.x, ++p) {
         const u64 r = b / heads, h = b % heads;
         rms_row(x + r * x_row_stride + h * x_head_stride, w, y + r * y_row_stride + h * y_head_stride, dim,
-                eps, unit_offset != 0u, red);
+                eps, unit_offset != 0u, red, p);
     }
 }
 
@@ -110,9 +133,9 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided(
 extern "C" __global__ __launch_bounds__(512) void layer_norm_bias(
     const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, u32 rows,
     u32 dim, float eps) {
-    __shared__ float red[32];
+    __shared__ float red[64];
     const u32 nvec = dim >> 3;
-    for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
+    for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {  // two block sums per row: halves 0 and 1
         uint4 v[MAXV], wv[MAXV], bv[MAXV];
         load_row(x + (u64)r * dim, nvec, v);
         load_row(w, nvec, wv);
@@ -125,7 +148,7 @@ extern "C" __global__ __launch_bounds__(512) void layer_norm_bias(
 #pragma unroll
             for (int j = 0; j < 8; ++j) s += f[j];
         }
-        const float mean = block_sum(s, red) / (float)dim;
+        const float mean = block_sum1(s, red, 0) / (float)dim;
         float ss = 0.f;
 #pragma unroll
         for (int k = 0; k < MAXV; ++k) {
@@ -136,7 +159,7 @@ extern "C" __global__ __launch_bounds__(512) void layer_norm_bias(
                 for (int j = 0; j < 8; ++j) ss += (f[j] - mean) * (f[j] - mean);
             }
         }
-        const float rstd = 1.f / sqrtf(block_sum(ss, red) / (float)dim + eps);
+        const float rstd = 1.f / sqrtf(block_sum1(ss, red, 1) / (float)dim + eps);
         __nv_bfloat16* yr = y + (u64)r * dim;
 #pragma unroll
         for (int k = 0; k < MAXV; ++k) {

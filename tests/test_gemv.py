@@ -10,6 +10,7 @@ import pytest
 
 from helpers import POISON, assert_close, get, out, run_on_both, up
 from mtp_cupy import KernelError, ops
+from mtp_cupy.ops.gemv import _GEOM, SMEM_PER_BLOCK, SMEM_PER_SM, Tune
 from mtp_cupy.runtime.ptr import NULL
 from mtp_cupy.weights.linear import Linear
 
@@ -94,7 +95,8 @@ def test_linear_vs_float64(dev, rng, fmt, m, out_dtype):
 
 @pytest.mark.parametrize("name, m", [("dense_gemv_bf16", 3), ("dense_gemv_bf16_batchm", 8),
                                      ("dense_gemv_bf16_batch32", 32), ("dense_gemm_bf16", 45),
-                                     ("dense_gemm_bf16", 1)])
+                                     ("dense_gemm_bf16", 1), ("dense_gemv_bf16_v0", 2),
+                                     ("dense_gemv_bf16_batchm_v0", 5)])
 def test_dense_kernels(dev, rng, name, m):
     """Each bf16 kernel on its own, whatever `linear` would pick for m."""
     n, k = int(rng.integers(100, 300)), int(rng.integers(1, 80)) * 8
@@ -103,6 +105,78 @@ def test_dense_kernels(dev, rng, name, m):
     wb, xb, y = up(dev, w), up(dev, x), out(dev, "f32", (m, n))
     getattr(ops, name)(dev, wb.ptr, xb.ptr, y.ptr, m, n, k, k, n, "f32")
     assert_close(get(dev, y, "f32", (m, n)), x.astype(np.float64) @ wd().T, TOL["f32"], name)
+
+
+# Streaming kernels under launch plans the planner would not pick: k split over 2..16 warps, ring depths
+# 1..8, a handful of blocks walking many tiles (the reduction buffers swap every tile), odd n and k.
+STREAM = [("bf16", "dense_gemv_bf16", 3), ("bf16", "dense_gemv_bf16_batchm", 8),
+          ("bf16", "dense_gemv_bf16_batch32", 32), ("fp8_row", "gemv_fp8w", 8), ("fp8_block", "w8a16_gemv", 8),
+          ("fp8_block_e8m0", "w8a16_gemv_e8m0", 8), ("nvfp4", "w4a16_gemv", 8), ("mxfp4", "w4a16_gemv_mx", 8),
+          ("fp8_block", "w8a16_gemv_v0", 8), ("nvfp4", "w4a16_gemv_v0", 8)]
+TUNES = [Tune(ks=1, stages=1, blocks=1), Tune(ks=2, stages=2, blocks=2), Tune(ks=3, stages=8, blocks=3),
+         Tune(ks=5, stages=3, blocks=1), Tune(ks=8, stages=4), Tune(stages=6, warps_per_sm=1)]
+
+
+def raw_gemv(dev, name, fmt, bufs, scale2, x, y, m, n, k, xs, ys, out_dtype, tune=None):
+    kw = {} if tune is None or name.endswith("_v0") else {"tune": tune}
+    fn = getattr(ops, name)
+    if fmt == "bf16":
+        fn(dev, bufs[0].ptr, x, y, m, n, k, xs, ys, out_dtype, **kw)
+    elif fmt == "nvfp4":
+        fn(dev, bufs[0].ptr, bufs[1].ptr, scale2, x, y, m, n, k, xs, ys, out_dtype, **kw)
+    else:
+        fn(dev, bufs[0].ptr, bufs[1].ptr, x, y, m, n, k, xs, ys, out_dtype, **kw)
+
+
+@pytest.mark.parametrize("tune", TUNES, ids=str)
+@pytest.mark.parametrize("fmt, name, max_m", STREAM)
+def test_streaming_launch_plans(dev, rng, fmt, name, max_m, tune):
+    if tune.ks and tune.ks > _GEOM[name].max_ks:
+        pytest.skip(f"{name} takes at most {_GEOM[name].max_ks} warps per block")
+    m = int(rng.integers(1, max_m + 1))
+    n = int(rng.integers(1, 100)) * 3 + 1
+    k = int(rng.integers(1, 1024 // KCHUNK[fmt] + 1)) * KCHUNK[fmt]
+    xs, ys = k + 8, n + 2
+    arrays, scale2, wd = make_weight(rng, fmt, n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    bufs = [up(dev, a) for a in arrays]
+    xp = np.zeros((m, xs), x.dtype)
+    xp[:, :k] = x
+    xb, y = up(dev, xp), out(dev, "f32", (m, ys))
+    raw_gemv(dev, name, fmt, bufs, scale2, xb.ptr, y.ptr, m, n, k, xs, ys, "f32", tune)
+    check(get(dev, y, "f32", (m, ys)), x.astype(np.float64) @ wd().T, "f32", n, f"{name} {tune} m={m} n={n} k={k}")
+
+
+@pytest.mark.parametrize("n, k", [(129280, 7168), (154880, 6144), (151936, 2048), (7168, 14336), (4096, 2048),
+                                  (7168, 2048), (2048, 7168), (256, 7168), (576, 1536), (3, 32)])
+@pytest.mark.parametrize("name", [nm for nm, g in _GEOM.items() if g.stream])
+def test_plans_fit(name, n, k):
+    """Every plan fits one block's shared memory and a multiprocessor, with whole warps splitting k."""
+    import mtp_cupy
+    dev = mtp_cupy.device("ref")
+    g = _GEOM[name]
+    if k % g.kchunk:
+        pytest.skip("k is not whole chunks")
+    for tune in [Tune()] + TUNES + [Tune(ks=16, stages=8), Tune(warps_per_sm=64)]:
+        if tune.ks and tune.ks > g.max_ks:
+            continue
+        stage = g.tile_rows * g.unit_chunks * 16
+        if tune.ks and tune.ks * min(2, tune.stages or 2) * stage + 8 * tune.ks * g.red_floats > SMEM_PER_BLOCK:
+            with pytest.raises(KernelError, match="no launch plan fits"):
+                ops.plan_gemv(dev, name, n, k, tune)
+            continue
+        p = ops.plan_gemv(dev, name, n, k, tune)
+        red = 2 * p.ks * g.red_floats * 4 if p.ks > 1 else 0
+        assert 1 <= p.ks <= g.max_ks and p.blocks >= 1 and p.stages >= 1
+        assert p.smem == p.ks * p.stages * stage + red <= min(SMEM_PER_BLOCK, SMEM_PER_SM - 1024)
+        tiles = -(-n // g.tile_rows)
+        assert p.blocks <= tiles and -(-tiles // p.blocks) * (p.blocks - 1) < tiles  # no block without a tile
+        if tune.ks:
+            assert p.ks == tune.ks
+        if tune.stages and p.stages != tune.stages:  # only shrunk to fit, and never below 2
+            assert 2 <= p.stages < tune.stages and p.ks * (p.stages + 1) * stage + red > SMEM_PER_BLOCK
+        elif not tune.stages:
+            assert p.stages >= 2
 
 
 def test_shape_errors(rng):
@@ -124,6 +198,32 @@ def test_shape_errors(rng):
 
 
 # -- CUDA against the twin at real model dims (the twin side stays in float64 chunks of <= 256 MB) ------
+
+# (fmt, kernel, n, k, m, tune): real dims under plans the planner would not pick
+REAL_PLANS = [("bf16", "dense_gemv_bf16", 7168, 14336, 1, Tune(ks=16, stages=8)),
+              ("bf16", "dense_gemv_bf16", 4096, 2048, 1, Tune(ks=3, stages=2, blocks=100)),
+              ("bf16", "dense_gemv_bf16_batchm", 7168, 14336, 8, Tune(ks=8, stages=6)),
+              ("fp8_block", "w8a16_gemv", 2048, 7168, 8, Tune(ks=7, stages=3, blocks=50)),
+              ("nvfp4", "w4a16_gemv", 7168, 2048, 1, Tune(ks=2, stages=8, warps_per_sm=4)),
+              ("fp8_block", "w8a16_gemv_v0", 7168, 2048, 8, None), ("nvfp4", "w4a16_gemv_v0", 2048, 7168, 1, None),
+              ("bf16", "dense_gemv_bf16_v0", 7168, 2048, 1, None)]
+
+
+def run_raw(dev, fmt, name, n, k, m, arrays, scale2, x, tune):
+    bufs = [up(dev, a) for a in arrays]
+    xb, y = up(dev, x), out(dev, "bf16", (m, n))
+    raw_gemv(dev, name, fmt, bufs, scale2, xb.ptr, y.ptr, m, n, k, k, n, "bf16", tune)
+    return get(dev, y, "bf16", (m, n))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt, name, n, k, m, tune", REAL_PLANS, ids=str)
+def test_cuda_vs_twin_real_dims_plans(rng, fmt, name, n, k, m, tune):
+    arrays, scale2, _ = make_weight(rng, fmt, n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    ref, got = run_on_both(run_raw, fmt, name, n, k, m, arrays, scale2, x, tune)
+    assert_close(got.astype(np.float64), ref.astype(np.float64), TOL["bf16"], f"{name} {m}x{n}x{k} {tune}")
+
 
 REAL = [("bf16", 129280, 7168, 1, "f32"), ("bf16", 154880, 6144, 1, "f32"), ("bf16", 151936, 2048, 1, "f32"),
         ("bf16", 7168, 14336, 1, "bf16"), ("bf16", 4096, 2048, 1, "bf16"), ("bf16", 256, 7168, 1, "f32"),

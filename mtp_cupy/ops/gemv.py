@@ -1,7 +1,11 @@
 """Launchers for cuda_src/gemv.cu. `linear` picks the kernel from the weight format and the row count.
 
-GEMV geometry: blocks of 8 warps, shape (32, ks, 8 // ks); `ks` warps split the k range of one row tile
-(deterministic in-block reduction) when there are too few tiles to keep ~32 warps busy per SM."""
+Streaming kernels (the defaults, see the head of gemv.cu): blocks of (32, ks) threads, a persistent grid of
+`blocks` blocks that walk the row tiles, and a ring of `stages` pipeline stages per warp in dynamic shared
+memory. `plan_gemv` picks (ks, blocks, stages) per shape: enough resident warps (WARPS_PER_SM), whole tiles
+per block and whole k units per warp (fp32 summation order depends on ks, nothing else does). `Tune`
+overrides any of it (scripts/bench_kernels.py --sweep). The *_v0 kernels are the previous register-round
+kernels, launched as before: blocks of 8 warps shaped (32, ks, 8 // ks)."""
 from __future__ import annotations
 
 import functools
@@ -13,31 +17,78 @@ from ..weights.linear import Linear
 from ._util import launch, need
 
 __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32",
-           "dense_gemm_bf16", "gemv_fp8w", "w8a16_gemv", "w8a16_gemv_e8m0", "w4a16_gemv", "w4a16_gemv_mx"]
+           "dense_gemm_bf16", "gemv_fp8w", "w8a16_gemv", "w8a16_gemv_e8m0", "w4a16_gemv", "w4a16_gemv_mx",
+           "dense_gemv_bf16_v0", "dense_gemv_bf16_batchm_v0", "w8a16_gemv_v0", "w4a16_gemv_v0",
+           "Tune", "Plan", "plan_gemv"]
 
-WARPS = 8
+WARPS = 8  # v0 kernels: warps per block
 QUANT_MAX_M = 8  # x rows per pass of the quantised kernels; `linear` loops for more
+
+STAGES = 4              # ring stages per warp (S - 1 in flight while one is consumed)
+WARPS_PER_SM = 16       # resident streaming warps wanted per SM
+MIN_WARPS_PER_SM = 12   # fewer than this counts against a plan
+INFLIGHT_PER_SM = 48 * 1024  # weight bytes in flight per SM (ring stages being filled) below which a plan loses
+SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory per SM (1 KB of it reserved per block)
+SMEM_PER_BLOCK = 227 * 1024
+REGS_PER_SM = 65536
 
 
 @dataclass(frozen=True)
 class _Geom:
-    kchunk: int       # k per 16-byte weight chunk: K must be a multiple (whole chunks, aligned rows)
-    tile_rows: int    # weight rows per warp
-    step_chunks: int  # chunks per row that one warp reads per k-step
+    kchunk: int           # k per 16-byte weight chunk: K must be a multiple (whole chunks, aligned rows)
+    tile_rows: int        # weight rows per tile (streaming) / per warp (v0)
+    unit_chunks: int      # chunks per row in one pipeline stage (streaming) / one warp k-step (v0)
     max_m: int
     scale_align: int = 1  # bytes per scale load
+    red_floats: int = 0   # streaming: reduction-area floats per warp and buffer (ks > 1)
+    max_ks: int = 16      # streaming: warps per block (the kernel's launch bound / 32)
+    regs: int = 96        # register estimate where the backend cannot say
+    stream: bool = True   # False: a v0 kernel
+    row_grid: bool = False  # one x row per grid.y (the FMA kernels)
 
 
-_FMA = _Geom(8, 2, 32, 65535)  # dense_gemv_bf16: x row per grid.y
-_GEOM = {"dense_gemv_bf16": _FMA,
-         "dense_gemv_bf16_batchm": _Geom(8, 16, 4, 8),
-         "dense_gemv_bf16_batch32": _Geom(8, 32, 4, 32),
-         "gemv_fp8w": _Geom(16, 16, 4, QUANT_MAX_M, 4),
-         "w8a16_gemv": _Geom(16, 16, 4, QUANT_MAX_M, 4),
-         "w8a16_gemv_e8m0": _Geom(16, 16, 4, QUANT_MAX_M),
-         "w4a16_gemv": _Geom(32, 16, 4, QUANT_MAX_M, 2),  # two e4m3 scales per 32-code chunk
-         "w4a16_gemv_mx": _Geom(32, 16, 4, QUANT_MAX_M)}
+def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: int = 96) -> _Geom:
+    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, 16, regs)
+
+
+def _v0(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1, row_grid=False) -> _Geom:
+    return _Geom(kchunk, tile_rows, step_chunks, max_m, scale_align, stream=False, row_grid=row_grid)
+
+
+_GEOM = {"dense_gemv_bf16": _Geom(8, 2, 64, 65535, red_floats=2, max_ks=16, regs=48, row_grid=True),
+         "dense_gemv_bf16_batchm": _mma(8, 1, 1, 8, regs=64),
+         "dense_gemv_bf16_batch32": _mma(8, 4, 2, 32, regs=128),
+         "gemv_fp8w": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64),
+         "w8a16_gemv": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64),
+         "w8a16_gemv_e8m0": _mma(16, 1, 1, QUANT_MAX_M, regs=64),
+         "w4a16_gemv": _mma(32, 1, 1, QUANT_MAX_M, 2, regs=80),  # two e4m3 scales per 32-code chunk
+         "w4a16_gemv_mx": _mma(32, 1, 1, QUANT_MAX_M, regs=80),
+         "dense_gemv_bf16_v0": _v0(8, 2, 32, 65535, row_grid=True),
+         "dense_gemv_bf16_batchm_v0": _v0(8, 16, 4, 8),
+         "w8a16_gemv_v0": _v0(16, 16, 4, QUANT_MAX_M, 4),
+         "w4a16_gemv_v0": _v0(32, 16, 4, QUANT_MAX_M, 2)}
 GEMM_TILE = 128
+GEMM_SMEM = 4 * (128 + 128) * 40 * 2  # dense_gemm_bf16: GS ring stages of x and W tiles (gemv.cu)
+
+
+@dataclass(frozen=True)
+class Tune:
+    """Overrides for plan_gemv (None = the planner's choice): ks warps per block, the ring depth (shrunk
+    to fit shared memory, not below 2 unless asked), the resident warps wanted per SM, and blocks (the grid
+    size before whole-tile rounding; at least the tile count = one tile per block, not persistent)."""
+    ks: int | None = None
+    stages: int | None = None
+    warps_per_sm: int | None = None
+    blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    ks: int       # warps per block, splitting each tile's k units
+    blocks: int   # grid.x; block b walks tiles b, b + blocks, ...
+    stages: int   # ring depth per warp
+    smem: int     # dynamic shared memory bytes: ks * stages * stage bytes (+ the reduction area)
+    score: float  # the planner's efficiency estimate (1.0 = no idle warp or tile slot)
 
 
 @functools.cache
@@ -48,6 +99,59 @@ def _cuda_sms(device_id: int) -> int:
 
 def _sms(gpu: Backend) -> int:
     return _cuda_sms(getattr(gpu, "device_id", 0)) if gpu.is_cuda else 132
+
+
+_REGS: dict[tuple[str, int, str], int] = {}
+
+
+def _regs(gpu: Backend, name: str) -> int:
+    """Registers per thread of a compiled kernel (cupy RawKernel.num_regs), else the table's estimate."""
+    key = (gpu.name, getattr(gpu, "device_id", 0), name)
+    if key not in _REGS:
+        try:
+            _REGS[key] = int(gpu.kernel("gemv", name).fn.num_regs)
+        except Exception:
+            _REGS[key] = _GEOM[name].regs
+    return _REGS[key]
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune) -> Plan:
+    g = _GEOM[name]
+    tiles = -(-n // g.tile_rows)
+    units = -(-(k // g.kchunk) // g.unit_chunks)
+    stage = g.tile_rows * g.unit_chunks * 16
+    want = tune.warps_per_sm or WARPS_PER_SM
+    regs_alloc = -(-max(regs, 1) // 8) * 8
+    best = None
+    for ks in ([tune.ks] if tune.ks else range(1, min(g.max_ks, units) + 1)):
+        red = 2 * ks * g.red_floats * 4 if ks > 1 else 0
+        s = tune.stages or STAGES
+        while s > min(2, s) and ks * s * stage + red > SMEM_PER_BLOCK:  # shrink to fit, not below 2 stages
+            s -= 1
+        smem = ks * s * stage + red
+        per_sm = min(32, 64 // ks, REGS_PER_SM // (regs_alloc * 32 * ks), SMEM_PER_SM // (smem + 1024))
+        if smem > SMEM_PER_BLOCK or per_sm < 1:
+            continue
+        nb = tune.blocks or min(sms * per_sm, -(-sms * want // ks))
+        nb = max(1, min(tiles, nb))
+        per_block = -(-tiles // nb)
+        nb = -(-tiles // per_block)  # the fewest blocks with that many tiles each
+        warps = nb * ks
+        score = (tiles / (nb * per_block)) * (units / (ks * -(-units // ks))) * \
+            min(1.0, warps / (sms * MIN_WARPS_PER_SM)) * \
+            min(1.0, max(warps * (s - 1) * stage, 1) / (sms * INFLIGHT_PER_SM))
+        key = (round(score, 3), -ks)
+        if best is None or key > best[0]:
+            best = (key, Plan(ks, nb, s, smem, score))
+    need(best is not None, f"{name}: no launch plan fits {n}x{k} (tune {tune})")
+    return best[1]
+
+
+def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None) -> Plan:
+    """The launch plan of streaming GEMV kernel `name` for an n x k weight (what the launcher uses)."""
+    need(name in _GEOM and _GEOM[name].stream, f"plan_gemv: {name!r} is not a streaming GEMV kernel")
+    return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune())
 
 
 def _out_f32(out_dtype: str) -> int:
@@ -67,7 +171,7 @@ def _check(name: str, kchunk: int, w, x, m: int, n: int, k: int, x_stride: int, 
 
 
 def _gemv(gpu: Backend, name: str, lead: list[tuple[str, object]], x, y, m: int, n: int, k: int,
-          x_stride: int, y_stride: int, out_dtype: str, stream) -> None:
+          x_stride: int, y_stride: int, out_dtype: str, stream, tune: Tune | None = None) -> None:
     g = _GEOM[name]
     f32 = _out_f32(out_dtype)
     _check(name, g.kchunk, lead[0][1], x, m, n, k, x_stride, y_stride, g.max_m)
@@ -75,59 +179,85 @@ def _gemv(gpu: Backend, name: str, lead: list[tuple[str, object]], x, y, m: int,
         sp = int(lead[1][1])
         need(sp != 0 and sp % g.scale_align == 0, f"{name}: scale pointer 0x{sp:x} is NULL or not "
                                                   f"{g.scale_align}-byte aligned")
-    units = -(-n // g.tile_rows)
-    k_steps = -(-(k // g.kchunk) // g.step_chunks)
-    ks = 1  # split k while warps are scarce (latency-bound), keeping >= 1 k-step per warp
-    while ks < WARPS and units * ks < 32 * _sms(gpu) and k_steps >= 2 * ks:
-        ks *= 2
     l = launch(gpu, "gemv", name)
     for kind, v in lead:
         getattr(l, "arg_" + kind)(v)
     l.arg_ptr(x).arg_ptr(y).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
-    l.grid(-(-units // (WARPS // ks)), m if g is _FMA else 1).block(32, ks, WARPS // ks).launch(stream)
+    rows = m if g.row_grid else 1
+    if g.stream:
+        p = plan_gemv(gpu, name, n, k, tune)
+        l.grid(p.blocks, rows).block(32, p.ks).shared(p.smem).launch(stream)
+        return
+    units = -(-n // g.tile_rows)
+    k_steps = -(-(k // g.kchunk) // g.unit_chunks)
+    ks = 1  # split k while warps are scarce (latency-bound), keeping >= 1 k-step per warp
+    while ks < WARPS and units * ks < 32 * _sms(gpu) and k_steps >= 2 * ks:
+        ks *= 2
+    l.grid(-(-units // (WARPS // ks)), rows).block(32, ks, WARPS // ks).launch(stream)
 
 
-def dense_gemv_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    """Warp-per-row-pair FMA GEMV, one x row per grid row (the m = 1 path)."""
-    _gemv(gpu, "dense_gemv_bf16", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+def dense_gemv_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
+    """Streaming FMA GEMV, one x row per grid row (the m = 1 path)."""
+    _gemv(gpu, "dense_gemv_bf16", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream, tune)
 
 
-def dense_gemv_bf16_batchm(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+def dense_gemv_bf16_batchm(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
     """m <= 8 x rows in one pass over W (tensor cores)."""
-    _gemv(gpu, "dense_gemv_bf16_batchm", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+    _gemv(gpu, "dense_gemv_bf16_batchm", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream, tune)
 
 
-def dense_gemv_bf16_batch32(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+def dense_gemv_bf16_batch32(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
     """m <= 32 x rows in one pass over W (tensor cores)."""
-    _gemv(gpu, "dense_gemv_bf16_batch32", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+    _gemv(gpu, "dense_gemv_bf16_batch32", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream,
+          tune)
 
 
-def gemv_fp8w(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+def gemv_fp8w(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
     """e4m3 weight with a f32 scale per row; m <= 8."""
-    _gemv(gpu, "gemv_fp8w", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+    _gemv(gpu, "gemv_fp8w", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream,
+          tune)
 
 
-def w8a16_gemv(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+def w8a16_gemv(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
     """e4m3 weight with f32 128x128 block scales [ceil(n/128), ceil(k/128)]; m <= 8."""
-    _gemv(gpu, "w8a16_gemv", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+    _gemv(gpu, "w8a16_gemv", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream,
+          tune)
 
 
-def w8a16_gemv_e8m0(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+def w8a16_gemv_e8m0(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
     """e4m3 weight with E8M0 128x128 block scales; m <= 8."""
     _gemv(gpu, "w8a16_gemv_e8m0", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype,
-          stream)
+          stream, tune)
 
 
-def w4a16_gemv(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+def w4a16_gemv(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
     """NVFP4: packed E2M1, e4m3 scales [n, k/16] (linear layout), global f32 scale2; m <= 8."""
     _gemv(gpu, "w4a16_gemv", [("ptr", w), ("ptr", scale), ("f32", scale2)], x, y, m, n, k, x_stride, y_stride,
-          out_dtype, stream)
+          out_dtype, stream, tune)
 
 
-def w4a16_gemv_mx(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+def w4a16_gemv_mx(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
     """MXFP4: packed E2M1, E8M0 scales [n, k/32]; m <= 8. Exact for scales 2^-61 .. 2^65."""
     _gemv(gpu, "w4a16_gemv_mx", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype,
-          stream)
+          stream, tune)
+
+
+# The previous kernels (register rounds, no shared-memory pipeline), for side-by-side benchmarks.
+def dense_gemv_bf16_v0(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "dense_gemv_bf16_v0", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+
+
+def dense_gemv_bf16_batchm_v0(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "dense_gemv_bf16_batchm_v0", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+
+
+def w8a16_gemv_v0(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "w8a16_gemv_v0", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+
+
+def w4a16_gemv_v0(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "w4a16_gemv_v0", [("ptr", w), ("ptr", scale), ("f32", scale2)], x, y, m, n, k, x_stride, y_stride,
+          out_dtype, stream)
 
 
 def dense_gemm_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
@@ -136,7 +266,7 @@ def dense_gemm_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16",
     _check("dense_gemm_bf16", 8, w, x, m, n, k, x_stride, y_stride, 65535 * GEMM_TILE)
     need(n <= 65535 * GEMM_TILE, f"dense_gemm_bf16: N={n} too large for grid.y")
     launch(gpu, "gemv", "dense_gemm_bf16").grid(-(-m // GEMM_TILE), -(-n // GEMM_TILE)).block(256) \
-        .arg_ptr(w).arg_ptr(x).arg_ptr(y).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride) \
+        .shared(GEMM_SMEM).arg_ptr(w).arg_ptr(x).arg_ptr(y).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride) \
         .arg_u32(y_stride).arg_u32(f32).launch(stream)
 
 
@@ -150,16 +280,20 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense)."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
-    if W.fmt == "bf16":
+    if W.fmt == "bf16" and not gpu.batch_invariant:
         fn = next((f for lim, f in _BF16_BY_M if m <= lim), dense_gemm_bf16)
         fn(gpu, W.weight, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
         return
+    # quantised formats, and bf16 under batch invariance: one 8-row kernel for every row count, so a
+    # row's arithmetic (plan_gemv depends on n and k only) is the same whatever m is
     ybytes = 4 if _out_f32(out_dtype) else 2
     need(m >= 1, f"linear({W.fmt}): m={m} < 1")
     for r0 in range(0, m, QUANT_MAX_M):  # each pass reads W once for up to 8 x rows
         mm = min(QUANT_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
-        if W.fmt == "nvfp4":
+        if W.fmt == "bf16":
+            dense_gemv_bf16_batchm(gpu, W.weight, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
+        elif W.fmt == "nvfp4":
             w4a16_gemv(gpu, W.weight, W.scale, W.scale2, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
         else:
             _QUANT[W.fmt](gpu, W.weight, W.scale, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)

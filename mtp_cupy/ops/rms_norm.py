@@ -1,18 +1,28 @@
-"""Launchers for cuda_src/rms_norm.cu: one block per row (or per (row, head)), the row held in registers."""
+"""Launchers for cuda_src/rms_norm.cu: one block per row (or per (row, head)), the row held in registers.
+
+Threads per block: VECS_PER_THREAD 16-byte vectors each by default (fewer warps = a shorter reduction), a
+whole number of warps; `threads=` overrides it (scripts/bench_kernels.py --sweep)."""
 from ..runtime.ptr import NULL
 from ._util import launch, need
 
 __all__ = ["rms_norm", "rms_norm_strided", "layer_norm_bias"]
 
-MAXV = 4  # 16-byte vectors per thread, as in rms_norm.cu
+MAXV = 4  # 16-byte vectors per thread at most, as in rms_norm.cu
+VECS_PER_THREAD = 4
 
 
-def _threads(name: str, dim: int, max_threads: int = 1024) -> int:
-    """About two 16-byte vectors per thread, a whole number of warps; raises when the row cannot fit."""
+def _threads(name: str, dim: int, max_threads: int = 1024, threads: int | None = None) -> int:
+    """VECS_PER_THREAD 16-byte vectors per thread (or `threads`), a whole number of warps; raises when the
+    row cannot fit."""
     need(dim > 0 and dim % 8 == 0, f"{name}: dim {dim} must be a positive multiple of 8")
     need(dim <= MAXV * 8 * max_threads, f"{name}: dim {dim} > {MAXV * 8 * max_threads}")
     nvec = dim // 8
-    return min(max_threads, max(32, -(-nvec // 64) * 32))
+    least = max(32, -(-nvec // (MAXV * 32)) * 32)  # the fewest threads that hold the row
+    if threads is not None:
+        need(threads % 32 == 0 and least <= threads <= max_threads,
+             f"{name}: threads={threads} must be a multiple of 32 in [{least}, {max_threads}] for dim {dim}")
+        return int(threads)
+    return min(max_threads, max(least, -(-nvec // (VECS_PER_THREAD * 32)) * 32))
 
 
 def _aligned(name: str, *ptrs) -> None:
@@ -20,12 +30,12 @@ def _aligned(name: str, *ptrs) -> None:
         need(int(p) % 16 == 0, f"{name}: pointer 0x{int(p):x} is not 16-byte aligned")
 
 
-def rms_norm(gpu, x, w, y, rows, dim, eps, unit_offset=False, stream=None):
+def rms_norm(gpu, x, w, y, rows, dim, eps, unit_offset=False, stream=None, threads=None):
     """y[r] = g * x[r] * rms(x[r]) over contiguous [rows, dim]; g = 1 + w (unit_offset, Qwen3-Next), w
     (DeepSeek/GLM) or 1 when w is NULL. x may equal y."""
     name = "rms_norm" if unit_offset else "rms_norm_vanilla"
     w = w or NULL
-    t = _threads(name, dim)
+    t = _threads(name, dim, threads=threads)
     _aligned(name, x, w, y)
     launch(gpu, "rms_norm", name).grid(rows).block(t).arg_ptr(x).arg_ptr(w).arg_ptr(y) \
         .arg_u32(rows).arg_u32(dim).arg_f32(eps).launch(stream)
