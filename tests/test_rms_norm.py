@@ -125,8 +125,10 @@ def _run_norms(dev, x, w, b, rows, dim):
                                       (33, 1536), (5, 512), (3, 128)])
 def test_norms_cuda_matches_twin(rng, rows, dim):
     x, w, b = rand_bf16(rng, (rows, dim), 2.0), rand_bf16(rng, dim), rand_bf16(rng, dim)
-    for r, c in zip(*run_on_both(_run_norms, x, w, b, rows, dim)):
-        assert_bf16_near(c, r)
+    for kind, r, c in zip(("vanilla", "unit", "none", "layer"), *run_on_both(_run_norms, x, w, b, rows, dim)):
+        # LayerNorm + bias: where (x - mu) r w + b nearly cancels, the fp32 rounding of the two terms
+        # (~2^-24 of |b|) is many bf16 ulps of the tiny result (seen on the H200 at outputs ~1e-6)
+        assert_bf16_near(c, r, atol=2.0 ** -22 * float(np.abs(f32(b)).max()) if kind == "layer" else 0.0)
 
 
 def _run_strided(dev, x, w, rows, heads, dim, hs, unit_offset):

@@ -270,7 +270,10 @@ def dense_gemm_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16",
         .arg_u32(y_stride).arg_u32(f32).launch(stream)
 
 
-_BF16_BY_M = ((1, dense_gemv_bf16), (8, dense_gemv_bf16_batchm), (32, dense_gemv_bf16_batch32))
+# Measured on the H200 (BENCHMARKS.md, same run, cold L2): for m=1 bf16 and for NVFP4 the first-generation
+# kernels beat the streaming ones (7168x14336 bf16 59.7 vs 67.9 us, 129280x7168 nvfp4 208.5 vs 242.1 us);
+# the streaming ones win for fp8 and the batched bf16 paths. linear() takes the winner of each.
+_BF16_BY_M = ((1, dense_gemv_bf16_v0), (8, dense_gemv_bf16_batchm), (32, dense_gemv_bf16_batch32))
 _QUANT = {"fp8_row": gemv_fp8w, "fp8_block": w8a16_gemv, "fp8_block_e8m0": w8a16_gemv_e8m0,
           "mxfp4": w4a16_gemv_mx}
 
@@ -294,6 +297,6 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         if W.fmt == "bf16":
             dense_gemv_bf16_batchm(gpu, W.weight, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
         elif W.fmt == "nvfp4":
-            w4a16_gemv(gpu, W.weight, W.scale, W.scale2, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
+            w4a16_gemv_v0(gpu, W.weight, W.scale, W.scale2, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
         else:
             _QUANT[W.fmt](gpu, W.weight, W.scale, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
