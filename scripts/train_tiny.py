@@ -11,14 +11,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sysconfig
+import sys
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
 
 CONFIG = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=256,
               hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4,
@@ -34,14 +35,9 @@ CONFIG = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
 
 def corpus(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """stdlib .py bytes; ~5% of files (by name hash) held out."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    train, held = [], []
-    for p in sorted(root.rglob("*.py")):
-        if "test" in p.parts or "site-packages" in p.parts:
-            continue
-        b = p.read_bytes()
-        (held if zlib.crc32(p.name.encode()) % 20 == seed else train).append(b)
-    return (np.frombuffer(b"\n".join(train), np.uint8), np.frombuffer(b"\n".join(held), np.uint8))
+    from stdlib_corpus import stdlib_files
+    join = lambda files: np.frombuffer(b"\n".join(f.read_bytes() for f in files), np.uint8)  # noqa: E731
+    return join(stdlib_files(False, seed)), join(stdlib_files(True, seed))
 
 
 class Mtp(torch.nn.Module):

@@ -54,3 +54,15 @@ def test_metrics_add_up(rng):
     assert v["spec_decode_num_accepted_tokens"] == sum(a for _, a in acc) == sum(v["spec_decode_num_accepted_tokens_per_pos"])
     assert all(x >= y for x, y in zip(m.accepted_per_pos, m.accepted_per_pos[1:]))
     assert abs(m.mean_acceptance_length - (1 + sum(a for _, a in acc) / 200)) < 1e-12
+
+
+def test_metrics_merge(rng):
+    a, b, both = SpecDecodeMetrics(), SpecDecodeMetrics(), SpecDecodeMetrics()
+    for m in (a, b):
+        for _ in range(50):
+            k = int(rng.integers(1, 5))
+            acc = int(rng.integers(0, k + 1))
+            m.record(k, acc)
+            both.record(k, acc)
+    a.merge(b)
+    assert a.as_vllm() == both.as_vllm()

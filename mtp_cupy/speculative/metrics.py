@@ -20,6 +20,16 @@ class SpecDecodeMetrics:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def merge(self, other: "SpecDecodeMetrics") -> None:
+        """Add another run's counters to these."""
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        self.accepted_per_pos = [(self.accepted_per_pos[i] if i < len(self.accepted_per_pos) else 0)
+                                 + (other.accepted_per_pos[i] if i < len(other.accepted_per_pos) else 0)
+                                 for i in range(n)]
+
     @property
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per target verify pass (accepted drafts + the bonus token)."""
