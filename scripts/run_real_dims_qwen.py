@@ -22,6 +22,7 @@ from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.runtime.ptr import DevicePtr
 from mtp_cupy.weights.config import Qwen3NextConfig
 from mtp_cupy.weights.linear import Linear
+from run_real_dims_v4 import copy_bandwidth
 from mtp_cupy.weights.qwen import NORMS, QwenMtpWeights
 
 REAL = dict(model_type="qwen3_next", hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
@@ -86,21 +87,6 @@ def random_weights(gpu, cfg: Qwen3NextConfig, seed: int) -> QwenMtpWeights:
                           experts={e: (gate[e], up[e], down[e]) for e in range(E)},
                           shared=(r.linears(1, sh, D)[0], r.linears(1, sh, D)[0], r.linears(1, D, sh)[0]),
                           owners=owners)
-
-
-def copy_bandwidth(gpu, nbytes: int = 1 << 30, reps: int = 10) -> float | None:
-    """Device-to-device copy bandwidth in bytes/s (read + write counted), or None on the NumPy device."""
-    if not gpu.is_cuda:
-        return None
-    a, b = gpu.alloc(nbytes), gpu.alloc(nbytes)
-    gpu.copy_d2d_async(b.ptr, a.ptr, nbytes)
-    e0, e1 = gpu.new_event(), gpu.new_event()
-    gpu.record(e0)
-    for _ in range(reps):
-        gpu.copy_d2d_async(b.ptr, a.ptr, nbytes)
-    gpu.record(e1)
-    gpu.synchronize()
-    return 2 * nbytes * reps / (gpu.elapsed_ms(e0, e1) / 1e3)
 
 
 def time_widths(prop: QwenMtpProposer, batches: list[int], ctx: int, drafts: int, iters: int, seed: int):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from mtp_cupy import ops
-from helpers import assert_close, get, out, rand_bf16, up, f32
+from helpers import assert_close, get, rand_bf16, up, f32
 
 
 @pytest.mark.parametrize("n", [1, 1000, 7168, 6144 * 3 + 5])

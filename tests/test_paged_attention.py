@@ -4,11 +4,11 @@ import pytest
 
 from mtp_cupy import KernelError, ops
 from mtp_cupy.runtime.arena import pack_mtp_attn_meta
-from mtp_cupy.runtime.dtypes import BF16, FP8, to_fp8
+from mtp_cupy.runtime.dtypes import to_fp8
 from mtp_cupy.refdev.registry import names_in
 from mtp_cupy.runtime.backend import cuda_kernel_names
 from mtp_cupy.runtime.ptr import NULL
-from helpers import assert_close, bf16, f32, get, out, rand_bf16, run_on_both, up
+from helpers import assert_close, f32, get, out, rand_bf16, run_on_both, up
 
 META_STRIDE = 1024  # room for 192 block ids per slab
 

@@ -12,7 +12,6 @@ the latent rows: kv_a, kv_a_layernorm, RoPE, cache write) with no attention: a d
 only on its own (token, hidden) pair. The embedding is not zeroed at position 0 (SGLang; vLLM masks it)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from .. import ops
 from ..cache.paged import CacheSpec, PagedKvCache
@@ -22,7 +21,8 @@ from ..layers.moe import MoE, MoeConfig
 from ..runtime.backend import Backend
 from ..runtime.ptr import NULL, DevicePtr
 from ..speculative.base import MtpProposerBase
-from ..weights.config import DeepseekV3Config, load_config
+from .options import checked_config
+from ..weights.config import DeepseekV3Config
 from ..weights.deepseek_v3 import DeepseekV3MtpWeights, load_mtp_weights, write_tiny_checkpoint  # noqa: F401
 
 
@@ -108,14 +108,7 @@ def from_checkpoint(path, gpu: Backend, max_seq_len: int = 4096, comm=None, **op
     """The DeepSeek-V3-family MTP proposer of the checkpoint at `path`. Options: max_sequences (KV pool size
     in sequences of max_seq_len), max_drafts, mtp_vocab_size (0 = full vocab), max_prefill_rows (rows per
     batched prefill pass), progress (weight-loading bar)."""
-    bad = sorted(set(options) - set(_OPTIONS))
-    if bad:
-        raise ConfigError(f"unknown option(s) {bad} for deepseek_v3; known: {', '.join(_OPTIONS)}")
-    if comm is not None and getattr(comm, "world", 1) != 1:
-        raise ConfigError("the DeepSeek-V3 MTP layer runs on one GPU; it is not sharded over ranks")
-    cfg = load_config(Path(path))
-    if not isinstance(cfg, DeepseekV3Config):
-        raise ConfigError(f"{path} is a {cfg.family} checkpoint, not deepseek_v3")
+    cfg = checked_config(path, comm, options, _OPTIONS, "deepseek_v3", DeepseekV3Config, "DeepSeek-V3 MTP layer")
     progress = options.pop("progress", None)
     return DeepseekV3MtpProposer(gpu, cfg, load_mtp_weights(gpu, path, cfg, progress), max_seq_len=max_seq_len,
                                  **options)

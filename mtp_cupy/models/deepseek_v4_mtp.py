@@ -18,7 +18,6 @@ attention: a row's kv depends on the pre-attention path only (front, hc_pre of i
 kv_norm, RoPE). The embedding is not zeroed at position 0 (official; vLLM masks it)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 
@@ -32,7 +31,8 @@ from ..runtime.backend import Backend
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
 from ..speculative.base import MtpProposerBase
-from ..weights.config import DeepseekV4Config, load_config
+from .options import checked_config
+from ..weights.config import DeepseekV4Config
 from ..weights.deepseek_v4 import (LowRankHcHeadError, V4MtpWeights, load_v4_mtp,  # noqa: F401 (re-export)
                                    write_tiny_checkpoint)
 
@@ -177,12 +177,5 @@ def from_checkpoint(path, gpu: Backend, max_seq_len: int = 4096, comm=None, **op
     vocab), max_prefill_rows (rows per batched prefill pass), kv_blocks (the cache pool; default one sequence of
     max_seq_len), device_hidden ("streams": a device-pointer hidden is the target's [hc, D] pre-hc_head
     streams; "single": one [D] hidden; host arrays say which by their shape)."""
-    bad = sorted(set(options) - set(_OPTIONS))
-    if bad:
-        raise ConfigError(f"unknown option(s) {bad} for deepseek_v4; known: {', '.join(_OPTIONS)}")
-    if comm is not None and getattr(comm, "world", 1) != 1:
-        raise ConfigError("the DeepSeek-V4 MTP layer runs on one GPU; it is not sharded over ranks")
-    cfg = load_config(Path(path))
-    if not isinstance(cfg, DeepseekV4Config):
-        raise ConfigError(f"{path} is a {cfg.family} checkpoint, not deepseek_v4")
+    cfg = checked_config(path, comm, options, _OPTIONS, "deepseek_v4", DeepseekV4Config, "DeepSeek-V4 MTP layer")
     return DeepseekV4MtpProposer(gpu, cfg, load_v4_mtp(gpu, path, cfg), max_seq_len=max_seq_len, **options)

@@ -22,7 +22,6 @@ key): no attention, no MoE, no head (their output would be discarded). The laten
 one PagedKvCache pool and its block ids, so the base state's block table covers both."""
 from __future__ import annotations
 
-from pathlib import Path
 
 from .. import ops
 from ..cache.paged import CacheSpec, PagedKvCache
@@ -34,7 +33,8 @@ from ..runtime.backend import Backend
 from ..runtime.ptr import DevicePtr
 from ..speculative.base import MtpProposerBase
 from ..speculative.vocab_argmax import EXCHANGES, ShardedArgmax
-from ..weights.config import GlmMoeDsaConfig, load_config
+from ..weights.config import GlmMoeDsaConfig
+from .options import checked_config
 from ..weights.glm import GlmMtpWeights, Shard, load_glm_weights, write_tiny_checkpoint  # noqa: F401
 from .deepseek_mtp import DeepseekV3MtpProposer
 
@@ -170,12 +170,7 @@ def from_checkpoint(path, gpu: Backend, max_seq_len: int = 4096, comm=None, **op
     head_fp8 (draft from an FP8 copy of this rank's head slice; sharded head only), head_exchange ("digits":
     bf16 lanes, one all-reduce; "pairs": (f32, i32) all-gather), cuda_graphs (capture each draft chain, NCCL
     calls included; default on CUDA), progress (weight-loading bar)."""
-    bad = sorted(set(options) - set(_OPTIONS))
-    if bad:
-        raise ConfigError(f"unknown option(s) {bad} for glm5; known: {', '.join(_OPTIONS)}")
-    cfg = load_config(Path(path))
-    if not isinstance(cfg, GlmMoeDsaConfig):
-        raise ConfigError(f"{path} is a {cfg.family} checkpoint, not glm_moe_dsa")
+    cfg = checked_config(path, comm, options, _OPTIONS, "glm5", GlmMoeDsaConfig)
     progress = options.pop("progress", None)
     shard = Shard(comm.rank, comm.world) if comm is not None and comm.world > 1 else Shard()
     weights = load_glm_weights(gpu, path, cfg, shard, progress)

@@ -12,7 +12,6 @@ seed) and keeps its K/V in FP8; BF16 and FP8 heads keep K/V in BF16."""
 from __future__ import annotations
 
 import enum
-from pathlib import Path
 
 from .. import ops
 from ..cache.paged import CacheSpec, PagedKvCache
@@ -23,7 +22,8 @@ from ..layers.moe import MoE, MoeConfig
 from ..runtime.backend import Backend
 from ..runtime.ptr import DevicePtr
 from ..speculative.base import MtpProposerBase
-from ..weights.config import Qwen3NextConfig, load_config
+from .options import checked_config
+from ..weights.config import Qwen3NextConfig
 from ..weights.qwen import QwenMtpWeights, load_qwen_mtp, write_tiny_checkpoint  # noqa: F401 (re-export)
 from .qwen_batch import BatchProposeMixin
 
@@ -168,14 +168,7 @@ def from_checkpoint(path, gpu: Backend, max_seq_len: int = 4096, comm=None, **op
     """The Qwen3-Next MTP proposer of the checkpoint at `path`. Options: quantization ("nvfp4"/"fp4", "fp8",
     "bf16"; default: the checkpoint's own format), mtp_vocab_size (0 = full vocab), max_drafts, max_batch,
     max_prefill_rows, kv_blocks, kv_scale (FP8 K/V), refeed_accepted."""
-    bad = sorted(set(options) - set(_OPTIONS))
-    if bad:
-        raise ConfigError(f"unknown option(s) {bad} for qwen3_next; known: {', '.join(_OPTIONS)}")
-    if comm is not None and getattr(comm, "world", 1) != 1:
-        raise ConfigError("the Qwen3-Next MTP head runs on one GPU; it is not sharded over ranks")
-    cfg = load_config(Path(path))
-    if not isinstance(cfg, Qwen3NextConfig):
-        raise ConfigError(f"{path} is a {cfg.family} checkpoint, not qwen3_next")
+    cfg = checked_config(path, comm, options, _OPTIONS, "qwen3_next", Qwen3NextConfig, "Qwen3-Next MTP head")
     if "quantization" in options and options["quantization"] is not None:
         MtpQuantization.parse(options["quantization"])   # a bad name fails before any weight is read
     return QwenMtpProposer(gpu, cfg, load_qwen_mtp(gpu, path, cfg), max_seq_len=max_seq_len, **options)

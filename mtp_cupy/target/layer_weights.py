@@ -27,7 +27,6 @@ def load_layer(wl: WeightLoader, cfg: DeepseekV3Config, prefix: str, moe: bool) 
     D, H = cfg.hidden_size, cfg.num_attention_heads
     C, dn, dr, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     a, m, lora = prefix + "self_attn.", prefix + "mlp.", cfg.q_lora_rank
-    keep = wl.owners_list if hasattr(wl, "owners_list") else None  # noqa: F841  (buffers live in the Linears)
 
     def vec(key, n, as_dtype="bf16"):
         buf = wl.tensor(key, (n,), as_dtype=as_dtype)

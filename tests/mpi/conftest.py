@@ -1,5 +1,6 @@
 """Run as `mpirun -n N python -m pytest tests/mpi`. Rank 0 prints the report; the other ranks write theirs to
-pytest-rank{r}.log; the session's exit status is the worst over all ranks."""
+pytest-rank{r}.log; the session's exit status is the worst over all ranks. GPU tests skip without CUDA by
+tests/conftest.py's hook, which applies here too."""
 import os
 import sys
 
@@ -18,16 +19,6 @@ def pytest_configure(config):
         log = open(f"pytest-rank{RANK}.log", "w")
         sys.stdout = sys.stderr = log
         config.option.verbose = -1
-
-
-def pytest_collection_modifyitems(config, items):
-    from mtp_cupy.runtime.cupy_backend import cuda_available
-    if cuda_available():
-        return
-    skip = pytest.mark.skip(reason="no CUDA device")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,7 +1,7 @@
 """Twins of cuda_src/elementwise.cu."""
 import numpy as np
 
-from ...runtime.dtypes import BF16, dtype as _dtype
+from ...runtime.dtypes import BF16
 from ..registry import twin
 from ..access import row_scalars, strided  # noqa: F401  (re-exported for older twin imports)
 
