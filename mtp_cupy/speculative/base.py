@@ -2,13 +2,18 @@
 
 A family subclass implements
     _step(st, ids, hidden, position, row, logits)   one draft step: embed the i32 token id at device ptr
-        `ids`, combine with the bf16 hidden at `hidden`, run the block writing its KV row `row` at RoPE
-        position `position`, write f32 logits [vocab_eff] at `logits`, and leave the carried hidden for
-        the next step at `self.carry`.
-    _write_rows(st, tokens_dev, hiddens, positions, row_base, n)  prefill / catch-up: n drafter KV rows
-        pairing embed(tokens[r+1]) with hiddens[r] at positions[r] (no attention needed).
-and sets, before calling super().__init__: nothing; after it: `self.carry` (device ptr of the carried
-hidden), and optionally overrides `_hidden_shapes` (V4 accepts [D] and [hc, D]) and `_pick`.
+        `ids`, combine with the bf16 hidden at `hidden`, run the block (its KV row and RoPE position come
+        from the metadata slab at bufs.mtp_meta), write f32 logits [vocab_eff] at `logits`, and leave the
+        carried hidden for the next step at `self.carry`.
+    _write_rows(st, tokens_dev, hiddens, positions, slots, row_base, n)  prefill / catch-up: n drafter KV
+        rows pairing embed(tokens[r+1]) with hiddens[r] at the u32 positions / i64 slots given (no attention).
+and sets `self.carry` after super().__init__; it may override `_hidden_shapes` (V4 accepts [D] and [hc, D]),
+`_pick` (GLM's cross-rank argmax) and `_graph_variant`.
+
+CUDA graphs: propose(k) is captured once per (k, masked, variant) and replayed. A family that sets
+`graph_safe = True` promises that `_step` and `_pick` launch only device work on fixed buffers and read
+every per-call value (token ids, hidden, positions, slots, block tables) from device memory, never from
+their Python arguments, which are those of the capturing call.
 
 State changes happen only after every check passes; a failure inside the chain rolls the rows back."""
 from __future__ import annotations
