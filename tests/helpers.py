@@ -68,3 +68,15 @@ def assert_bf16_near(a, b, max_frac=0.01, atol=0.0):
     ulp = np.exp2(np.floor(np.log2(np.where(big > 0, big, 1.0))) - 7)   # bf16 spacing at the larger value
     assert np.all((d <= ulp) | (d <= atol)), f"max diff {d[d > atol].max()} (more than one bf16 ulp)"
     assert np.count_nonzero(d) <= max(2, int(a.size * max_frac)), f"{np.count_nonzero(d)} of {a.size} differ"
+
+
+def check_pool(prop, states):
+    """Proposer invariants over live states: rows == positions recorded, exactly the blocks those rows
+    need, positions increasing, and every pool block either held by one state or free (no leak)."""
+    from mtp_cupy.cache import PagedKvCache
+    used = 0
+    for st in states:
+        assert st.seq_len == len(st.keys) and len(st.blocks.table) == PagedKvCache.blocks_for(st.seq_len)
+        assert all(b > a for a, b in zip(st.keys, st.keys[1:]))
+        used += len(st.blocks.table)
+    assert used + prop.kv.free_count == prop.kv.num_blocks

@@ -4,12 +4,11 @@ import time
 
 import numpy as np
 
-from mtp_cupy.cache.paged import PagedKvCache
 from mtp_cupy.errors import CapacityError
 from mtp_cupy.models import deepseek_v4_mtp as v4
 from mtp_cupy.weights.config import load_config
 from test_deepseek_v4 import ckpt, hidden
-from helpers import rel_err
+from helpers import rel_err, check_pool
 
 CYCLES = 5000
 REAL_EVERY = 25   # every 25th cycle runs the whole forward on the NumPy device; the rest a stub (see below)
@@ -50,25 +49,16 @@ class StubbedSteps(v4.DeepseekV4MtpProposer):
             super()._write_rows(st, tokens_dev, hiddens, positions, slots, row_base, n)
 
 
-def test_random_cycles_keep_invariants(ref):
+def test_random_cycles_keep_invariants(ref, rng):
     """5,000 cycles over four sequences with prefill, catch-up, frees, both hidden forms and pool exhaustion:
     no block leaks, rows == positions written, keys increasing, tables sized to rows."""
     path, _, cfg = ckpt(seed=7, **SMALL)
     c = load_config(path)
     prop = StubbedSteps(ref, c, v4.load_v4_mtp(ref, path, c), max_seq_len=160, max_drafts=3, kv_blocks=16,
                         max_prefill_rows=8)
-    rng = np.random.default_rng(4)
     states = [prop.alloc_state() for _ in range(4)]
     nxt = [0] * 4
     t0, cycles, exhausted, real = time.perf_counter(), 0, 0, 0
-
-    def check():
-        used = 0
-        for st in states:
-            assert st.seq_len == len(st.keys) and len(st.blocks.table) == PagedKvCache.blocks_for(st.seq_len)
-            assert all(b > a for a, b in zip(st.keys, st.keys[1:]))
-            used += len(st.blocks.table)
-        assert used + prop.kv.free_count == prop.kv.num_blocks
 
     while cycles < CYCLES:
         s = int(rng.integers(4))
@@ -95,11 +85,11 @@ def test_random_cycles_keep_invariants(ref):
             nxt[s] += a + 1
         except CapacityError:                                       # the loop evicts the sequence
             exhausted += 1
-            check()
+            check_pool(prop, states)
             prop.free_state(st)
             states[s], nxt[s] = prop.alloc_state(), 0
         cycles += 1
-        check()
+        check_pool(prop, states)
     for st in states:
         prop.free_state(st)
     assert prop.kv.free_count == prop.kv.num_blocks

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from mtp_cupy.cache.paged import PagedKvCache
 from mtp_cupy.errors import CapacityError
 from mtp_cupy.models import qwen_mtp
 from mtp_cupy.runtime.dtypes import bf16_round
 from qwen_util import head_weights, rel, tiny_ckpt
 from reference.qwen_ref import QwenMtpRef
+from helpers import check_pool
 
 D, V = 256, 512
 CYCLES = 5000
@@ -144,25 +144,16 @@ def test_confidence_stop():
     assert len(res.tokens) == 1 and st.seq_len == 13
 
 
-def test_random_cycles_keep_invariants():
+def test_random_cycles_keep_invariants(rng):
     """5,000 propose / after_verify cycles over four sequences with prefill, catch-up, frees and pool
     exhaustion: no block leaks, rows == positions written, keys increasing, tables sized to rows."""
     dims = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, vocab_size=64)
     prop = qwen_mtp.from_checkpoint(tiny_ckpt("bf16", **dims), mtp_cupy.device("ref"), max_seq_len=160,
                                     max_drafts=2, max_batch=4, kv_blocks=16, refeed_accepted=True)
-    rng = np.random.default_rng(4)
     states = [prop.alloc_state() for _ in range(4)]
     nxt = [0] * 4
     t0, cycles, exhausted = time.perf_counter(), 0, 0
-
-    def check():
-        used = 0
-        for st in states:
-            assert st.seq_len == len(st.keys) and len(st.blocks.table) == PagedKvCache.blocks_for(st.seq_len)
-            assert all(b > a for a, b in zip(st.keys, st.keys[1:]))
-            used += len(st.blocks.table)
-        assert used + prop.kv.free_count == prop.kv.num_blocks
 
     while cycles < CYCLES:
         s = int(rng.integers(4))
@@ -194,6 +185,6 @@ def test_random_cycles_keep_invariants():
         except CapacityError:
             exhausted += 1
         cycles += 1
-        check()
+        check_pool(prop, states)
     assert time.perf_counter() - t0 < 60
     assert exhausted > 0   # the pool ran dry at times and nothing leaked
