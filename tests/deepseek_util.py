@@ -15,14 +15,32 @@ ROUTE_TIE = 1e-2     # router selection gap below which a different expert choic
 ARGMAX_TIE = 0.1     # top-2 logit gap (in logit std) below which a different draft is legitimate
 
 _CKPTS: dict = {}
+D, V = 256, 512      # the tiny checkpoints' hidden size and vocabulary (V3 and GLM alike)
+
+
+def cached_ckpt(writer, prefix: str, fmt: str, seed: int, **kw) -> Path:
+    """A tiny checkpoint written once per process by `writer(path, seed, fmt, **kw)`."""
+    key = (prefix, fmt, seed, tuple(sorted(kw.items())))
+    if key not in _CKPTS:
+        _CKPTS[key] = writer(tempfile.mkdtemp(prefix=f"{prefix}_{fmt}_"), seed, fmt, **kw)
+    return _CKPTS[key]
 
 
 def tiny_ckpt(fmt: str = "fp8", seed: int = 0, **kw) -> Path:
     from mtp_cupy.weights.deepseek_v3 import write_tiny_checkpoint
-    key = (fmt, seed, tuple(sorted(kw.items())))
-    if key not in _CKPTS:
-        _CKPTS[key] = write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"dsv3_{fmt}_"), seed, fmt, **kw)
-    return _CKPTS[key]
+    return cached_ckpt(write_tiny_checkpoint, "dsv3", fmt, seed, **kw)
+
+
+def inputs(rng, n: int):
+    """(n + 1 prompt tokens, n bf16-exact hiddens, the next token, its hidden)."""
+    return (rng.integers(0, V, n + 1), bf16_round(rng.standard_normal((n, D))), int(rng.integers(V)),
+            bf16_round(rng.standard_normal(D)))
+
+
+def snapshot(prop, st) -> tuple:
+    """Everything a failed call must leave as it was."""
+    return (st.blocks.rows, list(st.keys), list(st.blocks.table), st.last_num_drafted, st.last_pair_key,
+            list(st.last_drafts), prop.kv.free_count)
 
 
 def config_of(path) -> dict:
@@ -70,3 +88,23 @@ def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: f
                 assert res.tokens[i] == int(np.argmax(logits)), f"{label} draft {i}: argmax"
         tok, h = res.tokens[i], bf16_round(g).astype(np.float64)
     return clean
+
+
+def cuda_matches_ref_device(load, path, rng, n: int, k: int) -> None:
+    """The same prefill + propose(k) on the NumPy device and on CUDA: logits within 1e-2, drafts equal where
+    the margin is clear, until an earlier near-tie changes the chain's input."""
+    import mtp_cupy
+    toks, hs, tok, h = inputs(rng, n)
+    out = []
+    for gpu in (mtp_cupy.device("ref"), mtp_cupy.device("cuda")):
+        prop = load(path, gpu)
+        st = prop.alloc_state()
+        prop.prefill(st, toks, hs)
+        out.append(prop.propose(st, tok, h, n, k, return_logits=True))
+    ref_res, cu = out
+    for i in range(k):
+        if cu.tokens[:i] != ref_res.tokens[:i]:
+            break
+        assert rel(cu.logits[i], ref_res.logits[i]) <= 1e-2, f"draft {i}"
+        if clear_argmax(ref_res.logits[i]):
+            assert cu.tokens[i] == ref_res.tokens[i], f"draft {i}"

@@ -14,7 +14,8 @@ from mtp_cupy.runtime.dtypes import BF16, FP8, bf16_round
 from mtp_cupy.weights import Checkpoint, dequant_linear, load_config
 from mtp_cupy.weights import quant_host as qh
 from mtp_cupy.weights.deepseek_v3 import load_mtp_weights
-from deepseek_util import check_chain, clear_argmax, config_of, ref_weights, rel, tiny_ckpt
+from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, inputs, ref_weights,
+                           rel, snapshot, tiny_ckpt)
 from reference.deepseek_ref import DeepseekMtpRef
 
 T, K, D, V = 24, 3, 256, 512
@@ -26,16 +27,6 @@ TOL0, TOL = 1.5e-2, 2.5e-2
 
 def load(path, gpu=None, **kw):
     return deepseek_mtp.from_checkpoint(path, gpu or mtp_cupy.device("ref"), max_seq_len=kw.pop("max_seq_len", 256), **kw)
-
-
-def inputs(rng, n=T):
-    return (rng.integers(0, V, n + 1), bf16_round(rng.standard_normal((n, D))), int(rng.integers(V)),
-            bf16_round(rng.standard_normal(D)))
-
-
-def snapshot(prop, st) -> tuple:
-    return (st.blocks.rows, list(st.keys), list(st.blocks.table), st.last_num_drafted, st.last_pair_key,
-            list(st.last_drafts), prop.kv.free_count)
 
 
 # -- the reference itself ------------------------------------------------------------------------------
@@ -129,7 +120,7 @@ def test_prefill_and_propose_match_reference(rng, fmt):
     path = tiny_ckpt(fmt)
     prop = load(path)
     ref = DeepseekMtpRef(ref_weights(path), config_of(path))
-    toks, hs, tok, h = inputs(rng)
+    toks, hs, tok, h = inputs(rng, T)
     st = prop.alloc_state()
     assert prop.prefill(st, toks, hs) == T and st.keys == list(range(T))
     rows = prop.gpu.read(prop.kv.base("latent"), BF16, (prop.kv.num_blocks * 16, prop.dims.row_width))
@@ -293,21 +284,7 @@ def test_grammar_mask_restricts_drafts(rng, caplog):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_cuda_matches_ref_device(rng, fmt):
-    path = tiny_ckpt(fmt, seed=2)
-    toks, hs, tok, h = inputs(rng)
-    out = []
-    for gpu in (mtp_cupy.device("ref"), mtp_cupy.device("cuda")):
-        prop = load(path, gpu)
-        st = prop.alloc_state()
-        prop.prefill(st, toks, hs)
-        out.append(prop.propose(st, tok, h, T, K, return_logits=True))
-    ref_res, cu = out
-    for i in range(K):
-        if cu.tokens[:i] != ref_res.tokens[:i]:
-            break                   # an earlier near-tie changed the chain's input
-        assert rel(cu.logits[i], ref_res.logits[i]) <= 1e-2, f"draft {i}"
-        if clear_argmax(ref_res.logits[i]):
-            assert cu.tokens[i] == ref_res.tokens[i], f"draft {i}"
+    cuda_matches_ref_device(load, tiny_ckpt(fmt, seed=2), rng, T, K)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from mtp_cupy.runtime.arena import ForwardBuffers, pack_mtp_attn_meta
 from mtp_cupy.runtime.dtypes import BF16, bf16_round
 from mtp_cupy.weights import load_config
 from mtp_cupy.weights.glm import Shard, load_glm_weights
-from deepseek_util import check_chain, clear_argmax, config_of, ref_weights, rel
+from deepseek_util import check_chain, config_of, cuda_matches_ref_device, ref_weights, rel, snapshot
 from glm_util import D, V, glm_ckpt, inputs
 from helpers import assert_bf16_near, up
 from reference.glm_ref import GlmMtpRef
@@ -26,11 +26,6 @@ TOL0, TOL = 1e-2, 2e-2     # first draft; chained drafts (the bf16 carried hidde
 
 def load(path, gpu=None, **kw):
     return glm_mtp.from_checkpoint(path, gpu or mtp_cupy.device("ref"), max_seq_len=kw.pop("max_seq_len", 128), **kw)
-
-
-def snapshot(prop, st) -> tuple:
-    return (st.blocks.rows, list(st.keys), list(st.blocks.table), st.last_num_drafted, st.last_pair_key,
-            list(st.last_drafts), prop.kv.free_count)
 
 
 # -- the references ------------------------------------------------------------------------------------------
@@ -279,21 +274,7 @@ def test_options_and_config_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_cuda_matches_ref_device(rng, fmt):
-    path = glm_ckpt(fmt, seed=2)
-    toks, hs, tok, h = inputs(rng, T)
-    out = []
-    for gpu in (mtp_cupy.device("ref"), mtp_cupy.device("cuda")):
-        prop = load(path, gpu)
-        st = prop.alloc_state()
-        prop.prefill(st, toks, hs)
-        out.append(prop.propose(st, tok, h, T, K, return_logits=True))
-    ref_res, cu = out
-    for i in range(K):
-        if cu.tokens[:i] != ref_res.tokens[:i]:
-            break                   # an earlier near-tie changed the chain's input
-        assert rel(cu.logits[i], ref_res.logits[i]) <= 1e-2, f"draft {i}"
-        if clear_argmax(ref_res.logits[i]):
-            assert cu.tokens[i] == ref_res.tokens[i], f"draft {i}"
+    cuda_matches_ref_device(load, glm_ckpt(fmt, seed=2), rng, T, K)
 
 
 @pytest.mark.gpu
