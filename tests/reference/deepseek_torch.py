@@ -23,7 +23,26 @@ def rope_parameters(cfg: dict) -> dict:
     return rp
 
 
-class TorchDeepseekMtp:
+class TorchMtpWrapper:
+    """The MTP wrapper composed by hand around a transformers decoder layer (transformers drops MTP layers):
+    x = eh_proj([enorm(embed(token)), hnorm(hidden)]); subclasses set t (tensors), P (the MTP prefix), eps,
+    rows, and run the layer in step()."""
+
+    def _rms(self, x: torch.Tensor, key: str) -> torch.Tensor:
+        return self.t[self.P + key] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _front(self, token: int, hidden: torch.Tensor) -> torch.Tensor:
+        e = self._rms(self.t["model.embed_tokens.weight"][token], "enorm.weight")
+        return torch.cat([e, self._rms(hidden, "hnorm.weight")]) @ self.t[self.P + "eh_proj.weight"].T
+
+    def write_row(self, token: int, hidden, pos: int) -> None:
+        self.rows.append((int(token), torch.as_tensor(np.asarray(hidden, np.float64)), int(pos)))
+
+    def truncate(self, rows: int) -> None:
+        del self.rows[rows:]
+
+
+class TorchDeepseekMtp(TorchMtpWrapper):
     def __init__(self, w: dict[str, np.ndarray], cfg: dict):
         torch.manual_seed(0)
         hf = AutoConfig.for_model("deepseek_v3", **{k: cfg[k] for k in DIMS}, num_hidden_layers=1,
@@ -45,16 +64,6 @@ class TorchDeepseekMtp:
         self.eps = cfg["rms_norm_eps"]
         self.t, self.P = t, P
         self.rows: list[tuple[int, torch.Tensor, int]] = []
-
-    def _rms(self, x: torch.Tensor, key: str) -> torch.Tensor:
-        return self.t[self.P + key] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def _front(self, token: int, hidden: torch.Tensor) -> torch.Tensor:
-        e = self._rms(self.t["model.embed_tokens.weight"][token], "enorm.weight")
-        return torch.cat([e, self._rms(hidden, "hnorm.weight")]) @ self.t[self.P + "eh_proj.weight"].T
-
-    def write_row(self, token: int, hidden, pos: int) -> None:
-        self.rows.append((int(token), torch.as_tensor(np.asarray(hidden, np.float64)), int(pos)))
 
     @torch.no_grad()
     def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:

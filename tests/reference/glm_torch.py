@@ -12,13 +12,15 @@ import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from .deepseek_torch import TorchMtpWrapper
+
 DIMS = ("hidden_size", "num_attention_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
         "v_head_dim", "n_routed_experts", "num_experts_per_tok", "n_group", "topk_group", "moe_intermediate_size",
         "n_shared_experts", "vocab_size", "rms_norm_eps", "routed_scaling_factor", "norm_topk_prob",
         "max_position_embeddings", "index_n_heads", "index_head_dim", "index_topk", "rope_parameters")
 
 
-class TorchGlmMtp:
+class TorchGlmMtp(TorchMtpWrapper):
     def __init__(self, w: dict[str, np.ndarray], cfg: dict):
         torch.manual_seed(0)
         hf = AutoConfig.for_model("glm_moe_dsa", **{k: cfg[k] for k in DIMS}, num_hidden_layers=1,
@@ -43,19 +45,6 @@ class TorchGlmMtp:
         self.layer.load_state_dict(sd)
         self.t, self.P = t, P
         self.rows: list[tuple[int, torch.Tensor, int]] = []
-
-    def _rms(self, x: torch.Tensor, key: str) -> torch.Tensor:
-        return self.t[self.P + key] * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-    def _front(self, token: int, hidden: torch.Tensor) -> torch.Tensor:
-        e = self._rms(self.t["model.embed_tokens.weight"][token], "enorm.weight")
-        return torch.cat([e, self._rms(hidden, "hnorm.weight")]) @ self.t[self.P + "eh_proj.weight"].T
-
-    def write_row(self, token: int, hidden, pos: int) -> None:
-        self.rows.append((int(token), torch.as_tensor(np.asarray(hidden, np.float64)), int(pos)))
-
-    def truncate(self, rows: int) -> None:
-        del self.rows[rows:]
 
     @torch.no_grad()
     def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
