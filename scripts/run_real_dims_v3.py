@@ -21,11 +21,10 @@ import numpy as np
 
 import mtp_cupy
 from mtp_cupy.models.deepseek_mtp import DeepseekV3MtpProposer
-from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.weights.config import DeepseekV3Config
 from mtp_cupy.weights.deepseek_v3 import NORMS, TINY_DIMS, TINY_YARN, DeepseekV3MtpWeights
 from mtp_cupy.weights.linear import Linear
-from run_real_dims_v4 import RandomDevice, copy_bandwidth
+from run_real_dims_v4 import RandomDevice, copy_bandwidth, prefill_and_time
 
 REAL = dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -96,25 +95,8 @@ def run(device: str = "cuda", tiny: bool = False, ctx: int = 2048, drafts: int =
     prop = DeepseekV3MtpProposer(gpu, cfg, random_weights(gpu, cfg, seed), max_seq_len=ctx + drafts + 16,
                                  max_drafts=drafts)
     built = time.perf_counter() - t0
-    rng = np.random.default_rng(seed)
-    D, V = cfg.hidden_size, cfg.vocab_size
-    st = prop.alloc_state()
-    t0 = time.perf_counter()
-    prop.prefill(st, rng.integers(0, V, ctx + 1), to_bf16(rng.standard_normal((ctx, D))))
-    gpu.synchronize()
-    prefill_s = time.perf_counter() - t0
-    h = to_bf16(rng.standard_normal(D))
-
-    def call():
-        prop.propose(st, int(rng.integers(V)), h, ctx, drafts)
-        prop.after_verify(st, 0)
-    call()                                   # warm-up: kernel compiles, workspaces
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        call()
-        times.append(time.perf_counter() - t0)
-    prop.propose(st, 1, h, ctx, 1)
+    st, h, prefill_s, times = prefill_and_time(gpu, prop, cfg.vocab_size, (cfg.hidden_size,), ctx, drafts, iters,
+                                               seed)
     phases = phase_ms(prop, st, ctx, iters)
     bw = copy_bandwidth(gpu)
     wbytes = prop.weight_bytes_per_step()

@@ -171,18 +171,11 @@ def phase_ms(prop: DeepseekV4MtpProposer, st, position: int, iters: int) -> dict
     return out
 
 
-def run(device: str = "cuda", tiny: bool = False, ctx: int = 1024, drafts: int = 3, iters: int = 10,
-        form: str = "streams", seed: int = 0) -> dict:
-    """Build the proposer, prefill `ctx` rows, time propose(drafts); returns the numbers main() prints."""
-    gpu = mtp_cupy.device(device)
-    cfg = DeepseekV4Config.from_dict(TINY if tiny else REAL)
-    t0 = time.perf_counter()
-    prop = DeepseekV4MtpProposer(gpu, cfg, random_weights(gpu, cfg, seed), max_seq_len=ctx + drafts + 16,
-                                 max_drafts=drafts, device_hidden=form)
-    built = time.perf_counter() - t0
+def prefill_and_time(gpu, prop, V: int, shape: tuple, ctx: int, drafts: int, iters: int, seed: int):
+    """Prefill `ctx` random rows, then time propose(drafts) + after_verify(0) `iters` times after one warm-up
+    call (kernel compiles, workspaces). Returns (state, hidden, prefill seconds, wall seconds per call); the
+    state is left holding one extra drafted row for a phase breakdown."""
     rng = np.random.default_rng(seed)
-    D, hc, V = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size
-    shape = (hc, D) if form == "streams" else (D,)
     st = prop.alloc_state()
     t0 = time.perf_counter()
     prop.prefill(st, rng.integers(0, V, ctx + 1), to_bf16(rng.standard_normal((ctx, *shape))))
@@ -193,13 +186,27 @@ def run(device: str = "cuda", tiny: bool = False, ctx: int = 1024, drafts: int =
     def call():
         prop.propose(st, int(rng.integers(V)), h, ctx, drafts)
         prop.after_verify(st, 0)
-    call()                                   # warm-up: kernel compiles, workspaces
+    call()
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
     prop.propose(st, 1, h, ctx, 1)
+    return st, h, prefill_s, times
+
+
+def run(device: str = "cuda", tiny: bool = False, ctx: int = 1024, drafts: int = 3, iters: int = 10,
+        form: str = "streams", seed: int = 0) -> dict:
+    """Build the proposer, prefill `ctx` rows, time propose(drafts); returns the numbers main() prints."""
+    gpu = mtp_cupy.device(device)
+    cfg = DeepseekV4Config.from_dict(TINY if tiny else REAL)
+    t0 = time.perf_counter()
+    prop = DeepseekV4MtpProposer(gpu, cfg, random_weights(gpu, cfg, seed), max_seq_len=ctx + drafts + 16,
+                                 max_drafts=drafts, device_hidden=form)
+    built = time.perf_counter() - t0
+    shape = (cfg.hc_mult, cfg.hidden_size) if form == "streams" else (cfg.hidden_size,)
+    st, h, prefill_s, times = prefill_and_time(gpu, prop, cfg.vocab_size, shape, ctx, drafts, iters, seed)
     phases = phase_ms(prop, st, ctx, iters)
     bw = copy_bandwidth(gpu)
     wbytes = prop.weight_bytes_per_step()
