@@ -11,6 +11,7 @@ from __future__ import annotations
 from .. import ops
 from ..cache.paged import PagedKvCache
 from ..runtime.backend import Backend
+from ..runtime.arena import carve
 from ..runtime.ptr import DevicePtr
 from ..weights.linear import Linear
 from .rope_tables import default_inv_freq
@@ -41,11 +42,7 @@ class GatedAttention:
         self._inv_freq = gpu.upload(default_inv_freq(rot_dim, rope_theta))
         r, rk = self.max_rows, self.max_kv_rows
         sizes = {"qg": 2 * H * hd * r, "q": H * hd * r, "o": H * hd * r, "k": KV * hd * rk, "v": KV * hd * rk}
-        self._buf = gpu.alloc(2 * sum(sizes.values()))
-        off, self._ptr = 0, {}
-        for name, n in sizes.items():
-            self._ptr[name] = self._buf.ptr.offset(off)
-            off += 2 * n
+        self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})
 
     @property
     def weight_bytes(self) -> int:

@@ -23,6 +23,7 @@ from .. import ops
 from ..cache.paged import PagedKvCache
 from ..errors import ConfigError
 from ..runtime.backend import Backend
+from ..runtime.arena import carve
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 from .rope_tables import default_inv_freq, yarn_inv_freq, yarn_mscale
@@ -104,11 +105,7 @@ class MlaAttention:
         r, rk = self.max_rows, self.max_kv_rows
         sizes = {"cq": (dims.q_lora_rank or 0) * r, "q_nope": H * dn * r, "Q": H * dims.row_width * r,
                  "o_lat": H * C * r, "o": H * dv * r, "kv": dims.row_width * rk}
-        self._buf = gpu.alloc(2 * sum(-(-n // 128) * 128 for n in sizes.values()))
-        off, self._ptr = 0, {}
-        for name, n in sizes.items():       # 256-byte aligned regions (16-byte vector loads)
-            self._ptr[name] = self._buf.ptr.offset(off)
-            off += 2 * (-(-n // 128) * 128)
+        self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})   # 256-byte aligned
 
     @property
     def weight_bytes(self) -> int:

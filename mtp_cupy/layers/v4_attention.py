@@ -17,6 +17,7 @@ from __future__ import annotations
 from .. import ops
 from ..cache.paged import PagedKvCache
 from ..runtime.backend import Backend
+from ..runtime.arena import carve
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 from .rope_tables import default_inv_freq
@@ -48,11 +49,7 @@ class V4Attention:
         self._inv_freq = gpu.upload(default_inv_freq(rot_dim, rope_theta))
         r = self.max_rows
         sizes = {"qa": wq_a.n * r, "q": H * hd * r, "o": H * hd * r, "kv": hd * self.max_kv_rows, "z": wo_a.n * r}
-        self._buf = gpu.alloc(2 * sum(sizes.values()))
-        off, self._ptr = 0, {}
-        for name, n in sizes.items():
-            self._ptr[name] = self._buf.ptr.offset(off)
-            off += 2 * n
+        self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})
 
     @property
     def weight_bytes(self) -> int:

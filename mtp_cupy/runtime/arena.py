@@ -47,6 +47,22 @@ def unpack_mtp_attn_meta(raw: bytes | np.ndarray, num_blocks: int) -> tuple[int,
     return pos, slot, seq_len, table
 
 
+def layout(regions: dict[str, int], align: int = ALIGN) -> tuple[dict[str, tuple[int, int]], int]:
+    """Offsets of named regions (bytes) packed in order, each `align`-aligned; and the total size."""
+    out, off = {}, 0
+    for name, nbytes in regions.items():
+        out[name] = (off, int(nbytes))
+        off += (int(nbytes) + align - 1) // align * align
+    return out, max(off, align)
+
+
+def carve(gpu: Backend, regions: dict[str, int]):
+    """One device allocation cut into named aligned regions: (the owning buffer, {name: pointer})."""
+    lay, total = layout(regions)
+    buf = gpu.alloc(total)
+    return buf, {name: buf.ptr.offset(off) for name, (off, _) in lay.items()}
+
+
 class ForwardBuffers:
     """Named device regions in one allocation. `regions` maps name -> bytes; `scratch` is always present.
 
@@ -55,15 +71,10 @@ class ForwardBuffers:
     def __init__(self, gpu: Backend, regions: dict[str, int], scratch_bytes: int = DEFAULT_SCRATCH):
         if scratch_bytes < MTP_META_OFFSET + META_TABLE_OFFSET:
             raise CapacityError(f"scratch of {scratch_bytes} bytes leaves no room for MTP metadata")
-        layout, off = {}, 0
-        for name, nbytes in list(regions.items()) + [("scratch", scratch_bytes)]:
-            if name in layout:
-                raise ValueError(f"region {name!r} given twice")
-            layout[name] = (off, int(nbytes))
-            off += (int(nbytes) + ALIGN - 1) // ALIGN * ALIGN
-        self.buf = gpu.alloc(off)
-        self.layout = layout
-        self.total_bytes = off
+        if "scratch" in regions:
+            raise ValueError("region 'scratch' is reserved")
+        self.layout, self.total_bytes = layout({**regions, "scratch": scratch_bytes})
+        self.buf = gpu.alloc(self.total_bytes)
         self.scratch_bytes = scratch_bytes
 
     def __getattr__(self, name: str) -> DevicePtr:
