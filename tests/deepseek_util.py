@@ -108,3 +108,21 @@ def cuda_matches_ref_device(load, path, rng, n: int, k: int) -> None:
         assert rel(cu.logits[i], ref_res.logits[i]) <= 1e-2, f"draft {i}"
         if clear_argmax(ref_res.logits[i]):
             assert cu.tokens[i] == ref_res.tokens[i], f"draft {i}"
+
+
+def matches_oracle(prop, ref, hf, rng, n: int, k: int, tol0: float, tol: float, label: str) -> None:
+    """Prefill n rows on the proposer and on both references, propose k, and check the chain against
+    transformers' logits (hf) while the float64 reference (ref) supplies the routing/indexer margins."""
+    class Both:
+        def step(self, tok, h, pos):
+            ref.step(tok, h, pos)
+            self.last_margin = ref.last_margin
+            return hf.step(tok, h, pos)
+
+    toks, hs, tok, h = inputs(rng, n)
+    st = prop.alloc_state()
+    prop.prefill(st, toks, hs)
+    for r in range(n):
+        ref.write_row(toks[r + 1], hs[r], r)
+        hf.write_row(toks[r + 1], hs[r], r)
+    check_chain(prop.propose(st, tok, h, n, k, return_logits=True), Both(), tok, h, n, tol0, tol, label)

@@ -14,7 +14,7 @@ from mtp_cupy.runtime.dtypes import BF16, FP8, bf16_round
 from mtp_cupy.weights import Checkpoint, dequant_linear, load_config
 from mtp_cupy.weights import quant_host as qh
 from mtp_cupy.weights.deepseek_v3 import load_mtp_weights
-from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, inputs, ref_weights,
+from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, inputs, matches_oracle, ref_weights,
                            rel, snapshot, tiny_ckpt)
 from reference.deepseek_ref import DeepseekMtpRef
 
@@ -163,22 +163,8 @@ def test_matches_transformers(rng, fmt):
     from reference.deepseek_torch import TorchDeepseekMtp
     path = tiny_ckpt(fmt, seed=1)
     w, cfg = ref_weights(path), config_of(path)
-    prop, ref, hf = load(path), DeepseekMtpRef(w, cfg), TorchDeepseekMtp(w, cfg)
-
-    class Both:                     # transformers' logits, the reference's routing margin
-        def step(self, tok, h, pos):
-            ref.step(tok, h, pos)
-            self.last_margin = ref.last_margin
-            return hf.step(tok, h, pos)
-
-    toks, hs, tok, h = inputs(rng, 8)
-    st = prop.alloc_state()
-    prop.prefill(st, toks, hs)
-    for r in range(8):
-        ref.write_row(toks[r + 1], hs[r], r)
-        hf.write_row(toks[r + 1], hs[r], r)
-    res = prop.propose(st, tok, h, 8, K, return_logits=True)
-    check_chain(res, Both(), tok, h, 8, TOL0, TOL, f"transformers {fmt}")
+    matches_oracle(load(path), DeepseekMtpRef(w, cfg), TorchDeepseekMtp(w, cfg), rng, 8, K, TOL0, TOL,
+                   f"transformers {fmt}")
 
 
 def test_mtp_vocab_size_limits_the_head(rng):

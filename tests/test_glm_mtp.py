@@ -15,7 +15,7 @@ from mtp_cupy.runtime.arena import ForwardBuffers, pack_mtp_attn_meta
 from mtp_cupy.runtime.dtypes import BF16, bf16_round
 from mtp_cupy.weights import load_config
 from mtp_cupy.weights.glm import Shard, load_glm_weights
-from deepseek_util import check_chain, config_of, cuda_matches_ref_device, ref_weights, rel, snapshot
+from deepseek_util import check_chain, config_of, cuda_matches_ref_device, matches_oracle, ref_weights, rel, snapshot
 from glm_util import D, V, glm_ckpt, inputs
 from helpers import assert_bf16_near, up
 from reference.glm_ref import GlmMtpRef
@@ -168,22 +168,7 @@ def test_matches_transformers(rng):
     from reference.glm_torch import TorchGlmMtp
     path = glm_ckpt("bf16", seed=1)
     w, cfg = ref_weights(path), config_of(path)
-    prop, ref, hf = load(path), GlmMtpRef(w, cfg), TorchGlmMtp(w, cfg)
-
-    class Both:                     # transformers' logits, the reference's decision margins
-        def step(self, tok, h, pos):
-            ref.step(tok, h, pos)
-            self.last_margin = ref.last_margin
-            return hf.step(tok, h, pos)
-
-    toks, hs, tok, h = inputs(rng, 12)
-    st = prop.alloc_state()
-    prop.prefill(st, toks, hs)
-    for r in range(12):
-        ref.write_row(toks[r + 1], hs[r], r)
-        hf.write_row(toks[r + 1], hs[r], r)
-    res = prop.propose(st, tok, h, 12, K, return_logits=True)
-    check_chain(res, Both(), tok, h, 12, TOL0, TOL, "transformers")
+    matches_oracle(load(path), GlmMtpRef(w, cfg), TorchGlmMtp(w, cfg), rng, 12, K, TOL0, TOL, "transformers")
 
 
 def test_drafts_without_logits_equal_argmax_of_logits(rng):
