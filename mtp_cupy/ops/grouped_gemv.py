@@ -9,6 +9,13 @@ __all__ = ["grouped_gemv"]
 
 THREADS = 256
 MAX_K = 12288  # x row staged in 48 KB of shared memory as fp32
+RPT = 4        # rows each lane group carries at once (cuda_src/grouped_gemv.cu)
+
+
+def lanes_per_row(k: int, fmt: str) -> int:
+    """Lanes that read one row: the 16-byte loads in a row, rounded down to a power of two, at most 32."""
+    loads = k // (8 if fmt == "bf16" else 16)
+    return min(32, 1 << (max(loads, 1).bit_length() - 1))
 _KERNELS = {"bf16": "grouped_gemv_bf16", "fp8_block": "grouped_gemv_fp8_block",
             "fp8_block_e8m0": "grouped_gemv_fp8_block_e8m0"}
 
@@ -40,12 +47,13 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
     need(k <= MAX_K, f"{name}: k {k} > {MAX_K} (x is staged in shared memory)")
     need(out_dtype in ("bf16", "f32"), f"{name}: out_dtype {out_dtype!r} is not bf16/f32")
     need(min(xgs, ygs, xrs, yrs) >= 0, f"{name}: negative stride")
-    warps = THREADS // 32
-    L = launch(gpu, "grouped_gemv", name).grid(min((n + warps - 1) // warps, 65535), min(groups, 65535),
+    lpr = lanes_per_row(k, W.fmt)
+    block_rows = THREADS // 32 * (32 // lpr) * RPT
+    L = launch(gpu, "grouped_gemv", name).grid(min(-(-n // block_rows), 65535), min(groups, 65535),
                                                min(m, 65535)).block(THREADS).shared(4 * k)
     L.arg_ptr(x).arg_ptr(W.weight)
     if W.fmt != "bf16":
         need(int(W.scale) != 0, f"{name}: NULL block scale")
         L.arg_ptr(W.scale)
     L.arg_ptr(y).arg_u32(groups).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(row0).arg_u32(group_rows)
-    L.arg_u64(xgs).arg_u64(xrs).arg_u64(ygs).arg_u64(yrs).arg_u32(out_dtype == "f32").launch(stream)
+    L.arg_u64(xgs).arg_u64(xrs).arg_u64(ygs).arg_u64(yrs).arg_u32(out_dtype == "f32").arg_u32(lpr).launch(stream)

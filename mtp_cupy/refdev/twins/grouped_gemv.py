@@ -35,19 +35,20 @@ def _fp8_rows(dev, W, scale, k, sdt):
 
 
 @twin("grouped_gemv", "grouped_gemv_bf16")
-def grouped_gemv_bf16(dev, x, W, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32):
+def grouped_gemv_bf16(dev, x, W, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32, lpr):
     _run(dev, x, lambda nrows: dev.view(W, BF16, (nrows, k)).astype(np.float32), y, groups, m, n, k, row0,
          group_rows, xgs, xrs, ygs, yrs, out_f32)
 
 
 @twin("grouped_gemv", "grouped_gemv_fp8_block")
-def grouped_gemv_fp8_block(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32):
+def grouped_gemv_fp8_block(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32,
+                           lpr):
     _run(dev, x, _fp8_rows(dev, W, scale, k, np.float32), y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs,
          yrs, out_f32)
 
 
 @twin("grouped_gemv", "grouped_gemv_fp8_block_e8m0")
 def grouped_gemv_fp8_block_e8m0(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs,
-                                out_f32):
+                                out_f32, lpr):
     _run(dev, x, _fp8_rows(dev, W, scale, k, E8M0), y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs,
          out_f32)
