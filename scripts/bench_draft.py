@@ -5,6 +5,7 @@ and a plain-torch bf16 peer of the same step.
     python scripts/bench_draft.py --family all --ks 1,3 --json /tmp/bench_draft.json   # target: < 4 min, H200
     python scripts/bench_draft.py --family deepseek_v3 --ctx 4096 --ks 1,2,3,4 --iters 20 --json out.json
     python scripts/bench_draft.py --family all --quick                 # ctx 1024, ks 1,3, iters 10
+    python scripts/bench_draft.py --family glm5 --ctx 4096 --ks 1,3    # GLM-5, one GPU: sparse (top-2048) MLA
     python scripts/bench_draft.py --family all --device ref --tiny --torch-cpu   # CPU smoke run of this code
 
 Per family and k (drafts per propose): prefill --ctx drafter rows; warm up (propose + after_verify(0) three
@@ -15,7 +16,12 @@ draft step: GPU µs = event time / k, wall µs = wall / k, host µs = max(wall -
 Floor µs = (weight_bytes_per_step + KV bytes read) / D2D copy bandwidth (read + write, median of 10 1-GiB
 copies in this process); "% of floor" = step / floor (100% = at the floor). Torch peers (bf16, batch 1):
 eager and under torch.cuda.CUDAGraph, same cold-L2 timing; their floor counts their bf16 bytes.
-Batch > 1 runs Qwen3-Next's propose_batch (no graph path); DeepSeek families have no batched propose."""
+Batch > 1 runs Qwen3-Next's propose_batch (no graph path); DeepSeek families and GLM-5 have no batched propose.
+
+Families: deepseek_v4, deepseek_v3, qwen3_next, glm5. GLM-5 runs here unsharded on one GPU (draft_glm.REAL
+dims, random weights from draft_glm.random_weights; the step's KV bytes are every indexer key row plus the
+index_topk latent rows MLA attends); its 2-GPU (sharded heads / experts / vocab) numbers come from
+`mpirun -n 2 python scripts/draft_glm.py --real-dims`."""
 from __future__ import annotations
 
 import argparse
@@ -36,8 +42,9 @@ import bench_common as bc  # noqa: E402
 import mtp_cupy  # noqa: E402
 from mtp_cupy.runtime.dtypes import to_bf16  # noqa: E402
 
-FAMILIES = ("deepseek_v4", "deepseek_v3", "qwen3_next")
-TITLES = {"deepseek_v4": "DeepSeek-V4-Flash", "deepseek_v3": "DeepSeek-V3/R1", "qwen3_next": "Qwen3-Next-80B-A3B"}
+FAMILIES = ("deepseek_v4", "deepseek_v3", "qwen3_next", "glm5")
+TITLES = {"deepseek_v4": "DeepSeek-V4-Flash", "deepseek_v3": "DeepSeek-V3/R1", "qwen3_next": "Qwen3-Next-80B-A3B",
+          "glm5": "GLM-5"}
 
 
 # -- the mtp_cupy proposer of a family (the run_real_dims_* builders) ------------------------------------------
@@ -70,6 +77,18 @@ class Ours:
             self.hshape, self.batched = (cfg.hc_mult, cfg.hidden_size), False
             self.kv_rows = min(a.ctx + 1, cfg.sliding_window)
             self.formats = "FP8 (e8m0 scales) projections, MXFP4 routed experts, FP8 shared; BF16 router, embed, head"
+        elif fam == "glm5":
+            import draft_glm as m
+            from mtp_cupy.models.glm_mtp import GlmMtpProposer
+            from mtp_cupy.weights.config import GlmMoeDsaConfig
+            from mtp_cupy.weights.glm import Shard
+            self.cfgd = o_cfg(fam, a)
+            cfg = GlmMoeDsaConfig.from_dict(self.cfgd)
+            self.prop = GlmMtpProposer(gpu, cfg, m.random_weights(gpu, cfg, Shard(), a.seed, "fp8"),
+                                       max_seq_len=max_seq, max_drafts=kmax, head_fp8=a.glm_head_fp8)
+            self.hshape, self.kv_rows, self.batched = (cfg.hidden_size,), a.ctx + 1, False
+            self.formats = ("FP8 block (f32 scales) projections + experts + indexer wq_b/wk; BF16 eh_proj, router, "
+                            f"weights_proj, embed, {'FP8 row' if self.prop.head.fmt == 'fp8_row' else 'BF16'} head")
         else:
             import run_real_dims_qwen as m
             from mtp_cupy.cache.paged import PagedKvCache
@@ -86,6 +105,10 @@ class Ours:
         self.build_s = time.perf_counter() - t0
         p = self.prop
         self.kv_row_bytes = sum(s.row_bytes * s.num_layers for s in p.kv.specs.values())
+        self.kv_step_bytes = self.kv_rows * self.kv_row_bytes
+        if fam == "glm5":    # the indexer reads every key row, MLA only the index_topk latent rows it picked
+            lat = p.kv.specs["latent"]
+            self.kv_step_bytes -= (self.kv_rows - min(cfg.index_topk, self.kv_rows)) * lat.row_bytes * lat.num_layers
         rng = np.random.default_rng(a.seed)
         V = p.vocab_size
         hs = to_bf16(rng.standard_normal((a.ctx, *self.hshape), dtype=np.float32))
@@ -120,7 +143,7 @@ class Ours:
         return self.prop.weight_bytes_per_step(B) if self.batched else self.prop.weight_bytes_per_step()
 
     def kv_bytes(self, B: int) -> int:
-        return B * self.kv_rows * self.kv_row_bytes
+        return B * self.kv_step_bytes
 
     def close(self) -> None:
         for st in self.states:
@@ -263,6 +286,10 @@ def run_family(fam: str, gpu, a, bw: float | None, tstat: tuple[bool, str]) -> d
 
 def o_cfg(fam: str, a) -> dict:
     """The config dict the proposer was built from (the peers read the same dims)."""
+    if fam == "glm5":
+        import draft_glm
+        from mtp_cupy.weights.glm import TINY_DIMS
+        return {**draft_glm.REAL, **TINY_DIMS} if a.tiny else draft_glm.REAL
     m = __import__({"deepseek_v3": "run_real_dims_v3", "deepseek_v4": "run_real_dims_v4",
                     "qwen3_next": "run_real_dims_qwen"}[fam])
     return m.TINY if a.tiny else m.REAL
@@ -302,7 +329,9 @@ def table(res: dict, header: dict) -> str:
         r0 = next((r for r in res["rows"] if r.get("weight_bytes")), None)
         L.append(f"ours: {res['formats']}; built {res['build_s']:.1f} s" +
                  (f"; weight bytes/step {r0['weight_bytes'] / 1e6:,.1f} MB + KV {res['kv_rows']} rows x "
-                  f"{res['kv_row_bytes']} B" if r0 else ""))
+                  f"{res['kv_row_bytes']} B" if r0 else "") +
+                 (f" (reads {r0['kv_bytes'] / 1e6:,.3f} MB: latents of the index top-k only)" if r0 and
+                  r0["kv_bytes"] != r0["batch"] * res["kv_rows"] * res["kv_row_bytes"] else ""))
     if "torch_bytes" in res:
         L.append(f"torch peer ({res['torch_device']}, bf16, batch 1): {res['torch_weight_bytes'] / 1e6:,.1f} MB "
                  f"weights + {res['torch_kv_bytes'] / 1e6:,.1f} MB KV per step; bf16 floor "
@@ -349,6 +378,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="ctx 1024, ks 1,3, iters 10 (unless given)")
     p.add_argument("--qwen-quant", choices=["bf16", "fp8", "nvfp4"], default="bf16",
                    help="Qwen3-Next projection format (the released checkpoint is bf16)")
+    p.add_argument("--glm-head-fp8", action="store_true", help="GLM-5: draft from an FP8 (per-row scale) "
+                   "copy of the BF16 head (head_fp8=True)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cuda", "ref"], default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny dims (smoke run; default ctx 32, iters 2)")
@@ -373,7 +404,7 @@ def main() -> None:
     tstat = (False, "--no-torch") if a.no_torch else bc.torch_status()
     header = dict(device=name, date=datetime.datetime.now().isoformat(timespec="seconds"),
                   copy_gbs=bw / 1e9 if bw else None, iters=a.iters, ctx=a.ctx, ks=a.ks, batches=a.batches,
-                  torch=tstat[1], argv=sys.argv[1:], qwen_quant=a.qwen_quant, tiny=a.tiny)
+                  torch=tstat[1], argv=sys.argv[1:], qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, tiny=a.tiny)
     print(f"# bench_draft: {name}; {header['date']}; copy bandwidth {_fmt(header['copy_gbs'], 0)} GB/s; "
           f"families {', '.join(fams)}; ctx {a.ctx}; ks {a.ks}; batches {a.batches}; iters {a.iters}; "
           f"torch: {tstat[1]}", flush=True)

@@ -251,8 +251,12 @@ def test_options_and_config_errors():
         load(glm_ckpt("bf16"), mtp_vocab_size=100)
     with pytest.raises(ConfigError, match="head_exchange"):
         load(glm_ckpt("bf16"), head_exchange="gather")
-    prop = load_proposer(glm_ckpt("bf16"), mtp_cupy.device("ref"), max_seq_len=64, head_fp8=True)
-    assert prop.family == "glm5" and prop.head.fmt == "bf16" and prop.xchg is None   # no comm: unsharded
+    prop = load_proposer(glm_ckpt("bf16"), mtp_cupy.device("ref"), max_seq_len=64, head_fp8=True, max_drafts=K)
+    assert prop.family == "glm5" and prop.head.fmt == "fp8_row" and prop.xchg is None   # no comm: unsharded
+    st = prop.alloc_state()
+    toks, hs, tok, h = inputs(np.random.default_rng(3), T)
+    prop.prefill(st, toks, hs)
+    assert len(prop.propose(st, tok, h, T, K).tokens) == K
 
 
 # -- GPU -----------------------------------------------------------------------------------------------------

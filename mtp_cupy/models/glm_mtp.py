@@ -7,7 +7,7 @@ One draft step:
     x += allreduce(MoE(post_attention_layernorm(x)))            this rank's experts + its shared-expert slice
     h  = shared_head.norm(x)                                    the carried hidden (GLM: post-norm)
     logits_r = h @ head[v0_r : v0_r + n].T                      bf16, this rank's vocab slice (FP8 copy of the
-                                                                slice with head_fp8, on the sharded sweep only)
+                                                                slice, or of the whole head, with head_fp8)
     draft = cross-rank argmax (digits all-reduce or pairs all-gather), decoded on the device
 Without a communicator (or world 1) nothing is reduced and the head sweeps the whole vocab; with vocab %
 world != 0 the block is still sharded but every rank sweeps the whole head (no exchange).
@@ -79,7 +79,7 @@ class GlmMtpProposer(DeepseekV3MtpProposer):
                                  cuda_graphs=cuda_graphs)
         self.carry = self.bufs.carry
         self.head = weights.head
-        if head_fp8 and self.head_sharded and weights.head.fmt == "bf16":
+        if head_fp8 and weights.head.fmt == "bf16":
             self.head = ops.quantize_linear(gpu, weights.head, "fp8_row")
         rope = MlaRope.from_config(cfg.rope, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rope_interleave)
         n = weights.norms
@@ -167,8 +167,8 @@ _OPTIONS = ("max_sequences", "max_drafts", "max_prefill_rows", "head_fp8", "head
 def from_checkpoint(path, gpu: Backend, max_seq_len: int = 4096, comm=None, **options) -> GlmMtpProposer:
     """The GLM-5 MTP proposer of the checkpoint at `path`, this rank's shard when `comm` spans several ranks.
     Options: max_sequences (KV pool size in sequences of max_seq_len), max_drafts, max_prefill_rows,
-    head_fp8 (draft from an FP8 copy of this rank's head slice; sharded head only), head_exchange ("digits":
-    bf16 lanes, one all-reduce; "pairs": (f32, i32) all-gather), cuda_graphs (capture each draft chain, NCCL
+    head_fp8 (draft from an FP8 (per-row scale) copy of this rank's head slice, or of the whole head),
+    head_exchange ("digits": bf16 lanes, one all-reduce; "pairs": (f32, i32) all-gather), cuda_graphs (capture each draft chain, NCCL
     calls included; default on CUDA), progress (weight-loading bar)."""
     cfg = checked_config(path, comm, options, _OPTIONS, "glm5", GlmMoeDsaConfig)
     progress = options.pop("progress", None)

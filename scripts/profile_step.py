@@ -1,0 +1,109 @@
+"""Per-kernel profile of one draft step at real dims: which kernels a step launches, how long each takes and
+how far each is from its own memory roofline. Two modes:
+
+    # on the GPU machine: one eager propose(k=1) between cudaProfilerStart/Stop, under Nsight Compute
+    ncu --profile-from-start off --clock-control none --cache-control all --csv --print-units base \\
+        --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum \\
+        --log-file v4.csv python scripts/profile_step.py --family deepseek_v4
+    # anywhere: the per-kernel table of that CSV (µs, MB moved, GB/s, % of the copy bandwidth)
+    python scripts/profile_step.py --summarize v4.csv --copy-gbs 4200 --step-us 646
+
+The profiled call runs with graphs off (ncu times each kernel alone, with L2 flushed before each: the sum of
+kernel times is what the step costs without launch gaps). It also prints the graph-replay step time measured
+with CUDA events (cold L2) in the same process, so "sum of kernels" vs "graph step" splits the gap between
+kernel time and launch / dependency gaps."""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from collections import OrderedDict
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+
+METRICS = {"gpu__time_duration.sum": "ns", "dram__bytes_read.sum": "read", "dram__bytes_write.sum": "write"}
+
+
+def summarize(path: str, copy_gbs: float | None, step_us: float | None) -> str:
+    """The ncu CSV (one row per kernel and metric) as a per-kernel-name table, launch order kept."""
+    per_launch: dict[str, dict] = OrderedDict()
+    with open(path, newline="") as f:
+        lines = [ln for ln in f if ln.startswith('"')]          # ncu prefixes its own log lines with ==PROF==
+    for r in csv.DictReader(lines):
+        key = METRICS.get(r.get("Metric Name", ""))
+        if key is None:
+            continue
+        d = per_launch.setdefault(r["ID"], {"name": r["Kernel Name"].split("(")[0]})
+        d[key] = float(r["Metric Value"].replace(",", ""))
+    rows: dict[str, dict] = OrderedDict()
+    for d in per_launch.values():
+        agg = rows.setdefault(d["name"], {"n": 0, "ns": 0.0, "read": 0.0, "write": 0.0})
+        agg["n"] += 1
+        for key in ("ns", "read", "write"):
+            agg[key] += d.get(key, 0.0)
+    tot_ns = sum(a["ns"] for a in rows.values())
+    tot_b = sum(a["read"] + a["write"] for a in rows.values())
+    out = [f"{len(per_launch)} launches, {len(rows)} kernels; sum of kernel times {tot_ns / 1e3:.1f} µs, "
+           f"{tot_b / 1e6:.1f} MB moved" + (f"; floor at {copy_gbs:.0f} GB/s {tot_b / copy_gbs / 1e3:.1f} µs"
+                                             if copy_gbs else "")
+           + (f"; graph step {step_us:.1f} µs (gaps {step_us - tot_ns / 1e3:.1f} µs)" if step_us else ""), "",
+           "| kernel | launches | µs | % of step kernels | MB read | MB written | GB/s | % of copy BW | "
+           "µs at copy BW |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, a in sorted(rows.items(), key=lambda kv: -kv[1]["ns"]):
+        b = a["read"] + a["write"]
+        gbs = b / a["ns"] if a["ns"] else 0.0
+        pct = f"{100 * gbs / copy_gbs:.0f}%" if copy_gbs else "-"
+        ideal = f"{b / copy_gbs / 1e3:.1f}" if copy_gbs else "-"
+        out.append(f"| {name} | {a['n']} | {a['ns'] / 1e3:.1f} | {100 * a['ns'] / tot_ns:.0f}% | "
+                   f"{a['read'] / 1e6:.2f} | {a['write'] / 1e6:.2f} | {gbs:.0f} | {pct} | {ideal} |")
+    return "\n".join(out)
+
+
+def profile(a) -> None:
+    import cupy as cp
+
+    import bench_common as bc
+    import bench_draft as bd
+    import mtp_cupy
+    gpu = mtp_cupy.device("cuda")
+    ns = argparse.Namespace(ctx=a.ctx, tiny=False, seed=0, qwen_quant="bf16", glm_head_fp8=False)
+    o = bd.Ours(a.family, gpu, ns, a.k, 1)
+    p, fn = o.prop, o.call(a.k, 1)
+    clock = bc.CupyClock()
+    p.cuda_graphs = True
+    for _ in range(3):
+        fn()
+    gpu_us, _ = clock.time(fn, p.stream, 10)
+    step = bc.median(gpu_us) / a.k
+    p.cuda_graphs = False
+    for _ in range(2):
+        fn()
+    p.stream.synchronize()
+    cp.cuda.runtime.profilerStart()
+    fn()
+    p.stream.synchronize()
+    cp.cuda.runtime.profilerStop()
+    print(f"# {a.family}: graph step {step:.1f} µs (k={a.k}, ctx {a.ctx}, cold L2, median of 10); "
+          f"copy {bc.copy_bandwidth_cupy() / 1e9:.0f} GB/s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--family", default="deepseek_v4", help="a bench_draft.py family")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--k", type=int, default=1, help="draft steps in the profiled propose")
+    ap.add_argument("--summarize", metavar="CSV", help="print the per-kernel table of an ncu CSV and exit")
+    ap.add_argument("--copy-gbs", type=float, default=None, help="copy bandwidth for the roofline columns")
+    ap.add_argument("--step-us", type=float, default=None, help="graph step time, to show the launch gaps")
+    a = ap.parse_args()
+    if a.summarize:
+        print(summarize(a.summarize, a.copy_gbs, a.step_us))
+    else:
+        profile(a)
+
+
+if __name__ == "__main__":
+    main()
