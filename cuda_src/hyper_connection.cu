@@ -46,14 +46,18 @@ extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const flo
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 
-// Sum of the chunk partials of row r (fixed order), scaled by the folded RMS factor; fills mixes[0..mix).
+// Sum of the chunk partials of row r, scaled by the folded RMS factor; fills mixes[0..mix). One warp per
+// coefficient (lanes stride the chunks, then a fixed-order warp sum): the partials are read in parallel, not
+// as nsplit dependent loads per thread. blockDim a multiple of 32.
 __device__ __forceinline__ void reduce_mixes(const float* part, u32 r, u32 rows, u32 mix, u32 nsplit, u32 n_elems,
                                              float rms_eps, float* mixes) {
     __shared__ float raw[MIX_MAX + 1];
-    for (u32 m = threadIdx.x; m <= mix; m += blockDim.x) {
+    const u32 lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    for (u32 m = threadIdx.x >> 5; m <= mix; m += nw) {
         float v = 0.f;
-        for (u32 s = 0; s < nsplit; ++s) v += part[((u64)s * rows + r) * (mix + 1) + m];
-        raw[m] = v;
+        for (u32 s = lane; s < nsplit; s += 32) v += part[((u64)s * rows + r) * (mix + 1) + m];
+        v = warp_sum(v);
+        if (lane == 0) raw[m] = v;
     }
     __syncthreads();
     const float rinv = rsqrtf(raw[mix] / (float)n_elems + rms_eps);

@@ -45,10 +45,18 @@ class _Geom:
     regs: int = 96        # register estimate where the backend cannot say
     stream: bool = True   # False: a v0 kernel
     row_grid: bool = False  # one x row per grid.y (the FMA kernels)
+    stages: int = STAGES    # default ring depth and resident warps wanted per SM (Tune overrides both)
+    wps: int = WARPS_PER_SM
 
 
-def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: int = 96) -> _Geom:
-    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, 16, regs)
+def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: int = 96, stages: int = STAGES,
+         wps: int = WARPS_PER_SM) -> _Geom:
+    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, 16, regs, stages=stages, wps=wps)
+
+
+# `bench_kernels.py --sweep` (H200, BENCHMARKS.md): the one-tile tensor-core kernels run best with a shallow
+# ring and many resident warps (fp8 7168x14336 38.6 vs 42.0 us, 129280x7168 240 vs 260, m=8 40 vs 48)
+_SHALLOW = dict(stages=2, wps=32)
 
 
 def _v0(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1, row_grid=False) -> _Geom:
@@ -56,11 +64,11 @@ def _v0(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: 
 
 
 _GEOM = {"dense_gemv_bf16": _Geom(8, 2, 64, 65535, red_floats=2, max_ks=16, regs=48, row_grid=True),
-         "dense_gemv_bf16_batchm": _mma(8, 1, 1, 8, regs=64),
+         "dense_gemv_bf16_batchm": _mma(8, 1, 1, 8, regs=64, **_SHALLOW),
          "dense_gemv_bf16_batch32": _mma(8, 4, 2, 32, regs=128),
-         "gemv_fp8w": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64),
-         "w8a16_gemv": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64),
-         "w8a16_gemv_e8m0": _mma(16, 1, 1, QUANT_MAX_M, regs=64),
+         "gemv_fp8w": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64, **_SHALLOW),
+         "w8a16_gemv": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64, **_SHALLOW),
+         "w8a16_gemv_e8m0": _mma(16, 1, 1, QUANT_MAX_M, regs=64, **_SHALLOW),
          "w4a16_gemv": _mma(32, 1, 1, QUANT_MAX_M, 2, regs=80),  # two e4m3 scales per 32-code chunk
          "w4a16_gemv_mx": _mma(32, 1, 1, QUANT_MAX_M, regs=80),
          "dense_gemv_bf16_v0": _v0(8, 2, 32, 65535, row_grid=True),
@@ -121,12 +129,12 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune) -> Plan:
     tiles = -(-n // g.tile_rows)
     units = -(-(k // g.kchunk) // g.unit_chunks)
     stage = g.tile_rows * g.unit_chunks * 16
-    want = tune.warps_per_sm or WARPS_PER_SM
+    want = tune.warps_per_sm or g.wps
     regs_alloc = -(-max(regs, 1) // 8) * 8
     best = None
     for ks in ([tune.ks] if tune.ks else range(1, min(g.max_ks, units) + 1)):
         red = 2 * ks * g.red_floats * 4 if ks > 1 else 0
-        s = tune.stages or STAGES
+        s = tune.stages or g.stages
         while s > min(2, s) and ks * s * stage + red > SMEM_PER_BLOCK:  # shrink to fit, not below 2 stages
             s -= 1
         smem = ks * s * stage + red
