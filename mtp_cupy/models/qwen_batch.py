@@ -5,7 +5,14 @@ same drafts, rows and state; logits up to the accumulation order of the batched 
 A family using it implements `_forward(ids, hidden, m, meta, meta_stride, logits)` (m sequences, one row
 each, per-sequence metadata slab `s` at `meta + s * meta_stride`, carried hidden left at `self.carry`)
 and calls `_batch_regions(...)` for its ForwardBuffers. Slabs live at `scratch + MTP_META_OFFSET + s * stride`
-when they fit the scratch, else in a region of their own."""
+when they fit the scratch, else in a region of their own; every step's slabs are staged in pinned host memory
+and copied in by the chain itself.
+
+CUDA graphs (a graph_safe family with cuda_graphs on): the k-step chain over B sequences is captured once per
+(k, bucket, masked) with bucket the smallest of BUCKETS (capped at max_batch) holding B, and replayed. The
+bucket's spare rows are pad sequences: token 0, the hidden left in their row, one KV row at a block of their
+own (allocated on first use, written over by every pad row), never read back. A call that asks for logits
+or a confidence stop runs eagerly (both read the device mid-chain)."""
 from __future__ import annotations
 
 import logging
@@ -13,7 +20,7 @@ import logging
 import numpy as np
 
 from .. import ops
-from ..cache.paged import PagedKvCache
+from ..cache.paged import PagedKvCache, SeqBlocks
 from ..errors import InputError
 from ..runtime.arena import DEFAULT_SCRATCH, META_TABLE_OFFSET, MTP_META_OFFSET, pack_mtp_attn_meta
 from ..runtime.ptr import DevicePtr
@@ -21,6 +28,8 @@ from ..speculative.inputs import check_position, check_token, hidden_to_device
 from ..speculative.proposer import DraftResult, ProposerState
 
 log = logging.getLogger("mtp_cupy")
+
+BUCKETS = (1, 2, 4, 8, 16, 32)
 
 
 class BatchProposeMixin:
@@ -30,6 +39,7 @@ class BatchProposeMixin:
         B, k, words = max_batch, max_drafts, (vocab + 31) // 32
         self.meta_stride = -(-(META_TABLE_OFFSET + 4 * PagedKvCache.blocks_for(max_seq_len)) // 256) * 256
         self._meta_in_scratch = B * self.meta_stride <= DEFAULT_SCRATCH - MTP_META_OFFSET
+        self._bstage = self._pad = self._pad_slab = None      # made on first use (pinned stage; pad sequences)
         return {"b_ids": 4 * B * (k + 1), "b_hidden": 2 * B * hidden, "b_logits": 4 * B * vocab_eff,
                 "b_lp": 4 * B * k, "b_flags": 4 * B * k, "b_mask": 4 * B * k * words,
                 **({} if self._meta_in_scratch else {"batch_meta": B * self.meta_stride})}
@@ -79,13 +89,57 @@ class BatchProposeMixin:
                 out[:, s] = rows
         return out
 
-    def _upload_slabs(self, states, rows0, positions, step: int) -> None:
-        slabs = []
-        for st, r0, p in zip(states, rows0, positions):
-            row = r0 + step
-            slabs.append(pack_mtp_attn_meta(p + step, st.blocks.slot(row), row + 1, st.blocks.table,
-                                            self.meta_stride).ljust(self.meta_stride, b"\0"))
-        self.gpu.copy_h2d_async(self.batch_meta, b"".join(slabs))
+    def _bucket(self, B: int) -> int:
+        return next((b for b in BUCKETS if B <= b <= self.max_batch), self.max_batch)
+
+    def _stage_slabs(self, states, rows0, positions, k: int, width: int) -> None:
+        """Every step's slabs into the pinned stage [max_drafts, max_batch * stride]; rows past len(states)
+        (up to `width`) get the pad sequence's slab."""
+        if self._bstage is None:
+            self._bstage = self.gpu.alloc_pinned(self.max_drafts * self.max_batch * self.meta_stride)
+            self._bstage = self._bstage.reshape(self.max_drafts, -1)
+        S = self.meta_stride
+        for i in range(k):
+            for s, (st, r0, p) in enumerate(zip(states, rows0, positions)):
+                raw = pack_mtp_attn_meta(p + i, st.blocks.slot(r0 + i), r0 + i + 1, st.blocks.table, S)
+                self._bstage[i, s * S:s * S + len(raw)] = np.frombuffer(raw, np.uint8)
+            for s in range(len(states), width):
+                self._bstage[i, s * S:(s + 1) * S] = self._pad_slab
+
+    def _pad_rows(self, B: int) -> None:
+        """The pad sequences' KV block and slab, and the hidden rows past this call's B zeroed (once: rows
+        hold finite hiddens from then on)."""
+        if self._pad is not None:
+            return
+        pad = SeqBlocks(self.kv)
+        pad.reserve(1)                     # a full pool raises CapacityError here, before any state changed
+        raw = pack_mtp_attn_meta(0, pad.slot(0), 1, pad.table, self.meta_stride).ljust(self.meta_stride, b"\0")
+        self._pad, self._pad_slab = pad, np.frombuffer(raw, np.uint8)
+        D = self.hidden_size
+        self.gpu.memset_async(self.bufs.b_hidden.offset(2 * B * D), 0, 2 * (self.max_batch - B) * D, self.stream)
+
+    def _batch_chain(self, k: int, width: int, words: int | None, each_step=None) -> int:
+        """The k steps over `width` rows from the staged slabs; each_step(i) -> True stops after step i.
+        Returns the steps run."""
+        b, hid = self.bufs, self.bufs.b_hidden
+        for i in range(k):
+            self.gpu.copy_h2d_async(self.batch_meta, self._bstage[i, :width * self.meta_stride])
+            self._forward(b.b_ids.offset(4 * width * i), hid, width, self.batch_meta, self.meta_stride, b.b_logits)
+            self._pick_batch(i, width, words, each_step is not None and self._want_lp)
+            hid = self.carry
+            if each_step is not None and each_step(i):
+                return i + 1
+        return k
+
+    def _pick_batch(self, i: int, B: int, words: int | None, want_lp: bool) -> None:
+        b, V = self.bufs, self.vocab_eff
+        out_id = b.b_ids.offset(4 * B * (i + 1))
+        if words is not None:
+            ops.argmax_bitmask(self.gpu, b.b_logits, V, b.b_mask.offset(4 * words * B * i), out_id,
+                               b.b_flags.offset(4 * B * i), rows=B, row_stride=V, mask_row_words=words)
+        else:
+            ops.argmax(self.gpu, b.b_logits, V, out_id, rows=B, row_stride=V,
+                       out_lp=b.b_lp.offset(4 * B * i) if want_lp else DevicePtr(0))
 
     def propose_batch(self, states: list[ProposerState], tokens, hiddens, positions, num_drafts: int,
                       grammar_bitmasks=None, return_logits: bool = False,
@@ -112,48 +166,47 @@ class BatchProposeMixin:
                 st.blocks.truncate(r0)
             raise
         gpu, V = self.gpu, self.vocab_eff
-        done, lps, logits_host, steps = [k] * B, [[] for _ in range(B)], [], 0
+        graphed = self.cuda_graphs and self.graph_safe and not return_logits and min_logprob is None
+        W = self._bucket(B) if graphed else B
+        done, lps, logits_host = [k] * B, [[] for _ in range(B)], []
+        words = None if masks is None else masks.shape[-1]
+
+        def each_step(i: int) -> bool:
+            if return_logits:
+                logits_host.append(gpu.read(self.bufs.b_logits, np.float32, (B, V)))
+            if min_logprob is None:
+                return False
+            lp = gpu.read(self.bufs.b_lp.offset(4 * B * i), np.float32, B)
+            for s in range(B):
+                if done[s] > i:
+                    lps[s].append(float(lp[s]))
+                    if lp[s] < min_logprob and i + 1 < k:
+                        done[s] = i + 1
+            return all(d <= i + 1 for d in done)
         try:
-            gpu.copy_h2d_async(self.bufs.b_ids, np.array(toks, dtype=np.int32))
-            if masks is not None:
-                gpu.copy_h2d_async(self.bufs.b_mask, masks)
-            hid = self.bufs.b_hidden
-            for i in range(k):
-                self._upload_slabs(states, rows0, poss, i)
-                self._forward(self.bufs.b_ids.offset(4 * B * i), hid, B, self.batch_meta, self.meta_stride,
-                              self.bufs.b_logits)
-                self._pick_batch(i, B, masks, min_logprob is not None)
-                hid, steps = self.carry, i + 1
-                if return_logits:
-                    logits_host.append(gpu.read(self.bufs.b_logits, np.float32, (B, V)))
-                if min_logprob is not None:
-                    lp = gpu.read(self.bufs.b_lp.offset(4 * B * i), np.float32, B)
-                    for s in range(B):
-                        if done[s] > i:
-                            lps[s].append(float(lp[s]))
-                            if lp[s] < min_logprob and i + 1 < k:
-                                done[s] = i + 1
-                    if all(d <= i + 1 for d in done):
-                        break
-            ids = gpu.read(self.bufs.b_ids.offset(4 * B), np.int32, (steps, B))
-            flags = gpu.read(self.bufs.b_flags, np.int32, (steps, B)) if masks is not None else None
+            with gpu.using(self.stream):
+                if W > B:
+                    self._pad_rows(B)
+                gpu.copy_h2d_async(self.bufs.b_ids, np.array(toks + [0] * (W - B), dtype=np.int32))
+                if masks is not None:
+                    padded = np.full((k, W, words), -1, dtype=np.int32)
+                    padded[:, :B] = masks
+                    gpu.copy_h2d_async(self.bufs.b_mask, padded)
+                self._stage_slabs(states, rows0, poss, k, W)
+                self._want_lp = min_logprob is not None
+                if graphed:
+                    self._replay(("batch", k, W, words is not None), lambda: self._batch_chain(k, W, words))
+                    steps = k
+                else:
+                    steps = self._batch_chain(k, W, words, each_step)
+                ids = gpu.read(self.bufs.b_ids.offset(4 * W), np.int32, (steps, W))[:, :B]
+                flags = gpu.read(self.bufs.b_flags, np.int32, (steps, W))[:, :B] if masks is not None else None
         except Exception:
             for st, r0 in zip(states, rows0):
                 st.blocks.truncate(r0)
             raise
         return [self._finish(st, s, r0, p, done[s], steps, ids, flags, logits_host, lps[s])
                 for s, (st, r0, p) in enumerate(zip(states, rows0, poss))]
-
-    def _pick_batch(self, i: int, B: int, masks, want_lp: bool) -> None:
-        out_id = self.bufs.b_ids.offset(4 * B * (i + 1))
-        V = self.vocab_eff
-        if masks is not None:
-            words = masks.shape[-1]
-            ops.argmax_bitmask(self.gpu, self.bufs.b_logits, V, self.bufs.b_mask.offset(4 * words * B * i), out_id,
-                               self.bufs.b_flags.offset(4 * B * i), rows=B, row_stride=V, mask_row_words=words)
-        else:
-            ops.argmax(self.gpu, self.bufs.b_logits, V, out_id, rows=B, row_stride=V,
-                       out_lp=self.bufs.b_lp.offset(4 * B * i) if want_lp else DevicePtr(0))
 
     def _finish(self, st, s: int, r0: int, position: int, done: int, steps: int, ids, flags, logits_host,
                 lps) -> DraftResult:

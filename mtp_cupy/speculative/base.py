@@ -273,16 +273,20 @@ class MtpProposerBase:
     def _run_chain(self, st, position: int, rows0: int, k: int, masked: bool, min_logprob) -> tuple[int, list]:
         if not (self.cuda_graphs and self.graph_safe) or min_logprob is not None:
             return self._chain(k, masked, min_logprob, st, position, rows0)
-        key = (k, masked, self._graph_variant())
+        self._replay((k, masked, self._graph_variant()), lambda: self._chain(k, masked, None, st, position, rows0))
+        return k, []
+
+    def _replay(self, key, launches) -> None:
+        """Replay the graph of `key` on self.stream; the first call per key runs `launches` eagerly (lazy
+        workspaces get allocated), the second captures them."""
         graph = self._graphs.get(key)
         if graph is None:
-            if key not in self._warm:   # the first call per key runs eagerly: lazy workspaces get allocated
+            if key not in self._warm:
                 self._warm.add(key)
-                return self._chain(k, masked, None, st, position, rows0)
-            graph = self._graphs[key] = self.gpu.capture(lambda: self._chain(k, masked, None, st, position, rows0),
-                                                         self.stream)
+                launches()
+                return
+            graph = self._graphs[key] = self.gpu.capture(launches, self.stream)
         self.gpu.replay(graph, self.stream)
-        return k, []
 
     def after_verify(self, st: ProposerState, num_accepted: int) -> None:
         self._live(st)
