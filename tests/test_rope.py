@@ -158,6 +158,8 @@ def test_rope_cuda_matches_twin(rng, case, inverse):
     r, c = run_on_both(run_rope, x, pbuf, 8, heads, head_dim, rot, off, hs, inv, inter, ms, inverse)
     a, b = f32(c), f32(r)
     assert np.all(np.isfinite(a))
-    d = np.abs(a - b)  # sincosf vs correctly rounded sin/cos: at most one bf16 ulp, rarely
-    assert np.all(d <= 2.0 ** -7 * np.maximum(np.abs(a), np.abs(b)))
+    # sincosf vs correctly rounded sin/cos: at most one bf16 ulp, rarely; where a*c - b*s cancels to near 0,
+    # their ~1e-7 absolute difference can exceed one ulp of the tiny result (seed 1088664881 on an H200)
+    d = np.abs(a - b)
+    assert np.all(d <= 2.0 ** -7 * np.maximum(np.abs(a), np.abs(b)) + 4e-6 * max(1.0, ms))
     assert np.count_nonzero(d) <= max(2, a.size // 100)
