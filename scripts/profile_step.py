@@ -69,8 +69,8 @@ def profile(a) -> None:
     import mtp_cupy
     gpu = mtp_cupy.device("cuda")
     ns = argparse.Namespace(ctx=a.ctx, tiny=False, seed=0, qwen_quant="bf16", glm_head_fp8=False)
-    o = bd.Ours(a.family, gpu, ns, a.k, 1)
-    p, fn = o.prop, o.call(a.k, 1)
+    o = bd.Ours(a.family, gpu, ns, a.k, a.batch)
+    p, fn = o.prop, o.call(a.k, a.batch)
     clock = bc.CupyClock()
     p.cuda_graphs = True
     for _ in range(3):
@@ -85,7 +85,7 @@ def profile(a) -> None:
     fn()
     p.stream.synchronize()
     cp.cuda.runtime.profilerStop()
-    print(f"# {a.family}: graph step {step:.1f} µs (k={a.k}, ctx {a.ctx}, cold L2, median of 10); "
+    print(f"# {a.family}: graph step {step:.1f} µs (k={a.k}, batch {a.batch}, ctx {a.ctx}, cold L2, median of 10); "
           f"copy {bc.copy_bandwidth_cupy() / 1e9:.0f} GB/s", flush=True)
 
 
@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--family", default="deepseek_v4", help="a bench_draft.py family")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--k", type=int, default=1, help="draft steps in the profiled propose")
+    ap.add_argument("--batch", type=int, default=1, help="sequences (families with propose_batch)")
     ap.add_argument("--summarize", metavar="CSV", help="print the per-kernel table of an ncu CSV and exit")
     ap.add_argument("--copy-gbs", type=float, default=None, help="copy bandwidth for the roofline columns")
     ap.add_argument("--step-us", type=float, default=None, help="graph step time, to show the launch gaps")
