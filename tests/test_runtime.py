@@ -9,7 +9,7 @@ import mtp_cupy
 from mtp_cupy.errors import CapacityError, ConfigError, InputError, KernelError
 from mtp_cupy.runtime import DevicePtr, KernelLaunch, NULL
 from mtp_cupy.runtime.arena import (MTP_META_OFFSET, TARGET_META_OFFSET, ForwardBuffers, pack_mtp_attn_meta,
-                                    unpack_mtp_attn_meta)
+                                    stage_mtp_meta, unpack_mtp_attn_meta)
 from mtp_cupy.runtime.backend import cuda_kernel_names, cuda_modules
 from mtp_cupy.refdev.registry import load_all
 
@@ -119,6 +119,24 @@ def test_meta_refuses_oversized_table():
     pack_mtp_attn_meta(0, 0, 1, list(range(199)), capacity=256 + 4 * 199)
     with pytest.raises(InputError):
         pack_mtp_attn_meta(-1, 0, 1, [0], capacity=1024)
+
+
+def test_staged_slabs_equal_packed_ones(rng):
+    """The hot-path stager writes exactly pack_mtp_attn_meta's bytes, per step and at a column offset."""
+    bs, cols = 16, 3
+    stage = np.full((5, cols * 1024), 0xAB, np.uint8)
+    for c in range(cols):
+        table = [int(b) for b in rng.permutation(500)[:int(rng.integers(1, 40))]]
+        rows0, pos = int(rng.integers(0, len(table) * bs - 4)), int(rng.integers(0, 1 << 20))
+        stage_mtp_meta(stage, 4, pos, rows0, table, bs, col=c * 1024)
+        for i in range(4):
+            row = rows0 + i
+            want = pack_mtp_attn_meta(pos + i, table[row // bs] * bs + row % bs, row + 1, table, 1024)
+            got = stage[i, c * 1024:c * 1024 + len(want)]
+            assert unpack_mtp_attn_meta(got, len(table)) == unpack_mtp_attn_meta(want, len(table))
+            assert bytes(got[256:]) == want[256:] and bytes(got[:4]) + bytes(got[8:20]) == want[:4] + want[8:20]
+    with pytest.raises(CapacityError):
+        stage_mtp_meta(stage, 1, 0, 0, list(range(200)), bs, col=2 * 1024)
 
 
 def test_forward_buffers(dev):

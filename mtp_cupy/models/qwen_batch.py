@@ -22,7 +22,7 @@ import numpy as np
 from .. import ops
 from ..cache.paged import PagedKvCache, SeqBlocks
 from ..errors import InputError
-from ..runtime.arena import DEFAULT_SCRATCH, META_TABLE_OFFSET, MTP_META_OFFSET, pack_mtp_attn_meta
+from ..runtime.arena import DEFAULT_SCRATCH, META_TABLE_OFFSET, MTP_META_OFFSET, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.ptr import DevicePtr
 from ..speculative.inputs import check_position, check_token, hidden_to_device
 from ..speculative.proposer import DraftResult, ProposerState
@@ -98,13 +98,11 @@ class BatchProposeMixin:
         if self._bstage is None:
             self._bstage = self.gpu.alloc_pinned(self.max_drafts * self.max_batch * self.meta_stride)
             self._bstage = self._bstage.reshape(self.max_drafts, -1)
-        S = self.meta_stride
-        for i in range(k):
-            for s, (st, r0, p) in enumerate(zip(states, rows0, positions)):
-                raw = pack_mtp_attn_meta(p + i, st.blocks.slot(r0 + i), r0 + i + 1, st.blocks.table, S)
-                self._bstage[i, s * S:s * S + len(raw)] = np.frombuffer(raw, np.uint8)
-            for s in range(len(states), width):
-                self._bstage[i, s * S:(s + 1) * S] = self._pad_slab
+        S, bs = self.meta_stride, self.kv.block_size
+        for s, (st, r0, p) in enumerate(zip(states, rows0, positions)):
+            stage_mtp_meta(self._bstage, k, p, r0, st.blocks.table, bs, col=s * S)
+        if width > len(states):
+            self._bstage[:k, len(states) * S:width * S] = np.tile(self._pad_slab, width - len(states))
 
     def _pad_rows(self, B: int) -> None:
         """The pad sequences' KV block and slab, and the hidden rows past this call's B zeroed (once: rows

@@ -38,6 +38,23 @@ def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity:
     return bytes(buf)
 
 
+def stage_mtp_meta(stage: np.ndarray, k: int, position: int, rows0: int, table, block_size: int,
+                   col: int = 0) -> None:
+    """pack_mtp_attn_meta's layout for k consecutive steps, written straight into rows 0..k-1 of the uint8
+    host array `stage` [steps, bytes] at byte `col` (row bytes and col multiples of 8): step i is position
+    + i at drafter row rows0 + i, seq_len rows0 + i + 1. The per-call hot path: vectorised, and the table is
+    the allocator's own (valid block ids), so only its size is checked."""
+    tab = np.asarray(table, dtype=np.int32)
+    if col + META_TABLE_OFFSET + 4 * tab.size > stage.shape[1]:
+        raise CapacityError(f"MTP block table of {tab.size} entries does not fit a {stage.shape[1] - col}-byte slab")
+    s32, s64 = stage.view(np.int32), stage.view(np.int64)
+    c4, rows = col // 4, rows0 + np.arange(k)
+    s32[:k, c4] = position + np.arange(k)
+    s64[:k, col // 8 + 1] = tab[rows // block_size].astype(np.int64) * block_size + rows % block_size
+    s32[:k, c4 + 4] = rows + 1
+    s32[:k, c4 + META_TABLE_OFFSET // 4:c4 + META_TABLE_OFFSET // 4 + tab.size] = tab
+
+
 def unpack_mtp_attn_meta(raw: bytes | np.ndarray, num_blocks: int) -> tuple[int, int, int, list[int]]:
     raw = bytes(raw)
     pos = int(np.frombuffer(raw[0:4], "<u4")[0])

@@ -25,7 +25,7 @@ import numpy as np
 from .. import ops
 from ..cache import PagedKvCache, SeqBlocks
 from ..errors import CapacityError, InputError
-from ..runtime.arena import META_TABLE_OFFSET, ForwardBuffers, pack_mtp_attn_meta
+from ..runtime.arena import META_TABLE_OFFSET, ForwardBuffers, stage_mtp_meta
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
 from .inputs import check_bitmask, check_position, check_token, hidden_to_device
@@ -245,11 +245,9 @@ class MtpProposerBase:
     def _stage_meta(self, st, position: int, rows0: int, k: int) -> None:
         """The k steps' metadata slabs, in host staging memory the chain copies from (pinned on CUDA)."""
         if self._stage is None:
-            self._stage = self.gpu.alloc_pinned(self.max_drafts * self._slab_bytes).reshape(self.max_drafts, -1)
-        for i in range(k):
-            raw = pack_mtp_attn_meta(position + i, st.blocks.slot(rows0 + i), rows0 + i + 1, st.blocks.table,
-                                     self._slab_bytes)
-            self._stage[i, :len(raw)] = np.frombuffer(raw, np.uint8)
+            stride = -(-self._slab_bytes // 256) * 256
+            self._stage = self.gpu.alloc_pinned(self.max_drafts * stride).reshape(self.max_drafts, stride)
+        stage_mtp_meta(self._stage, k, position, rows0, st.blocks.table, self.kv.block_size)
 
     def _chain(self, k: int, masked: bool, min_logprob: float | None = None, st=None, position: int = 0,
                rows0: int = 0) -> tuple[int, list[float]]:
@@ -260,7 +258,7 @@ class MtpProposerBase:
         hid, lps = b.hidden_in, []
         for i in range(k):
             logits = b.logits.offset(4 * self.vocab_eff * i)
-            gpu.copy_h2d_async(b.mtp_meta, self._stage[i])
+            gpu.copy_h2d_async(b.mtp_meta, self._stage[i, :self._slab_bytes])
             self._step(st, b.ids.offset(4 * i), hid, position + i, rows0 + i, logits)
             self._pick(i, logits, b.mask.offset(4 * words * i) if masked else None, min_logprob is not None)
             hid = self.carry
