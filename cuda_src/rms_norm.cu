@@ -1,11 +1,12 @@
-// Row norms over bf16: RMSNorm (plain w, Qwen's 1 + w, no weight), per-head RMSNorm over a strided
-// [rows, heads, dim] tensor, and LayerNorm with bias (the DSA indexer k_norm).
+// Row norms over bf16: RMSNorm (plain w, Qwen's 1 + w, no weight), the same fused behind a residual add,
+// per-head RMSNorm over a strided [rows, heads, dim] tensor, and LayerNorm with bias (the DSA indexer k_norm).
 //
 // One block normalises one row (grid-stride over rows). The row is read once into registers and written
 // once: thread t holds the 16-byte vectors t, t + blockDim.x, ... (at most MAXV of them), so a block of
 // 1024 threads covers dim <= 32768. The launcher guarantees dim % 8 == 0, 16-byte aligned rows and a
 // blockDim.x that is a multiple of 32. fp32 math; each output is rounded to bf16 once. x may equal y
-// (every read of a row happens before the block_sum1 barrier that precedes its writes).
+// (every read of a row happens before the block_sum1 barrier that precedes its writes), except in the
+// add_rms_norm kernels, whose x is an output of its own.
 #include "common.cuh"
 
 #define MAXV 4
@@ -56,12 +57,32 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
 // loaded with x, unconditionally (a NULL w reads x's row instead and ignores it): behind a branch, ptxas
 // would issue it only after the x sum of squares, i.e. after a first full memory round trip. Products are
 // not fused, so the twin rounds alike.
-__device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
-                                        u32 dim, float eps, bool unit_offset, float* red, u32 parity) {
+// res != nullptr (the add_rms_norm kernels, whose x is writable): x = bf16(x + res) first, elementwise as
+// bf16_residual_add rounds it, stored back to x by the thread that read it, and that rounded row is what
+// the sum of squares and y see. res is loaded between x and w, so all 3 * MAXV loads issue before the first
+// add (loaded after w, ptxas put part of them behind the adds: a second memory round trip). The plain
+// norms pass a literal nullptr: after inlining their PTX is what it was without res (no load, add, store).
+__device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloat16* res, const __nv_bfloat16* w,
+                                        __nv_bfloat16* y, u32 dim, float eps, bool unit_offset, float* red,
+                                        u32 parity) {
     const u32 nvec = dim >> 3;
-    uint4 v[MAXV], wv[MAXV];
+    uint4 v[MAXV], wv[MAXV], rv[MAXV];
     load_row(x, nvec, v);
+    if (res != nullptr) load_row(res, nvec, rv);
     load_row(w != nullptr ? w : x, nvec, wv);
+    if (res != nullptr) {
+#pragma unroll
+        for (int k = 0; k < MAXV; ++k) {  // padding vectors: 0 + 0 stays 0, as load_row left them
+            float f[8], g[8];
+            unpack8(v[k], f);
+            unpack8(rv[k], g);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = __fadd_rn(f[j], g[j]);
+            v[k] = pack8(f);  // the one bf16 rounding of the sum
+            const u32 i = threadIdx.x + k * blockDim.x;
+            if (i < nvec) reinterpret_cast<uint4*>(const_cast<__nv_bfloat16*>(x))[i] = v[k];
+        }
+    }
     float ssk[MAXV];  // one chain per vector: 8-deep FFMA chains instead of one 8 * MAXV deep
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
@@ -102,7 +123,7 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_vanilla(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
-        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, false, red, p);
+        rms_row(x + (u64)r * dim, nullptr, w, y + (u64)r * dim, dim, eps, false, red, p);
 }
 
 // Qwen3-Next: y = (1 + w) * x * rms(x).
@@ -110,7 +131,31 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
-        rms_row(x + (u64)r * dim, w, y + (u64)r * dim, dim, eps, true, red, p);
+        rms_row(x + (u64)r * dim, nullptr, w, y + (u64)r * dim, dim, eps, true, red, p);
+}
+
+// The residual add of a decoder layer fused with the norm after it, bit-identical to bf16_residual_add
+// then rms_norm_vanilla / rms_norm at the same block size: x = bf16(x + res) is written back to x (the
+// residual stream carries on from it) and y = the norm of that rounded row. Contiguous rows of `dim`; w
+// NULL = no weight; res is required. x may not alias y (x must keep the sum), res may alias neither.
+// At most 512 threads (dim <= 16384): x, res and w held in registers need more than 1024 threads allow
+// (64 registers a thread; under a 1024 bound ptxas spills, and with res loaded after w it issued the res
+// loads one after another).
+extern "C" __global__ __launch_bounds__(512) void add_rms_norm_vanilla(
+    __nv_bfloat16* x, const __nv_bfloat16* res, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim,
+    float eps) {
+    __shared__ float red[64];
+    for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
+        rms_row(x + (u64)r * dim, res + (u64)r * dim, w, y + (u64)r * dim, dim, eps, false, red, p);
+}
+
+// Qwen3-Next: x = bf16(x + res), y = (1 + w) * x * rms(x).
+extern "C" __global__ __launch_bounds__(512) void add_rms_norm(
+    __nv_bfloat16* x, const __nv_bfloat16* res, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim,
+    float eps) {
+    __shared__ float red[64];
+    for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
+        rms_row(x + (u64)r * dim, res + (u64)r * dim, w, y + (u64)r * dim, dim, eps, true, red, p);
 }
 
 // Per-head norm of x[r, h, :dim] (element r * x_row_stride + h * x_head_stride + d) into the same place
@@ -123,8 +168,8 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided(
     u32 p = 0;
     for (u64 b = blockIdx.x; b < n; b += gridDim.x, ++p) {
         const u64 r = b / heads, h = b % heads;
-        rms_row(x + r * x_row_stride + h * x_head_stride, w, y + r * y_row_stride + h * y_head_stride, dim,
-                eps, unit_offset != 0u, red, p);
+        rms_row(x + r * x_row_stride + h * x_head_stride, nullptr, w, y + r * y_row_stride + h * y_head_stride,
+                dim, eps, unit_offset != 0u, red, p);
     }
 }
 

@@ -160,6 +160,16 @@ def bench_optional(gpu, timer, rows, notes):
                          ratio=float("nan")))
     except (AttributeError, TypeError, mtp_cupy.KernelError) as e:
         notes.append(f"rms_norm skipped: {e}")
+    r = rand_bf16((1, d))
+    try:  # the fused residual add + norm against the two launches it replaces
+        t = timer.us(lambda: ops.add_rms_norm(gpu, ptr(x), ptr(r), ptr(w), ptr(yb), 1, d, 1e-6))
+        tp = timer.us(lambda: (ops.bf16_residual_add(gpu, ptr(x), ptr(r), d),
+                               ops.rms_norm(gpu, ptr(x), ptr(w), ptr(yb), 1, d, 1e-6)))
+        rows.append(dict(kernel="add_rms_norm", shape=f"1x{d}", mb_read=(2 * x.nbytes + w.nbytes) / 1e6, us=t,
+                         gbs=float("nan"), pct_copy=float("nan"), cublas_us=tp,
+                         cublas_dtype="residual_add + rms_norm", ratio=t / tp))
+    except (AttributeError, TypeError, mtp_cupy.KernelError) as e:
+        notes.append(f"add_rms_norm skipped: {e}")
 
 
 # -- --sweep ------------------------------------------------------------------------------------------------

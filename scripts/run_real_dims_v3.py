@@ -63,14 +63,12 @@ def phase_ms(prop: DeepseekV3MtpProposer, st, position: int, iters: int) -> dict
     if not gpu.is_cuda:
         return {}
     prop._meta(st, position, st.blocks.rows - 1)
-    D = prop.hidden_size
     phases = {
         "front (embed, norms, eh_proj, ln)": lambda: prop._front(b.ids, prop.carry, 1),
         "MLA (absorbed decode)": lambda: prop.mla.forward(b.xn, b.tmp, 1, b.mtp_meta, b.mtp_meta_capacity),
-        "residual + post-attn norm": lambda: (mtp_cupy.ops.bf16_residual_add(gpu, b.x, b.tmp, D),
-                                              prop._norm(b.x, "post_attention_layernorm", b.xn)),
+        "residual + post-attn norm (fused)": lambda: prop._add_norm(b.x, b.tmp, "post_attention_layernorm", b.xn),
         "MoE (router, 8 + shared)": lambda: prop.moe.forward(b.xn, b.tmp, m=1),
-        "shared_head.norm": lambda: prop._norm(b.x, "shared_head.norm", b.xn),
+        "residual + shared_head.norm (fused)": lambda: prop._add_norm(b.x, b.tmp, "shared_head.norm", b.xn),
         "LM head": lambda: mtp_cupy.ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
         "argmax": lambda: prop._pick(0, b.logits, None, False),
     }

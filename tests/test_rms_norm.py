@@ -1,4 +1,4 @@
-"""rms_norm.cu: RMSNorm (w, 1 + w, none), per-head strided RMSNorm, LayerNorm with bias.
+"""rms_norm.cu: RMSNorm (w, 1 + w, none), residual add + RMSNorm, per-head strided RMSNorm, LayerNorm with bias.
 
 References are float64 textbook formulas (arch_math.md section 0, C.2), never the twins."""
 import numpy as np
@@ -50,6 +50,61 @@ def test_rms_norm_random_shapes_in_place_no_weight(dev, rng):
         got = get(dev, xb, "bf16", (rows, dim))
         assert_close(f32(got), ref, 1e-2)
         assert_one_rounding(got, ref)
+
+
+def _add_norm_two_ways(dev, x, r, w, rows, dim, eps, unit_offset):
+    """(x, y) after bf16_residual_add + rms_norm, then (x, y) after add_rms_norm, from the same inputs."""
+    rb, wb = up(dev, r), up(dev, w) if w is not None else None
+    wp = wb.ptr if wb is not None else NULL
+    x1, y1 = up(dev, x), out(dev, "bf16", (rows, dim))
+    ops.bf16_residual_add(dev, x1.ptr, rb.ptr, rows * dim)
+    ops.rms_norm(dev, x1.ptr, wp, y1.ptr, rows, dim, eps, unit_offset=unit_offset)
+    x2, y2 = up(dev, x), out(dev, "bf16", (rows, dim))
+    ops.add_rms_norm(dev, x2.ptr, rb.ptr, wp, y2.ptr, rows, dim, eps, unit_offset=unit_offset)
+    return [get(dev, b, "bf16", (rows, dim)) for b in (x1, y1, x2, y2)]
+
+
+# the real hidden sizes (Qwen3-Next 2048, 4096, GLM-5 6144, DeepSeek-V3 7168), one row and several
+@pytest.mark.parametrize("rows,dim", [(1, 2048), (4, 2048), (1, 4096), (3, 4096), (1, 6144), (5, 6144), (1, 7168),
+                                      (2, 7168), (7, 8), (2, 16384)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_add_rms_norm_matches_add_then_norm(dev, rng, rows, dim, unit_offset, weighted):
+    x, r = rand_bf16(rng, (rows, dim), 3.0), rand_bf16(rng, (rows, dim), 2.0)
+    w = rand_bf16(rng, dim, 0.5) if weighted else None
+    x1, y1, x2, y2 = _add_norm_two_ways(dev, x, r, w, rows, dim, 1e-6, unit_offset)
+    assert np.array_equal(x2.view(np.uint16), x1.view(np.uint16))  # the residual stream, bit for bit
+    assert np.array_equal(y2.view(np.uint16), y1.view(np.uint16))
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 7168), (3, 6144), (2, 2048), (5, 4096), (7, 8)])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_add_rms_norm(dev, rng, rows, dim, unit_offset):
+    x, r, w = rand_bf16(rng, (rows, dim), 3.0), rand_bf16(rng, (rows, dim), 3.0), rand_bf16(rng, dim, 0.5)
+    xb, rb, wb, yb = up(dev, x), up(dev, r), up(dev, w), out(dev, "bf16", (rows, dim))
+    ops.add_rms_norm(dev, xb.ptr, rb.ptr, wb.ptr, yb.ptr, rows, dim, 1e-6, unit_offset=unit_offset)
+    s = f32(x).astype(np.float64) + f32(r)
+    got_x = get(dev, xb, "bf16", (rows, dim))
+    assert_close(f32(got_x), s, 1e-2)
+    assert np.array_equal(got_x.view(np.uint16), bf16(f32(x) + f32(r)).view(np.uint16))  # one rounding
+    assert_close(f32(get(dev, yb, "bf16", (rows, dim))), rms_ref(s, w, 1e-6, unit_offset), 1e-2)
+    assert np.array_equal(get(dev, rb, "bf16", (rows, dim)).view(np.uint16), r.view(np.uint16))  # res untouched
+
+
+def test_add_rms_norm_rejects(ref):
+    a, b, c = ref.alloc(4096), ref.alloc(4096), ref.alloc(4096)
+    with pytest.raises(KernelError, match="x may not be y"):
+        ops.add_rms_norm(ref, a.ptr, b.ptr, NULL, a.ptr, 1, 64, 1e-6)
+    with pytest.raises(KernelError, match="res may not be"):
+        ops.add_rms_norm(ref, a.ptr, a.ptr, NULL, c.ptr, 1, 64, 1e-6)
+    with pytest.raises(KernelError, match="res may not be"):
+        ops.add_rms_norm(ref, a.ptr, c.ptr, NULL, c.ptr, 1, 64, 1e-6)
+    with pytest.raises(KernelError, match="res is required"):
+        ops.add_rms_norm(ref, a.ptr, NULL, NULL, c.ptr, 1, 64, 1e-6)
+    with pytest.raises(KernelError, match="aligned"):
+        ops.add_rms_norm(ref, a.ptr, b.ptr.offset(2), NULL, c.ptr, 1, 64, 1e-6)
+    with pytest.raises(KernelError, match=">"):  # 512 threads at most: dim <= 16384
+        ops.add_rms_norm(ref, a.ptr, b.ptr, NULL, c.ptr, 1, 16392, 1e-6)
 
 
 # (rows, heads, dim, head_stride of x): V4 q per-head scaling (no weight), Qwen q_norm over the q half of
@@ -147,3 +202,24 @@ def test_rms_norm_strided_cuda_matches_twin(rng, rows, heads, dim, hs, weighted)
     w = rand_bf16(rng, dim) if weighted else None
     r, c = run_on_both(_run_strided, x, w, rows, heads, dim, hs, weighted)
     assert_bf16_near(c, r)
+
+
+def _run_add_norm(dev, x, r, w, rows, dim, unit_offset):
+    xb, rb, yb = up(dev, x), up(dev, r), out(dev, "bf16", (rows, dim))
+    wb = up(dev, w) if w is not None else None
+    ops.add_rms_norm(dev, xb.ptr, rb.ptr, wb.ptr if wb is not None else NULL, yb.ptr, rows, dim, 1e-6,
+                     unit_offset=unit_offset)
+    return get(dev, xb, "bf16", (rows, dim)), get(dev, yb, "bf16", (rows, dim))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,dim", [(1, 7168), (1, 6144), (1, 2048), (1, 4096), (1, 16384), (2048, 7168),
+                                      (33, 1536), (3, 128)])
+@pytest.mark.parametrize("unit_offset,weighted", [(False, True), (True, True), (False, False)])
+def test_add_rms_norm_cuda_matches_twin(rng, rows, dim, unit_offset, weighted):
+    x, r = rand_bf16(rng, (rows, dim), 2.0), rand_bf16(rng, (rows, dim), 2.0)
+    w = rand_bf16(rng, dim) if weighted else None
+    (rx, ry), (cx, cy) = run_on_both(_run_add_norm, x, r, w, rows, dim, unit_offset)
+    assert np.array_equal(cx.view(np.uint16), rx.view(np.uint16))  # the add is elementwise: bit-exact
+    # y: the twin sums squares in float64, the kernel in fp32 over its block (as test_norms_cuda_matches_twin)
+    assert_bf16_near(cy, ry)

@@ -67,6 +67,10 @@ class DeepseekV3MtpProposer(MtpProposerBase):
     def _norm(self, x: DevicePtr, name: str, y: DevicePtr, m: int = 1) -> None:
         ops.rms_norm(self.gpu, x, self.w.norms[name], y, m, self.hidden_size, self.eps)
 
+    def _add_norm(self, x: DevicePtr, res: DevicePtr, name: str, y: DevicePtr, m: int = 1) -> None:
+        """x += res (bf16) then y = norm `name`(x): one launch, the bits of residual_add + _norm."""
+        ops.add_rms_norm(self.gpu, x, res, self.w.norms[name], y, m, self.hidden_size, self.eps)
+
     def _front(self, ids: DevicePtr, hidden: DevicePtr, m: int) -> None:
         """x = eh_proj([enorm(embed(ids)), hnorm(hidden)]) into bufs.x and xn = input_layernorm(x), m rows.
         The norms write the concat halves in place (row stride 2D), so no concat kernel runs."""
@@ -78,14 +82,12 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         self._norm(b.x, "input_layernorm", b.xn, m)
 
     def _step(self, st, ids, hidden, position, row, logits) -> None:
-        gpu, b, D = self.gpu, self.bufs, self.hidden_size
+        gpu, b = self.gpu, self.bufs
         self._front(ids, hidden, 1)
         self.mla.forward(b.xn, b.tmp, 1, b.mtp_meta, b.mtp_meta_capacity)
-        ops.bf16_residual_add(gpu, b.x, b.tmp, D)
-        self._norm(b.x, "post_attention_layernorm", b.xn)
+        self._add_norm(b.x, b.tmp, "post_attention_layernorm", b.xn)
         self.moe.forward(b.xn, b.tmp, m=1)
-        ops.bf16_residual_add(gpu, b.x, b.tmp, D)
-        self._norm(b.x, "shared_head.norm", b.xn)
+        self._add_norm(b.x, b.tmp, "shared_head.norm", b.xn)
         ops.linear(gpu, b.xn, self.head, logits, 1, out_dtype="f32")
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:

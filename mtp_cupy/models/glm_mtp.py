@@ -103,16 +103,14 @@ class GlmMtpProposer(DeepseekV3MtpProposer):
             self.comm.all_reduce(ptr, self.hidden_size, dtype="bf16", op="sum")
 
     def _step(self, st, ids, hidden, position, row, logits) -> None:
-        gpu, b, D = self.gpu, self.bufs, self.hidden_size
+        gpu, b = self.gpu, self.bufs
         self._front(ids, hidden, 1)
         self.mla.forward(b.xn, b.tmp, 1, b.mtp_meta, b.mtp_meta_capacity)
         self._reduce(b.tmp)
-        ops.bf16_residual_add(gpu, b.x, b.tmp, D)
-        self._norm(b.x, "post_attention_layernorm", b.xn)
+        self._add_norm(b.x, b.tmp, "post_attention_layernorm", b.xn)
         self.moe.forward(b.xn, b.tmp, m=1)
         self._reduce(b.tmp)
-        ops.bf16_residual_add(gpu, b.x, b.tmp, D)
-        self._norm(b.x, "shared_head.norm", b.carry)
+        self._add_norm(b.x, b.tmp, "shared_head.norm", b.carry)
         ops.linear(gpu, b.carry, self.head, b.hlog, 1)
 
     def _full_logits(self, logits: DevicePtr) -> None:

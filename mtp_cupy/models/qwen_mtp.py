@@ -113,6 +113,10 @@ class QwenMtpProposer(BatchProposeMixin, MtpProposerBase):
     def _norm(self, x: DevicePtr, name: str, y: DevicePtr, m: int) -> None:
         ops.rms_norm(self.gpu, x, self.w.norms[name], y, m, self.hidden_size, self.eps, unit_offset=True)
 
+    def _add_norm(self, x: DevicePtr, res: DevicePtr, name: str, y: DevicePtr, m: int) -> None:
+        """x += res (bf16) then y = norm `name`(x) over m rows: one launch, the bits of residual_add + _norm."""
+        ops.add_rms_norm(self.gpu, x, res, self.w.norms[name], y, m, self.hidden_size, self.eps, unit_offset=True)
+
     def _front(self, ids: DevicePtr, hidden: DevicePtr, m: int) -> None:
         """x = fc([norm(embed(ids)), norm(hidden)]) into bufs.x; xn = input_layernorm(x). The two pre-fc
         norms write straight into the halves of the concat rows (embedding half first)."""
@@ -127,14 +131,12 @@ class QwenMtpProposer(BatchProposeMixin, MtpProposerBase):
     def _forward(self, ids: DevicePtr, hidden: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                  logits: DevicePtr) -> None:
         """m sequences, one row each: logits[m, vocab_eff] f32 and the carried hidden at self.carry."""
-        gpu, b, n = self.gpu, self.bufs, m * self.hidden_size
+        gpu, b = self.gpu, self.bufs
         self._front(ids, hidden, m)
         self.attn.forward(b.xn, b.tmp, m, meta, meta_stride)
-        ops.bf16_residual_add(gpu, b.x, b.tmp, n)
-        self._norm(b.x, "post_attention_layernorm", b.xn, m)
+        self._add_norm(b.x, b.tmp, "post_attention_layernorm", b.xn, m)
         self.ffn.forward(b.xn, b.tmp, m)
-        ops.bf16_residual_add(gpu, b.x, b.tmp, n)
-        self._norm(b.x, "norm", self.carry, m)
+        self._add_norm(b.x, b.tmp, "norm", self.carry, m)
         ops.linear(gpu, self.carry, self.lm_head, logits, m, out_dtype="f32")
 
     def _step(self, st, ids, hidden, position, row, logits) -> None:

@@ -5,7 +5,7 @@ whole number of warps; `threads=` overrides it (scripts/bench_kernels.py --sweep
 from ..runtime.ptr import NULL
 from ._util import launch, need
 
-__all__ = ["rms_norm", "rms_norm_strided", "layer_norm_bias"]
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_strided", "layer_norm_bias"]
 
 MAXV = 4  # 16-byte vectors per thread at most, as in rms_norm.cu
 VECS_PER_THREAD = 4
@@ -38,6 +38,21 @@ def rms_norm(gpu, x, w, y, rows, dim, eps, unit_offset=False, stream=None, threa
     t = _threads(name, dim, threads=threads)
     _aligned(name, x, w, y)
     launch(gpu, "rms_norm", name).grid(rows).block(t).arg_ptr(x).arg_ptr(w).arg_ptr(y) \
+        .arg_u32(rows).arg_u32(dim).arg_f32(eps).launch(stream)
+
+
+def add_rms_norm(gpu, x, res, w, y, rows, dim, eps, unit_offset=False, stream=None, threads=None):
+    """x[r] = bf16(x[r] + res[r]) in place, then y[r] = rms_norm of that row (g as in rms_norm): one launch,
+    bit-identical to bf16_residual_add then rms_norm (same threads per block, hence the same sum order).
+    x may not be y (x keeps the sum); res may be neither. dim <= 16384 (at most 512 threads)."""
+    name = "add_rms_norm" if unit_offset else "add_rms_norm_vanilla"
+    w = w or NULL
+    t = _threads(name, dim, max_threads=512, threads=threads)
+    need(int(res) != 0, f"{name}: res is required")
+    need(int(x) != int(y), f"{name}: x may not be y (x keeps the residual sum)")
+    need(int(res) != int(x) and int(res) != int(y), f"{name}: res may not be x or y")
+    _aligned(name, x, res, w, y)
+    launch(gpu, "rms_norm", name).grid(rows).block(t).arg_ptr(x).arg_ptr(res).arg_ptr(w).arg_ptr(y) \
         .arg_u32(rows).arg_u32(dim).arg_f32(eps).launch(stream)
 
 

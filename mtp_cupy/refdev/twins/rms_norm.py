@@ -36,6 +36,24 @@ def rms_norm(dev, x, w, y, rows, dim, eps):
     dev.view(y, BF16, (rows, dim))[:] = out
 
 
+def _add_rms_norm(dev, x, res, w, y, rows, dim, eps, unit_offset: bool) -> None:
+    """x = bf16(x + res) (fp32 add, one rounding, as bf16_residual_add) written back, then y = norm of it."""
+    xv = dev.view(x, BF16, (rows, dim))
+    xv[:] = (xv.astype(F32) + dev.view(res, BF16, (rows, dim)).astype(F32)).astype(BF16)
+    out = _rms_norm(xv.astype(F32), _gain(dev, w, dim, unit_offset), eps)
+    dev.view(y, BF16, (rows, dim))[:] = out
+
+
+@twin("rms_norm", "add_rms_norm_vanilla")
+def add_rms_norm_vanilla(dev, x, res, w, y, rows, dim, eps):
+    _add_rms_norm(dev, x, res, w, y, rows, dim, eps, False)
+
+
+@twin("rms_norm", "add_rms_norm")
+def add_rms_norm(dev, x, res, w, y, rows, dim, eps):
+    _add_rms_norm(dev, x, res, w, y, rows, dim, eps, True)
+
+
 @twin("rms_norm", "rms_norm_strided")
 def rms_norm_strided(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
                      eps, unit_offset):
