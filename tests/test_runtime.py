@@ -122,21 +122,24 @@ def test_meta_refuses_oversized_table():
 
 
 def test_staged_slabs_equal_packed_ones(rng):
-    """The hot-path stager writes exactly pack_mtp_attn_meta's bytes, per step and at a column offset."""
-    bs, cols = 16, 3
-    stage = np.full((5, cols * 1024), 0xAB, np.uint8)
-    for c in range(cols):
-        table = [int(b) for b in rng.permutation(500)[:int(rng.integers(1, 40))]]
-        rows0, pos = int(rng.integers(0, len(table) * bs - 4)), int(rng.integers(0, 1 << 20))
-        stage_mtp_meta(stage, 4, pos, rows0, table, bs, col=c * 1024)
+    """The hot-path stager writes exactly pack_mtp_attn_meta's bytes, per step and sequence."""
+    bs, B, S = 16, 3, 1024
+    stage = np.full((5, B * S), 0xAB, np.uint8)
+    tables = [[int(b) for b in rng.permutation(500)[:int(rng.integers(1, 40))]] for _ in range(B)]
+    rows0 = [int(rng.integers(0, len(t) * bs - 4)) for t in tables]
+    pos = [int(x) for x in rng.integers(0, 1 << 20, B)]
+    stage_mtp_meta(stage, 4, pos, rows0, tables, bs, S)
+    for c, table in enumerate(tables):
         for i in range(4):
-            row = rows0 + i
-            want = pack_mtp_attn_meta(pos + i, table[row // bs] * bs + row % bs, row + 1, table, 1024)
-            got = stage[i, c * 1024:c * 1024 + len(want)]
+            row = rows0[c] + i
+            want = pack_mtp_attn_meta(pos[c] + i, table[row // bs] * bs + row % bs, row + 1, table, S)
+            got = stage[i, c * S:c * S + len(want)]
             assert unpack_mtp_attn_meta(got, len(table)) == unpack_mtp_attn_meta(want, len(table))
             assert bytes(got[256:]) == want[256:] and bytes(got[:4]) + bytes(got[8:20]) == want[:4] + want[8:20]
     with pytest.raises(CapacityError):
-        stage_mtp_meta(stage, 1, 0, 0, list(range(200)), bs, col=2 * 1024)
+        stage_mtp_meta(stage, 1, [0, 0], [0, 0], [[1], list(range(200))], bs, S)
+    with pytest.raises(CapacityError):
+        stage_mtp_meta(stage[:, :1024], 1, [0], [0], [list(range(200))], bs)
 
 
 def test_forward_buffers(dev):

@@ -98,9 +98,8 @@ class BatchProposeMixin:
         if self._bstage is None:
             self._bstage = self.gpu.alloc_pinned(self.max_drafts * self.max_batch * self.meta_stride)
             self._bstage = self._bstage.reshape(self.max_drafts, -1)
-        S, bs = self.meta_stride, self.kv.block_size
-        for s, (st, r0, p) in enumerate(zip(states, rows0, positions)):
-            stage_mtp_meta(self._bstage, k, p, r0, st.blocks.table, bs, col=s * S)
+        S = self.meta_stride
+        stage_mtp_meta(self._bstage, k, positions, rows0, [st.blocks.table for st in states], self.kv.block_size, S)
         if width > len(states):
             self._bstage[:k, len(states) * S:width * S] = np.tile(self._pad_slab, width - len(states))
 

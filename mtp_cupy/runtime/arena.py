@@ -5,6 +5,8 @@ at `scratch + MTP_META_OFFSET` so the two never overlap. Slab layout (little end
     pos u32 @0, slot i64 @8, seq_len i32 @16, block_table i32[] @256"""
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from ..errors import CapacityError, InputError
@@ -38,21 +40,28 @@ def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity:
     return bytes(buf)
 
 
-def stage_mtp_meta(stage: np.ndarray, k: int, position: int, rows0: int, table, block_size: int,
-                   col: int = 0) -> None:
-    """pack_mtp_attn_meta's layout for k consecutive steps, written straight into rows 0..k-1 of the uint8
-    host array `stage` [steps, bytes] at byte `col` (row bytes and col multiples of 8): step i is position
-    + i at drafter row rows0 + i, seq_len rows0 + i + 1. The per-call hot path: vectorised, and the table is
-    the allocator's own (valid block ids), so only its size is checked."""
-    tab = np.asarray(table, dtype=np.int32)
-    if col + META_TABLE_OFFSET + 4 * tab.size > stage.shape[1]:
-        raise CapacityError(f"MTP block table of {tab.size} entries does not fit a {stage.shape[1] - col}-byte slab")
+def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_size: int, stride: int = 0) -> None:
+    """pack_mtp_attn_meta's layout for k steps of B sequences, written straight into the uint8 host array
+    `stage` [steps, bytes]: step i of sequence s (position positions[s] + i at drafter row rows0[s] + i,
+    seq_len rows0[s] + i + 1, table tables[s]) lands in row i at byte s * stride (stride and row bytes
+    multiples of 8). The per-call hot path: a fixed number of array operations whatever B is; the tables
+    are the allocator's own (valid block ids), so only their size is checked."""
+    B, bs = len(tables), block_size
+    lens = np.fromiter((len(t) for t in tables), np.int64, B)
+    room = (stride if B > 1 else stage.shape[1]) - META_TABLE_OFFSET
+    if (B - 1) * stride + META_TABLE_OFFSET + 4 * int(lens.max()) > stage.shape[1] or 4 * int(lens.max()) > room:
+        raise CapacityError(f"MTP block table of {int(lens.max())} entries does not fit a {room + META_TABLE_OFFSET}"
+                            "-byte slab")
+    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
+    starts = np.cumsum(lens) - lens
+    c4 = np.arange(B) * (stride // 4)
+    step = np.arange(k)[:, None]
+    rows = np.asarray(rows0, dtype=np.int64)[None, :] + step                     # [k, B]
     s32, s64 = stage.view(np.int32), stage.view(np.int64)
-    c4, rows = col // 4, rows0 + np.arange(k)
-    s32[:k, c4] = position + np.arange(k)
-    s64[:k, col // 8 + 1] = tab[rows // block_size].astype(np.int64) * block_size + rows % block_size
+    s32[:k, c4] = np.asarray(positions, dtype=np.int64)[None, :] + step
+    s64[:k, c4 // 2 + 1] = flat[starts + rows // bs].astype(np.int64) * bs + rows % bs
     s32[:k, c4 + 4] = rows + 1
-    s32[:k, c4 + META_TABLE_OFFSET // 4:c4 + META_TABLE_OFFSET // 4 + tab.size] = tab
+    s32[:k, np.repeat(c4 + META_TABLE_OFFSET // 4 - starts, lens) + np.arange(flat.size)] = flat
 
 
 def unpack_mtp_attn_meta(raw: bytes | np.ndarray, num_blocks: int) -> tuple[int, int, int, list[int]]:

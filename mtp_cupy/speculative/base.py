@@ -247,7 +247,7 @@ class MtpProposerBase:
         if self._stage is None:
             stride = -(-self._slab_bytes // 256) * 256
             self._stage = self.gpu.alloc_pinned(self.max_drafts * stride).reshape(self.max_drafts, stride)
-        stage_mtp_meta(self._stage, k, position, rows0, st.blocks.table, self.kv.block_size)
+        stage_mtp_meta(self._stage, k, [position], [rows0], [st.blocks.table], self.kv.block_size)
 
     def _chain(self, k: int, masked: bool, min_logprob: float | None = None, st=None, position: int = 0,
                rows0: int = 0) -> tuple[int, list[float]]:
