@@ -76,24 +76,42 @@ __device__ __forceinline__ void stream_sum(const __nv_bfloat16* X, const float* 
     }
 }
 
-// Lane l < hc*hc holds C[l / hc, l % hc]; sums over a row (k) or a column (j) read the hc partner lanes in
-// index order. All 32 lanes take part in the shuffles.
-__device__ __forceinline__ float row_reduce(float v, int lane, u32 hc, bool is_max) {
-    const int base = lane < (int)(hc * hc) ? lane - lane % (int)hc : lane;
-    float acc = is_max ? -INFINITY : 0.f;
-    for (u32 t = 0; t < hc; ++t) {
-        const float o = __shfl_sync(0xffffffffu, v, lane < (int)(hc * hc) ? base + (int)t : lane);
-        acc = is_max ? fmaxf(acc, o) : acc + o;
+// Sinkhorn over the hc x hc matrix held whole in every lane's registers (C[j][k], zero outside hc x hc): no
+// shuffles, so each normalisation is hc independent row (or column) sums and hc*hc independent divisions
+// instead of a chain of dependent shuffles. Sums run in index order from 0, as the twin's do.
+__device__ __forceinline__ void sinkhorn_regs(float (&C)[HC_MAX][HC_MAX], u32 hc, float eps, u32 iters) {
+#pragma unroll
+    for (int j = 0; j < HC_MAX; ++j) {
+        float mx = -INFINITY, s = 0.f;
+#pragma unroll
+        for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) mx = fmaxf(mx, C[j][k]);
+#pragma unroll
+        for (int k = 0; k < HC_MAX; ++k) C[j][k] = (j < (int)hc && k < (int)hc) ? expf(C[j][k] - mx) : 0.f;
+#pragma unroll
+        for (int k = 0; k < HC_MAX; ++k) if (k < (int)hc) s += C[j][k];
+#pragma unroll
+        for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = C[j][k] / s + eps;
     }
-    return acc;
-}
-
-__device__ __forceinline__ float col_sum(float v, int lane, u32 hc) {
-    const int col = lane < (int)(hc * hc) ? lane % (int)hc : lane;
-    float acc = 0.f;
-    for (u32 t = 0; t < hc; ++t)
-        acc += __shfl_sync(0xffffffffu, v, lane < (int)(hc * hc) ? (int)(t * hc) + col : lane);
-    return acc;
+    for (u32 it = 0; it < (iters > 0u ? iters : 1u); ++it) {   // the first column pass always runs
+        if (it > 0) {
+#pragma unroll
+            for (int j = 0; j < HC_MAX; ++j) {
+                float s = 0.f;
+#pragma unroll
+                for (int k = 0; k < HC_MAX; ++k) if (k < (int)hc) s += C[j][k];
+#pragma unroll
+                for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = C[j][k] / (s + eps);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < HC_MAX; ++k) {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < HC_MAX; ++j) if (j < (int)hc) s += C[j][k];
+#pragma unroll
+            for (int j = 0; j < HC_MAX; ++j) if (j < (int)hc && k < (int)hc) C[j][k] = C[j][k] / (s + eps);
+        }
+    }
 }
 
 // Collapse for a layer (arch_math B.2): pre_j = sigmoid(mix_j s0 + b_j) + hc_eps -> x = sum_j pre_j X_j (bf16);
@@ -116,17 +134,22 @@ extern "C" __global__ void hc_pre(const __nv_bfloat16* __restrict__ X, const flo
             pre[lane] = sigmoidf_(mixes[lane] * scale[0] + base[lane]) + hc_eps;
             if (write) post_out[(u64)r * hc + lane] = 2.f * sigmoidf_(mixes[hc + lane] * scale[1] + base[hc + lane]);
         }
-        const bool live = lane < (int)(hc * hc);
-        const float l = live ? mixes[2 * hc + lane] * scale[2] + base[2 * hc + lane] : 0.f;
-        const float mx = row_reduce(l, lane, hc, true);
-        const float e = live ? expf(l - mx) : 1.f;  // idle lanes stay finite
-        float c = e / row_reduce(e, lane, hc, false) + hc_eps;
-        c = c / (col_sum(c, lane, hc) + hc_eps);
-        for (u32 it = 1; it < iters; ++it) {
-            c = c / (row_reduce(c, lane, hc, false) + hc_eps);
-            c = c / (col_sum(c, lane, hc) + hc_eps);
+        if (write) {   // one block per row writes comb; the others only need pre
+            float C[HC_MAX][HC_MAX];
+#pragma unroll
+            for (int j = 0; j < HC_MAX; ++j)
+#pragma unroll
+                for (int k = 0; k < HC_MAX; ++k) {
+                    const int m = 2 * (int)hc + j * (int)hc + k;
+                    C[j][k] = (j < (int)hc && k < (int)hc) ? mixes[m] * scale[2] + base[m] : 0.f;
+                }
+            sinkhorn_regs(C, hc, hc_eps, iters);
+#pragma unroll
+            for (int j = 0; j < HC_MAX; ++j)
+#pragma unroll
+                for (int k = 0; k < HC_MAX; ++k)
+                    if (j < (int)hc && k < (int)hc && lane == j * (int)hc + k) comb_out[(u64)r * hc * hc + lane] = C[j][k];
         }
-        if (write && live) comb_out[(u64)r * hc * hc + lane] = c;
     }
     __syncthreads();
     stream_sum(X, pre, x_out, r, dim, hc);

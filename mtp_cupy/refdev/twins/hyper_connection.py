@@ -46,7 +46,7 @@ def sinkhorn(logits: np.ndarray, eps: float, iters: int) -> np.ndarray:
 
 
 def _sum(c: np.ndarray, axis: int) -> np.ndarray:
-    """Sum over the last (-1) or second-last (-2) axis in index order (the kernel's shuffle loop), keeping dims."""
+    """Sum over the last (-1) or second-last (-2) axis in index order (as the kernel sums), keeping dims."""
     part = (lambda t: c[..., t:t + 1]) if axis == -1 else (lambda t: c[..., t:t + 1, :])
     acc = part(0)
     for t in range(1, c.shape[axis]):
