@@ -77,8 +77,9 @@ __device__ __forceinline__ void stream_sum(const __nv_bfloat16* X, const float* 
 }
 
 // Sinkhorn over the hc x hc matrix held whole in every lane's registers (C[j][k], zero outside hc x hc): no
-// shuffles, so each normalisation is hc independent row (or column) sums and hc*hc independent divisions
-// instead of a chain of dependent shuffles. Sums run in index order from 0, as the twin's do.
+// shuffles, so each normalisation is hc independent row (or column) sums, hc correctly rounded reciprocals and
+// hc*hc multiplies (x * (1 / d), not x / d: a division per element on one warp was slower than the shuffles).
+// Sums run in index order from 0 and nothing is contracted into an FMA, as in the twin.
 __device__ __forceinline__ void sinkhorn_regs(float (&C)[HC_MAX][HC_MAX], u32 hc, float eps, u32 iters) {
 #pragma unroll
     for (int j = 0; j < HC_MAX; ++j) {
@@ -89,8 +90,9 @@ __device__ __forceinline__ void sinkhorn_regs(float (&C)[HC_MAX][HC_MAX], u32 hc
         for (int k = 0; k < HC_MAX; ++k) C[j][k] = (j < (int)hc && k < (int)hc) ? expf(C[j][k] - mx) : 0.f;
 #pragma unroll
         for (int k = 0; k < HC_MAX; ++k) if (k < (int)hc) s += C[j][k];
+        const float rs = __frcp_rn(s);
 #pragma unroll
-        for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = C[j][k] / s + eps;
+        for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = __fadd_rn(__fmul_rn(C[j][k], rs), eps);
     }
     for (u32 it = 0; it < (iters > 0u ? iters : 1u); ++it) {   // the first column pass always runs
         if (it > 0) {
@@ -99,8 +101,9 @@ __device__ __forceinline__ void sinkhorn_regs(float (&C)[HC_MAX][HC_MAX], u32 hc
                 float s = 0.f;
 #pragma unroll
                 for (int k = 0; k < HC_MAX; ++k) if (k < (int)hc) s += C[j][k];
+                const float rs = __frcp_rn(s + eps);
 #pragma unroll
-                for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = C[j][k] / (s + eps);
+                for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = __fmul_rn(C[j][k], rs);
             }
         }
 #pragma unroll
@@ -108,8 +111,9 @@ __device__ __forceinline__ void sinkhorn_regs(float (&C)[HC_MAX][HC_MAX], u32 hc
             float s = 0.f;
 #pragma unroll
             for (int j = 0; j < HC_MAX; ++j) if (j < (int)hc) s += C[j][k];
+            const float rs = __frcp_rn(s + eps);
 #pragma unroll
-            for (int j = 0; j < HC_MAX; ++j) if (j < (int)hc && k < (int)hc) C[j][k] = C[j][k] / (s + eps);
+            for (int j = 0; j < HC_MAX; ++j) if (j < (int)hc && k < (int)hc) C[j][k] = __fmul_rn(C[j][k], rs);
         }
     }
 }

@@ -34,14 +34,15 @@ def _stream_sum(dev, X, w: np.ndarray, out, rows: int, dim: int, hc: int) -> Non
 
 
 def sinkhorn(logits: np.ndarray, eps: float, iters: int) -> np.ndarray:
-    """[..., hc, hc]: C = softmax_k(L) + eps; C /= colsum + eps; then (iters - 1) x (rows, then columns), fp32."""
+    """[..., hc, hc]: C = softmax_k(L) + eps; C /= colsum + eps; then (iters - 1) x (rows, then columns), fp32;
+    each division as a multiply by the correctly rounded reciprocal, as the kernel does."""
     c = logits.astype(F32)
     e = np.exp(c - c.max(axis=-1, keepdims=True))
-    c = e / _sum(e, -1) + F32(eps)
-    c = c / (_sum(c, -2) + F32(eps))
+    c = e * (F32(1) / _sum(e, -1)) + F32(eps)          # x * (1 / d): the kernel's reciprocal-then-multiply
+    c = c * (F32(1) / (_sum(c, -2) + F32(eps)))
     for _ in range(int(iters) - 1):
-        c = c / (_sum(c, -1) + F32(eps))
-        c = c / (_sum(c, -2) + F32(eps))
+        c = c * (F32(1) / (_sum(c, -1) + F32(eps)))
+        c = c * (F32(1) / (_sum(c, -2) + F32(eps)))
     return c
 
 
