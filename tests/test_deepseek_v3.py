@@ -270,7 +270,8 @@ def test_grammar_mask_restricts_drafts(rng, caplog):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 def test_cuda_matches_ref_device(rng, fmt):
-    cuda_matches_ref_device(load, tiny_ckpt(fmt, seed=2), rng, T, K)
+    path = tiny_ckpt(fmt, seed=2)
+    cuda_matches_ref_device(load, path, rng, T, K, DeepseekMtpRef(ref_weights(path), config_of(path)))
 
 
 @pytest.mark.gpu

@@ -263,7 +263,8 @@ def test_options_and_config_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_cuda_matches_ref_device(rng, fmt):
-    cuda_matches_ref_device(load, glm_ckpt(fmt, seed=2), rng, T, K)
+    path = glm_ckpt(fmt, seed=2)
+    cuda_matches_ref_device(load, path, rng, T, K, GlmMtpRef(ref_weights(path), config_of(path)))
 
 
 @pytest.mark.gpu
