@@ -90,11 +90,12 @@ def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: f
     return clean
 
 
-def cuda_matches_ref_device(load, path, rng, n: int, k: int, ref=None) -> None:
-    """The same prefill + propose(k) on the NumPy device and on CUDA: logits within 1e-2, drafts equal where
-    the margin is clear, until an earlier near-tie changes the chain's input. `ref` (the float64 reference of
-    the checkpoint) replays the NumPy device's chain to find routing near-ties: from a draft whose expert
-    choice was within ROUTE_TIE, the two devices may legitimately route differently (as check_chain allows)."""
+def cuda_matches_ref_device(load, path, rng, n: int, k: int, make_ref, tol: float) -> None:
+    """The same prefill + propose(k) on the NumPy device and on CUDA. The CUDA chain is checked against the
+    float64 reference (`make_ref()`, rows written here) by check_chain: draft 0 within 1e-2, chained drafts
+    within `tol` (the module's chain tolerance: the bf16 carried hidden compounds), argmax where clear, up to
+    a routing near-tie. Against its NumPy twin: the same bounds while both chains agree and the reference saw
+    no routing near-tie (from one, the devices may legitimately pick different experts)."""
     import mtp_cupy
     toks, hs, tok, h = inputs(rng, n)
     out = []
@@ -103,21 +104,19 @@ def cuda_matches_ref_device(load, path, rng, n: int, k: int, ref=None) -> None:
         st = prop.alloc_state()
         prop.prefill(st, toks, hs)
         out.append(prop.propose(st, tok, h, n, k, return_logits=True))
-    ref_res, cu = out
-    margins = [np.inf] * k
-    if ref is not None:
+    twin, cu = out
+    refs = [make_ref(), make_ref()]
+    for ref in refs:
         for r in range(n):
             ref.write_row(toks[r + 1], hs[r], r)
-        t, g = tok, bf16_round(h).astype(np.float64)
-        for i in range(k):
-            _, g = ref.step(t, g, n + i)
-            margins[i], t, g = ref.last_margin, ref_res.tokens[i], bf16_round(g).astype(np.float64)
-    for i in range(k):
-        if cu.tokens[:i] != ref_res.tokens[:i] or margins[i] < ROUTE_TIE:
+    clean = check_chain(cu, refs[0], tok, h, n, 1e-2, tol, "cuda vs float64")
+    clean = min(clean, check_chain(twin, refs[1], tok, h, n, 1e-2, tol, "twin vs float64"))
+    for i in range(clean):
+        if cu.tokens[:i] != twin.tokens[:i]:
             break
-        assert rel(cu.logits[i], ref_res.logits[i]) <= 1e-2, f"draft {i}"
-        if clear_argmax(ref_res.logits[i]):
-            assert cu.tokens[i] == ref_res.tokens[i], f"draft {i}"
+        assert rel(cu.logits[i], twin.logits[i]) <= (1e-2 if i == 0 else tol), f"cuda vs twin, draft {i}"
+        if clear_argmax(twin.logits[i]):
+            assert cu.tokens[i] == twin.tokens[i], f"cuda vs twin, draft {i}"
 
 
 def matches_oracle(prop, ref, hf, rng, n: int, k: int, tol0: float, tol: float, label: str) -> None:
