@@ -166,8 +166,8 @@ def from_checkpoint(path, gpu: Backend, max_seq_len: int = 4096, comm=None, **op
     """The GLM-5 MTP proposer of the checkpoint at `path`, this rank's shard when `comm` spans several ranks.
     Options: max_sequences (KV pool size in sequences of max_seq_len), max_drafts, max_prefill_rows,
     head_fp8 (draft from an FP8 (per-row scale) copy of this rank's head slice, or of the whole head),
-    head_exchange ("digits": bf16 lanes, one all-reduce; "pairs": (f32, i32) all-gather), cuda_graphs (capture each draft chain, NCCL
-    calls included; default on CUDA), progress (weight-loading bar)."""
+    head_exchange ("digits": bf16 lanes, one all-reduce; "pairs": (f32, i32) all-gather), cuda_graphs
+    (capture each draft chain, NCCL calls included; default on CUDA), progress (weight-loading bar)."""
     cfg = checked_config(path, comm, options, _OPTIONS, "glm5", GlmMoeDsaConfig)
     progress = options.pop("progress", None)
     shard = Shard(comm.rank, comm.world) if comm is not None and comm.world > 1 else Shard()

@@ -115,14 +115,14 @@ class BatchProposeMixin:
         D = self.hidden_size
         self.gpu.memset_async(self.bufs.b_hidden.offset(2 * B * D), 0, 2 * (self.max_batch - B) * D, self.stream)
 
-    def _batch_chain(self, k: int, width: int, words: int | None, each_step=None) -> int:
-        """The k steps over `width` rows from the staged slabs; each_step(i) -> True stops after step i.
-        Returns the steps run."""
+    def _batch_chain(self, k: int, width: int, words: int | None, want_lp: bool = False, each_step=None) -> int:
+        """The k steps over `width` rows from the staged slabs (top-1 log-probs too with want_lp);
+        each_step(i) -> True stops after step i. Returns the steps run."""
         b, hid = self.bufs, self.bufs.b_hidden
         for i in range(k):
             self.gpu.copy_h2d_async(self.batch_meta, self._bstage[i, :width * self.meta_stride])
             self._forward(b.b_ids.offset(4 * width * i), hid, width, self.batch_meta, self.meta_stride, b.b_logits)
-            self._pick_batch(i, width, words, each_step is not None and self._want_lp)
+            self._pick_batch(i, width, words, want_lp)
             hid = self.carry
             if each_step is not None and each_step(i):
                 return i + 1
@@ -190,12 +190,11 @@ class BatchProposeMixin:
                     padded[:, :B] = masks
                     gpu.copy_h2d_async(self.bufs.b_mask, padded)
                 self._stage_slabs(states, rows0, poss, k, W)
-                self._want_lp = min_logprob is not None
                 if graphed:
                     self._replay(("batch", k, W, words is not None), lambda: self._batch_chain(k, W, words))
                     steps = k
                 else:
-                    steps = self._batch_chain(k, W, words, each_step)
+                    steps = self._batch_chain(k, W, words, min_logprob is not None, each_step)
                 ids = gpu.read(self.bufs.b_ids.offset(4 * W), np.int32, (steps, W))[:, :B]
                 flags = gpu.read(self.bufs.b_flags, np.int32, (steps, W))[:, :B] if masks is not None else None
         except Exception:

@@ -16,6 +16,8 @@ def lanes_per_row(k: int, fmt: str) -> int:
     """Lanes that read one row: the 16-byte loads in a row, rounded down to a power of two, at most 32."""
     loads = k // (8 if fmt == "bf16" else 16)
     return min(32, 1 << (max(loads, 1).bit_length() - 1))
+
+
 _KERNELS = {"bf16": "grouped_gemv_bf16", "fp8_block": "grouped_gemv_fp8_block",
             "fp8_block_e8m0": "grouped_gemv_fp8_block_e8m0"}
 

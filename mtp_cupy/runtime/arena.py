@@ -43,15 +43,16 @@ def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity:
 def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_size: int, stride: int = 0) -> None:
     """pack_mtp_attn_meta's layout for k steps of B sequences, written straight into the uint8 host array
     `stage` [steps, bytes]: step i of sequence s (position positions[s] + i at drafter row rows0[s] + i,
-    seq_len rows0[s] + i + 1, table tables[s]) lands in row i at byte s * stride (stride and row bytes
-    multiples of 8). The per-call hot path: a fixed number of array operations whatever B is; the tables
-    are the allocator's own (valid block ids), so only their size is checked."""
+    seq_len rows0[s] + i + 1, table tables[s]) lands in row i at byte s * stride (stride 0: one slab, the
+    whole row; stride and row bytes multiples of 8). The per-call hot path: a fixed number of array
+    operations whatever B is; the tables are the allocator's own (valid block ids), so only their size is
+    checked."""
     B, bs = len(tables), block_size
     lens = np.fromiter((len(t) for t in tables), np.int64, B)
-    room = (stride if B > 1 else stage.shape[1]) - META_TABLE_OFFSET
-    if (B - 1) * stride + META_TABLE_OFFSET + 4 * int(lens.max()) > stage.shape[1] or 4 * int(lens.max()) > room:
-        raise CapacityError(f"MTP block table of {int(lens.max())} entries does not fit a {room + META_TABLE_OFFSET}"
-                            "-byte slab")
+    slab = stride or stage.shape[1]
+    if META_TABLE_OFFSET + 4 * int(lens.max()) > slab or B * slab > stage.shape[1]:
+        raise CapacityError(f"{B} MTP slabs with block tables of up to {int(lens.max())} entries do not fit "
+                            f"{slab}-byte slabs in a {stage.shape[1]}-byte stage row")
     flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
     starts = np.cumsum(lens) - lens
     c4 = np.arange(B) * (stride // 4)
