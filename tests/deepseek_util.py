@@ -90,6 +90,29 @@ def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: f
     return clean
 
 
+def write_rows(refs, toks, hs, n: int) -> None:
+    """Prefill rows 0..n-1 (embed(toks[r + 1]) paired with hs[r]) into each reference."""
+    for ref in refs:
+        for r in range(n):
+            ref.write_row(toks[r + 1], hs[r], r)
+
+
+def references_agree(ref, hf, rng, n: int, tie: float, check=None, steps: int = 3) -> None:
+    """The float64 reference against transformers' layer (hf) along the reference's greedy chain after n
+    prefilled rows: logits and carried hidden within 1e-5 until a routing near-tie (margin < tie, where
+    transformers' float32 router may pick otherwise); check(ref) adds per-step assertions."""
+    toks, hs, tok, h = inputs(rng, n)
+    write_rows((ref, hf), toks, hs, n)
+    for i in range(steps):
+        (lr, gr), (lt, gt) = ref.step(tok, h, n + i), hf.step(tok, h, n + i)
+        if ref.last_margin < tie:
+            break
+        if check is not None:
+            check(ref)
+        assert rel(lr, lt) < 1e-5 and rel(gr, gt) < 1e-5
+        tok, h = int(np.argmax(lr)), gr
+
+
 def cuda_matches_ref_device(load, path, rng, n: int, k: int, make_ref, tol: float) -> None:
     """The same prefill + propose(k) on the NumPy device and on CUDA. The CUDA chain is checked against the
     float64 reference (`make_ref()`, rows written here) by check_chain: draft 0 within 1e-2, chained drafts
@@ -106,9 +129,7 @@ def cuda_matches_ref_device(load, path, rng, n: int, k: int, make_ref, tol: floa
         out.append(prop.propose(st, tok, h, n, k, return_logits=True))
     twin, cu = out
     refs = [make_ref(), make_ref()]
-    for ref in refs:
-        for r in range(n):
-            ref.write_row(toks[r + 1], hs[r], r)
+    write_rows(refs, toks, hs, n)
     check_chain(cu, refs[0], tok, h, n, 1e-2, tol, "cuda vs float64")
     margins, t, g = [], tok, bf16_round(h).astype(np.float64)        # the reference along the twin's chain
     for i in range(k):
@@ -135,7 +156,5 @@ def matches_oracle(prop, ref, hf, rng, n: int, k: int, tol0: float, tol: float, 
     toks, hs, tok, h = inputs(rng, n)
     st = prop.alloc_state()
     prop.prefill(st, toks, hs)
-    for r in range(n):
-        ref.write_row(toks[r + 1], hs[r], r)
-        hf.write_row(toks[r + 1], hs[r], r)
+    write_rows((ref, hf), toks, hs, n)
     check_chain(prop.propose(st, tok, h, n, k, return_logits=True), Both(), tok, h, n, tol0, tol, label)

@@ -15,7 +15,7 @@ from mtp_cupy.weights import Checkpoint, dequant_linear, load_config
 from mtp_cupy.weights import quant_host as qh
 from mtp_cupy.weights.deepseek_v3 import load_mtp_weights
 from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, inputs, matches_oracle, ref_weights,
-                           rel, snapshot, tiny_ckpt)
+                           references_agree, rel, snapshot, tiny_ckpt)
 from reference.deepseek_ref import DeepseekMtpRef
 
 T, K, D, V = 24, 3, 256, 512
@@ -37,17 +37,7 @@ def test_reference_matches_transformers(rng):
     from reference.deepseek_torch import TorchDeepseekMtp
     path = tiny_ckpt("fp8")
     w, cfg = ref_weights(path), config_of(path)
-    ref, hf = DeepseekMtpRef(w, cfg), TorchDeepseekMtp(w, cfg)
-    toks, hs, tok, h = inputs(rng, 6)
-    for r in range(6):
-        ref.write_row(toks[r + 1], hs[r], r)
-        hf.write_row(toks[r + 1], hs[r], r)
-    for i in range(3):
-        (lr, gr), (lt, gt) = ref.step(tok, h, 6 + i), hf.step(tok, h, 6 + i)
-        if ref.last_margin < 1e-5:
-            break
-        assert rel(lr, lt) < 1e-5 and rel(gr, gt) < 1e-5
-        tok, h = int(np.argmax(lr)), gr
+    references_agree(DeepseekMtpRef(w, cfg), TorchDeepseekMtp(w, cfg), rng, 6, tie=1e-5)
 
 
 # -- loader ------------------------------------------------------------------------------------------------
