@@ -24,7 +24,7 @@ from mtp_cupy.models.deepseek_mtp import DeepseekV3MtpProposer
 from mtp_cupy.weights.config import DeepseekV3Config
 from mtp_cupy.weights.deepseek_v3 import NORMS, TINY_DIMS, TINY_YARN, DeepseekV3MtpWeights
 from mtp_cupy.weights.linear import Linear
-from run_real_dims_v4 import RandomDevice, copy_bandwidth, prefill_and_time
+from run_real_dims_v4 import RandomDevice, copy_bandwidth, prefill_and_time, time_phases
 
 REAL = dict(model_type="deepseek_v3", hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -72,16 +72,7 @@ def phase_ms(prop: DeepseekV3MtpProposer, st, position: int, iters: int) -> dict
         "LM head": lambda: mtp_cupy.ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
         "argmax": lambda: prop._pick(0, b.logits, None, False),
     }
-    out = {}
-    e0, e1 = gpu.new_event(), gpu.new_event()
-    for name, fn in phases.items():
-        fn()
-        gpu.record(e0)
-        for _ in range(iters):
-            fn()
-        gpu.record(e1)
-        out[name] = gpu.elapsed_ms(e0, e1) / iters
-    return out
+    return time_phases(gpu, phases, iters)
 
 
 def run(device: str = "cuda", tiny: bool = False, ctx: int = 2048, drafts: int = 3, iters: int = 10,

@@ -159,6 +159,11 @@ def phase_ms(prop: DeepseekV4MtpProposer, st, position: int, iters: int) -> dict
         "LM head": lambda: mtp_cupy.ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
         "argmax": lambda: prop._pick(0, b.logits, None, False),
     }
+    return time_phases(gpu, phases, iters)
+
+
+def time_phases(gpu, phases: dict, iters: int) -> dict[str, float]:
+    """Milliseconds per call of each phase: one warm call, then `iters` back to back between two events."""
     out = {}
     e0, e1 = gpu.new_event(), gpu.new_event()
     for name, fn in phases.items():
