@@ -136,6 +136,10 @@ def test_staged_slabs_equal_packed_ones(rng):
             got = stage[i, c * S:c * S + len(want)]
             assert unpack_mtp_attn_meta(got, len(table)) == unpack_mtp_attn_meta(want, len(table))
             assert bytes(got[256:]) == want[256:] and bytes(got[:4]) + bytes(got[8:20]) == want[:4] + want[8:20]
+    one = np.full((5, S), 0xAB, np.uint8)           # one sequence (propose's path) writes the same bytes
+    stage_mtp_meta(one, 4, pos[2:], rows0[2:], tables[2:], bs)
+    n = 256 + 4 * len(tables[2])
+    assert np.array_equal(one[:4, :n], stage[:4, 2 * S:2 * S + n])
     with pytest.raises(CapacityError):
         stage_mtp_meta(stage, 1, [0, 0], [0, 0], [[1], list(range(200))], bs, S)
     with pytest.raises(CapacityError):

@@ -53,6 +53,9 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     if META_TABLE_OFFSET + 4 * int(lens.max()) > slab or B * slab > stage.shape[1]:
         raise CapacityError(f"{B} MTP slabs with block tables of up to {int(lens.max())} entries do not fit "
                             f"{slab}-byte slabs in a {stage.shape[1]}-byte stage row")
+    if B == 1:                                   # propose's case: a few scalar stores beat the array plan
+        _stage_one(stage, k, int(positions[0]), int(rows0[0]), tables[0], bs)
+        return
     flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
     starts = np.cumsum(lens) - lens
     c4 = np.arange(B) * (stride // 4)
@@ -63,6 +66,16 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     s64[:k, c4 // 2 + 1] = flat[starts + rows // bs].astype(np.int64) * bs + rows % bs
     s32[:k, c4 + 4] = rows + 1
     s32[:k, np.repeat(c4 + META_TABLE_OFFSET // 4 - starts, lens) + np.arange(flat.size)] = flat
+
+
+def _stage_one(stage: np.ndarray, k: int, position: int, rows0: int, table, bs: int) -> None:
+    s32, s64 = stage.view(np.int32), stage.view(np.int64)
+    t0 = META_TABLE_OFFSET // 4
+    s32[:k, t0:t0 + len(table)] = table
+    for i in range(k):
+        row = rows0 + i
+        s32[i, 0], s32[i, 4] = position + i, row + 1
+        s64[i, 1] = table[row // bs] * bs + row % bs
 
 
 def unpack_mtp_attn_meta(raw: bytes | np.ndarray, num_blocks: int) -> tuple[int, int, int, list[int]]:
