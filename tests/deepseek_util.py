@@ -90,6 +90,22 @@ def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: f
     return clean
 
 
+def masked_drafts_obey(prop, rng, n: int):
+    """Prefill n rows, propose 2 drafts under a grammar bitmask of 20 random ids: the first is the best allowed
+    logit and both are allowed. Returns (state, token, hidden) for more proposes after after_verify(0)."""
+    toks, hs, tok, h = inputs(rng, n)
+    st = prop.alloc_state()
+    prop.prefill(st, toks, hs)
+    allowed = np.sort(rng.choice(V, 20, replace=False))
+    mask = np.zeros(V // 32, np.int32)
+    for t in allowed:
+        mask[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    res = prop.propose(st, tok, h, n, 2, grammar_bitmask=mask, return_logits=True)
+    assert res.tokens[0] == int(allowed[np.argmax(res.logits[0, allowed])]) and set(res.tokens) <= set(allowed)
+    prop.after_verify(st, 0)
+    return st, tok, h
+
+
 def write_rows(refs, toks, hs, n: int) -> None:
     """Prefill rows 0..n-1 (embed(toks[r + 1]) paired with hs[r]) into each reference."""
     for ref in refs:

@@ -15,7 +15,7 @@ from mtp_cupy.weights import Checkpoint, dequant_linear, load_config
 from mtp_cupy.weights import quant_host as qh
 from mtp_cupy.weights.deepseek_v3 import load_mtp_weights
 from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, inputs, matches_oracle, ref_weights,
-                           references_agree, rel, snapshot, tiny_ckpt)
+                           masked_drafts_obey, references_agree, rel, snapshot, tiny_ckpt)
 from reference.deepseek_ref import DeepseekMtpRef
 
 T, K, D, V = 24, 3, 256, 512
@@ -243,16 +243,7 @@ def test_options_and_config_errors(tmp_path):
 
 def test_grammar_mask_restricts_drafts(rng, caplog):
     prop = load(tiny_ckpt("bf16"))
-    toks, hs, tok, h = inputs(rng, 4)
-    st = prop.alloc_state()
-    prop.prefill(st, toks, hs)
-    allowed = np.sort(rng.choice(V, 20, replace=False))
-    mask = np.zeros(V // 32, np.int32)
-    for t in allowed:
-        mask[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-    res = prop.propose(st, tok, h, 4, 2, grammar_bitmask=mask, return_logits=True)
-    assert res.tokens[0] == int(allowed[np.argmax(res.logits[0, allowed])]) and set(res.tokens) <= set(allowed)
-    prop.after_verify(st, 0)
+    st, tok, h = masked_drafts_obey(prop, rng, 4)
     res = prop.propose(st, tok, h, 4, 1, grammar_bitmask=np.zeros(V // 32, np.int32))
     assert res.tokens == [0] and "allowed no token" in caplog.text
 

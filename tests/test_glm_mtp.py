@@ -16,7 +16,7 @@ from mtp_cupy.runtime.dtypes import BF16, bf16_round
 from mtp_cupy.weights import load_config
 from mtp_cupy.weights.glm import Shard, load_glm_weights
 from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, matches_oracle, ref_weights,
-                           references_agree, rel, snapshot)
+                           masked_drafts_obey, references_agree, rel, snapshot)
 from glm_util import D, V, glm_ckpt, inputs
 from helpers import assert_bf16_near, up
 from reference.glm_ref import GlmMtpRef
@@ -179,16 +179,7 @@ def test_drafts_without_logits_equal_argmax_of_logits(rng):
 
 def test_grammar_mask_and_logprob_stop(rng, caplog):
     prop = load(glm_ckpt("bf16"))
-    toks, hs, tok, h = inputs(rng, 10)
-    st = prop.alloc_state()
-    prop.prefill(st, toks, hs)
-    allowed = np.sort(rng.choice(V, 20, replace=False))
-    mask = np.zeros(V // 32, np.int32)
-    for t in allowed:
-        mask[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
-    res = prop.propose(st, tok, h, 10, 2, grammar_bitmask=mask, return_logits=True)
-    assert res.tokens[0] == int(allowed[np.argmax(res.logits[0, allowed])]) and set(res.tokens) <= set(allowed)
-    prop.after_verify(st, 0)
+    st, tok, h = masked_drafts_obey(prop, rng, 10)
     res = prop.propose(st, tok, h, 10, K, min_logprob=0.0)         # log-probs are < 0: stops after one
     assert len(res.tokens) == 1 and res.logprobs[0] < 0 and st.seq_len == 11
 
