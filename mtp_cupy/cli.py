@@ -5,7 +5,7 @@ import argparse
 import sys
 import time
 
-FAMILIES = ("deepseek_v4", "deepseek_v3", "qwen3_next", "glm5")
+from .families import NAMES as FAMILIES
 
 
 def _parser() -> argparse.ArgumentParser:

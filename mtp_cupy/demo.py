@@ -13,11 +13,11 @@ import numpy as np
 
 
 def tiny_checkpoint(family: str, seed: int = 0) -> Path:
-    from .models import family_module
+    from .families import family as family_of
     root = Path(os.path.expanduser("~/.cache/mtp_cupy/tiny")) / f"{family}-s{seed}"
     if not (root / "config.json").exists():
         root.mkdir(parents=True, exist_ok=True)
-        family_module(family).write_tiny_checkpoint(root, seed=seed)
+        family_of(family).write_tiny_checkpoint(root, seed=seed)
     return root
 
 

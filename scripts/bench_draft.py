@@ -59,7 +59,7 @@ class Ours:
         t0 = time.perf_counter()
         if fam == "deepseek_v3":
             import run_real_dims_v3 as m
-            from mtp_cupy.models.deepseek_mtp import DeepseekV3MtpProposer
+            from mtp_cupy.models.deepseek_v3 import DeepseekV3MtpProposer
             from mtp_cupy.weights.config import DeepseekV3Config
             self.cfgd = m.TINY if a.tiny else m.REAL
             cfg = DeepseekV3Config.from_dict(self.cfgd)
@@ -69,7 +69,7 @@ class Ours:
             self.formats = "FP8 block (f32 scales) projections + experts; BF16 eh_proj, router, embed, head"
         elif fam == "deepseek_v4":
             import run_real_dims_v4 as m
-            from mtp_cupy.models.deepseek_v4_mtp import DeepseekV4MtpProposer
+            from mtp_cupy.models.deepseek_v4 import DeepseekV4MtpProposer
             from mtp_cupy.weights.config import DeepseekV4Config
             self.cfgd = m.TINY if a.tiny else m.REAL
             cfg = DeepseekV4Config.from_dict(self.cfgd)
@@ -80,12 +80,12 @@ class Ours:
             self.formats = "FP8 (e8m0 scales) projections, MXFP4 routed experts, FP8 shared; BF16 router, embed, head"
         elif fam == "glm5":
             import draft_glm as m
-            from mtp_cupy.models.glm_mtp import GlmMtpProposer
+            from mtp_cupy.models.glm5 import Glm5MtpProposer
             from mtp_cupy.weights.config import GlmMoeDsaConfig
-            from mtp_cupy.weights.glm import Shard
+            from mtp_cupy.weights.glm5 import Shard
             self.cfgd = o_cfg(fam, a)
             cfg = GlmMoeDsaConfig.from_dict(self.cfgd)
-            self.prop = GlmMtpProposer(gpu, cfg, m.random_weights(gpu, cfg, Shard(), a.seed, "fp8"),
+            self.prop = Glm5MtpProposer(gpu, cfg, m.random_weights(gpu, cfg, Shard(), a.seed, "fp8"),
                                        max_seq_len=max_seq, max_drafts=kmax, head_fp8=a.glm_head_fp8)
             self.hshape, self.kv_rows, self.batched = (cfg.hidden_size,), a.ctx + 1, False
             self.formats = ("FP8 block (f32 scales) projections + experts + indexer wq_b/wk; BF16 eh_proj, router, "
@@ -93,11 +93,11 @@ class Ours:
         else:
             import run_real_dims_qwen as m
             from mtp_cupy.cache.paged import PagedKvCache
-            from mtp_cupy.models.qwen_mtp import QwenMtpProposer
+            from mtp_cupy.models.qwen3_next import Qwen3NextMtpProposer
             from mtp_cupy.weights.config import Qwen3NextConfig
             self.cfgd = m.TINY if a.tiny else m.REAL
             cfg = Qwen3NextConfig.from_dict(self.cfgd)
-            self.prop = QwenMtpProposer(gpu, cfg, m.random_weights(gpu, cfg, a.seed), max_seq_len=max_seq,
+            self.prop = Qwen3NextMtpProposer(gpu, cfg, m.random_weights(gpu, cfg, a.seed), max_seq_len=max_seq,
                                         quantization=a.qwen_quant, max_drafts=kmax, max_batch=bmax,
                                         kv_blocks=PagedKvCache.blocks_for(max_seq) * bmax)
             self.hshape, self.kv_rows, self.batched = (cfg.hidden_size,), a.ctx + 1, True
@@ -288,7 +288,7 @@ def o_cfg(fam: str, a) -> dict:
     """The config dict the proposer was built from (the peers read the same dims)."""
     if fam == "glm5":
         import draft_glm
-        from mtp_cupy.weights.glm import TINY_DIMS
+        from mtp_cupy.testing.tiny.glm5 import TINY_DIMS
         return {**draft_glm.REAL, **TINY_DIMS} if a.tiny else draft_glm.REAL
     m = __import__({"deepseek_v3": "run_real_dims_v3", "deepseek_v4": "run_real_dims_v4",
                     "qwen3_next": "run_real_dims_qwen"}[fam])

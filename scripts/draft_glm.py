@@ -24,13 +24,14 @@ from mpi4py import MPI
 import mtp_cupy
 from mtp_cupy import ops
 from mtp_cupy.layers.dsa import IndexerWeights
-from mtp_cupy.models import glm_mtp
+from mtp_cupy.models import glm5 as glm_mtp
 from mtp_cupy.runtime.comm import make_communicator
 from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.speculative.vocab_argmax import EXCHANGES, ShardedArgmax
 from mtp_cupy.weights.config import GlmMoeDsaConfig
 from mtp_cupy.weights.deepseek_v3 import NORMS
-from mtp_cupy.weights.glm import TINY_DIMS, GlmMtpWeights, Shard
+from mtp_cupy.testing.tiny.glm5 import TINY_DIMS, write_tiny_checkpoint
+from mtp_cupy.weights.glm5 import Glm5MtpWeights, Shard
 from mtp_cupy.weights.linear import Linear
 from run_real_dims_v3 import fp8_block
 from run_real_dims_v4 import RandomDevice
@@ -46,13 +47,13 @@ REAL = dict(model_type="glm_moe_dsa", hidden_size=6144, num_hidden_layers=78, nu
 
 def tiny_checkpoint() -> str:
     """Rank 0 writes the tiny checkpoint; the others wait at the barrier and read the path it broadcast."""
-    path = glm_mtp.write_tiny_checkpoint(tempfile.mkdtemp(prefix="glm_tiny_")) if WORLD.rank == 0 else None
+    path = write_tiny_checkpoint(tempfile.mkdtemp(prefix="glm_tiny_")) if WORLD.rank == 0 else None
     path = WORLD.bcast(str(path) if path else None, root=0)
     WORLD.Barrier()
     return path
 
 
-def random_weights(gpu, cfg: GlmMoeDsaConfig, shard: Shard, seed: int, quant: str) -> GlmMtpWeights:
+def random_weights(gpu, cfg: GlmMoeDsaConfig, shard: Shard, seed: int, quant: str) -> Glm5MtpWeights:
     """This rank's shard of a random GLM MTP layer, generated on the device (values about N(0, 1/k))."""
     r = RandomDevice(gpu, seed + shard.rank)
     D, V, H, QL = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.q_lora_rank
@@ -72,7 +73,7 @@ def random_weights(gpu, cfg: GlmMoeDsaConfig, shard: Shard, seed: int, quant: st
     norms = {n: r.bf16(D, 0.1, 1.0) for n in NORMS}
     norms.update(q_a_layernorm=r.bf16(QL, 0.1, 1.0), kv_a_layernorm=r.bf16(C, 0.1, 1.0))
     indexer = IndexerWeights(proj(nh * hd, QL), proj(hd, D), r.bf16(hd, 0.1, 1.0), r.bf16(hd, 0.1), bf16(nh, D))
-    return GlmMtpWeights(
+    return Glm5MtpWeights(
         embed=r.bf16(V * D, 1.0), head=bf16(vn, D), norms=norms, eh_proj=bf16(D, 2 * D), q_a=proj(QL, D),
         q_b=proj(hl * (dn + dr), QL), kv_a=proj(C + dr, D), w_uk_t=proj(hl * C, dn), kv_b=proj(hl * (dn + dv), C),
         o_proj=proj(D, hl * dv), router=bf16(E, D), bias=r.f32(E, 0.1),
@@ -172,7 +173,7 @@ def main() -> None:
     if a.real_dims:
         cfg = GlmMoeDsaConfig.from_dict({**REAL, **TINY_DIMS} if a.tiny else REAL)
         shard = Shard(rank, world) if world > 1 else Shard()
-        prop = glm_mtp.GlmMtpProposer(gpu, cfg, random_weights(gpu, cfg, shard, a.seed, a.quant), max_seq_len=max_seq,
+        prop = glm_mtp.Glm5MtpProposer(gpu, cfg, random_weights(gpu, cfg, shard, a.seed, a.quant), max_seq_len=max_seq,
                                       comm=comm, **opts)
         what = f"GLM-5 {'tiny' if a.tiny else 'real'} dims, random {a.quant} weights"
     else:

@@ -17,13 +17,13 @@ import numpy as np
 
 import mtp_cupy
 from mtp_cupy.cache.paged import PagedKvCache
-from mtp_cupy.models.qwen_mtp import QwenMtpProposer
+from mtp_cupy.models.qwen3_next import Qwen3NextMtpProposer
 from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.runtime.ptr import DevicePtr
 from mtp_cupy.weights.config import Qwen3NextConfig
 from mtp_cupy.weights.linear import Linear
 from run_real_dims_v4 import copy_bandwidth
-from mtp_cupy.weights.qwen import NORMS, QwenMtpWeights
+from mtp_cupy.weights.qwen3_next import NORMS, Qwen3NextMtpWeights
 
 REAL = dict(model_type="qwen3_next", hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
             partial_rotary_factor=0.25, rope_theta=1e7, rms_norm_eps=1e-6, vocab_size=151936, num_hidden_layers=48,
@@ -69,7 +69,7 @@ class RandomBf16:
         return [Linear("bf16", n, k, buf.ptr.offset(2 * i * n * k), owners=[buf]) for i in range(count)]
 
 
-def random_weights(gpu, cfg: Qwen3NextConfig, seed: int) -> QwenMtpWeights:
+def random_weights(gpu, cfg: Qwen3NextConfig, seed: int) -> Qwen3NextMtpWeights:
     r = RandomBf16(gpu, seed)
     D, V, H, KV, hd = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     E, inter, sh = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
@@ -82,14 +82,14 @@ def random_weights(gpu, cfg: Qwen3NextConfig, seed: int) -> QwenMtpWeights:
               "o_proj": (D, H * hd)}
     linears = {role: r.linears(1, *s)[0] for role, s in shapes.items()}
     gate, up, down = r.linears(E, inter, D), r.linears(E, inter, D), r.linears(E, D, inter)
-    return QwenMtpWeights(embed.ptr, r.linears(1, V, D)[0], norms, linears, False,
+    return Qwen3NextMtpWeights(embed.ptr, r.linears(1, V, D)[0], norms, linears, False,
                           router=r.linears(1, E, D)[0], shared_gate=r.linears(1, 1, D)[0],
                           experts={e: (gate[e], up[e], down[e]) for e in range(E)},
                           shared=(r.linears(1, sh, D)[0], r.linears(1, sh, D)[0], r.linears(1, D, sh)[0]),
                           owners=owners)
 
 
-def time_widths(prop: QwenMtpProposer, batches: list[int], ctx: int, drafts: int, iters: int, seed: int):
+def time_widths(prop: Qwen3NextMtpProposer, batches: list[int], ctx: int, drafts: int, iters: int, seed: int):
     gpu, D, V = prop.gpu, prop.hidden_size, prop.vocab_size
     rng = np.random.default_rng(seed)
     hs = to_bf16(rng.standard_normal((ctx, D)))
@@ -140,7 +140,7 @@ def main() -> None:
     max_seq = a.ctx + a.drafts + 16
     for q in a.quant:
         t0 = time.perf_counter()
-        prop = QwenMtpProposer(gpu, cfg, random_weights(gpu, cfg, a.seed), max_seq_len=max_seq, quantization=q,
+        prop = Qwen3NextMtpProposer(gpu, cfg, random_weights(gpu, cfg, a.seed), max_seq_len=max_seq, quantization=q,
                                max_drafts=a.drafts, max_batch=max(a.batch), mtp_vocab_size=a.mtp_vocab_size,
                                kv_blocks=PagedKvCache.blocks_for(max_seq) * max(a.batch))
         print(f"# {q}: built and quantised in {time.perf_counter() - t0:.1f} s")

@@ -20,9 +20,10 @@ import time
 import numpy as np
 
 import mtp_cupy
-from mtp_cupy.models.deepseek_mtp import DeepseekV3MtpProposer
+from mtp_cupy.models.deepseek_v3 import DeepseekV3MtpProposer
 from mtp_cupy.weights.config import DeepseekV3Config
-from mtp_cupy.weights.deepseek_v3 import NORMS, TINY_DIMS, TINY_YARN, DeepseekV3MtpWeights
+from mtp_cupy.testing.tiny.deepseek_v3 import TINY_DIMS, TINY_YARN
+from mtp_cupy.weights.deepseek_v3 import NORMS, DeepseekV3MtpWeights
 from mtp_cupy.weights.linear import Linear
 from run_real_dims_v4 import RandomDevice, copy_bandwidth, prefill_and_time, time_phases
 
@@ -64,11 +65,11 @@ def phase_ms(prop: DeepseekV3MtpProposer, st, position: int, iters: int) -> dict
         return {}
     prop._meta(st, position, st.blocks.rows - 1)
     phases = {
-        "front (embed, norms, eh_proj, ln)": lambda: prop._front(b.ids, prop.carry, 1),
+        "front (embed, norms, eh_proj, ln)": lambda: (prop.front.forward(b.ids, prop.carry, b.x, 1), prop.norm("input_layernorm", b.x, b.xn, 1)),
         "MLA (absorbed decode)": lambda: prop.mla.forward(b.xn, b.tmp, 1, b.mtp_meta, b.mtp_meta_capacity),
-        "residual + post-attn norm (fused)": lambda: prop._add_norm(b.x, b.tmp, "post_attention_layernorm", b.xn),
+        "residual + post-attn norm (fused)": lambda: prop.norm.add("post_attention_layernorm", b.x, b.tmp, b.xn, 1),
         "MoE (router, 8 + shared)": lambda: prop.moe.forward(b.xn, b.tmp, m=1),
-        "residual + shared_head.norm (fused)": lambda: prop._add_norm(b.x, b.tmp, "shared_head.norm", b.xn),
+        "residual + shared_head.norm (fused)": lambda: prop.norm.add("shared_head.norm", b.x, b.tmp, b.xn, 1),
         "LM head": lambda: mtp_cupy.ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
         "argmax": lambda: prop._pick(0, b.logits, None, False),
     }

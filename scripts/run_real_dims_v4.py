@@ -17,11 +17,11 @@ import time
 import numpy as np
 
 import mtp_cupy
-from mtp_cupy.models.deepseek_v4_mtp import DeepseekV4MtpProposer
+from mtp_cupy.models.deepseek_v4 import DeepseekV4MtpProposer
 from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.runtime.ptr import NULL, DevicePtr
 from mtp_cupy.weights.config import DeepseekV4Config
-from mtp_cupy.weights.deepseek_v4 import HC_SITES, NORMS, HcParams, V4MtpWeights
+from mtp_cupy.weights.deepseek_v4 import HC_SITES, NORMS, HcParams, DeepseekV4MtpWeights
 from mtp_cupy.weights.linear import Linear
 
 REAL = dict(model_type="deepseek_v4", hidden_size=4096, num_hidden_layers=43, num_attention_heads=64, head_dim=512,
@@ -107,7 +107,7 @@ class RandomDevice:
         return Linear("mxfp4", n, k, self.codes(n * k // 2), self.e8m0(n * k // 32, e))
 
 
-def random_weights(gpu, cfg: DeepseekV4Config, seed: int) -> V4MtpWeights:
+def random_weights(gpu, cfg: DeepseekV4Config, seed: int) -> DeepseekV4MtpWeights:
     r = RandomDevice(gpu, seed)
     D, hc, V, H, hd = cfg.hidden_size, cfg.hc_mult, cfg.vocab_size, cfg.num_attention_heads, cfg.head_dim
     E, I, QL, G, R = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
@@ -115,7 +115,7 @@ def random_weights(gpu, cfg: DeepseekV4Config, seed: int) -> V4MtpWeights:
     dims = {"attn.q_norm": QL, "attn.kv_norm": hd}
     hc_site = {s: HcParams(r.f32(mix * hc * D, (hc * D) ** -0.5), r.f32(mix, 0.5), r.f32(3, 0.1, 1.0))
                for s in HC_SITES}
-    return V4MtpWeights(
+    return DeepseekV4MtpWeights(
         embed=r.bf16(V * D, 1.0), head=Linear("bf16", V, D, r.bf16(V * D, D ** -0.5)),
         norms={n: r.bf16(dims.get(n, D), 0.1, 1.0) for n in NORMS}, e_proj=r.fp8(D, D), h_proj=r.fp8(D, D),
         hc=hc_site, hc_head=HcParams(r.f32(hc * hc * D, (hc * D) ** -0.5), r.f32(hc, 0.5), r.f32(1, 0.1, 1.0)),
@@ -155,7 +155,7 @@ def phase_ms(prop: DeepseekV4MtpProposer, st, position: int, iters: int) -> dict
         "attention": lambda: prop.attn.forward(b.xn, b.f, 1, meta, cap),
         "mHC ffn pre + post": lambda: (prop.mhc.pre("ffn", b.X, b.x, 1), prop.mhc.post("ffn", b.f, b.X, 1)),
         "MoE": lambda: prop.moe.forward(b.xn, b.f, m=1, token_ids=ids),
-        "hc_head + norm": lambda: (prop.mhc.head(b.X, b.x, 1), prop._norm(b.x, "norm", b.xn, 1)),
+        "hc_head + norm": lambda: (prop.mhc.head(b.X, b.x, 1), prop.norm("norm", b.x, b.xn, 1)),
         "LM head": lambda: mtp_cupy.ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
         "argmax": lambda: prop._pick(0, b.logits, None, False),
     }

@@ -1,6 +1,6 @@
 """Shared by the CPU and GPU tests of propose_batch under CUDA graphs (bucketed widths with pad sequences)."""
 
-from mtp_cupy.models import qwen_mtp
+from mtp_cupy.models import qwen3_next as qwen_mtp
 from mtp_cupy.runtime.dtypes import bf16_round
 from qwen_util import tiny_ckpt
 

@@ -27,7 +27,7 @@ def cached_ckpt(writer, prefix: str, fmt: str, seed: int, **kw) -> Path:
 
 
 def tiny_ckpt(fmt: str = "fp8", seed: int = 0, **kw) -> Path:
-    from mtp_cupy.weights.deepseek_v3 import write_tiny_checkpoint
+    from mtp_cupy.testing.tiny.deepseek_v3 import write_tiny_checkpoint
     return cached_ckpt(write_tiny_checkpoint, "dsv3", fmt, seed, **kw)
 
 

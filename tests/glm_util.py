@@ -8,5 +8,5 @@ from deepseek_util import D, V, cached_ckpt, inputs  # noqa: F401  (re-exported 
 
 
 def glm_ckpt(fmt: str = "bf16", seed: int = 0, **kw) -> Path:
-    from mtp_cupy.weights.glm import write_tiny_checkpoint
+    from mtp_cupy.testing.tiny.glm5 import write_tiny_checkpoint
     return cached_ckpt(write_tiny_checkpoint, "glm", fmt, seed, **kw)

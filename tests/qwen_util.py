@@ -7,7 +7,7 @@ import numpy as np
 
 from mtp_cupy.runtime.dtypes import BF16, FP8
 from mtp_cupy.weights import quant_host as qh
-from mtp_cupy.weights import qwen as keys
+from mtp_cupy.weights import qwen3_next as keys
 from mtp_cupy.weights.linear import Linear
 
 
@@ -67,7 +67,7 @@ def tiny_ckpt(quant: str = "bf16", dense_ffn: bool = False, seed: int = 0, **dim
     """A tiny checkpoint written once per process (tests only read it)."""
     import tempfile
 
-    from mtp_cupy.weights.qwen import write_tiny_checkpoint
+    from mtp_cupy.testing.tiny.qwen3_next import write_tiny_checkpoint
     key = (quant, dense_ffn, seed, tuple(sorted(dims.items())))
     if key not in _CKPTS:
         _CKPTS[key] = write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"qwen_{quant}_"), seed, quant, dense_ffn, **dims)

@@ -9,11 +9,11 @@ import pytest
 
 import mtp_cupy
 from mtp_cupy.errors import CapacityError, ConfigError, InputError, WeightError
-from mtp_cupy.models import deepseek_mtp
+from mtp_cupy.models import deepseek_v3 as deepseek_mtp
 from mtp_cupy.runtime.dtypes import BF16, FP8, bf16_round
 from mtp_cupy.weights import Checkpoint, dequant_linear, load_config
 from mtp_cupy.weights import quant_host as qh
-from mtp_cupy.weights.deepseek_v3 import load_mtp_weights
+from mtp_cupy.weights.deepseek_v3 import load_deepseek_v3
 from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, inputs, matches_oracle, ref_weights,
                            masked_drafts_obey, references_agree, rel, snapshot, tiny_ckpt)
 from reference.deepseek_ref import DeepseekMtpRef
@@ -44,7 +44,7 @@ def test_reference_matches_transformers(rng):
 def test_loader_formats_and_transposed_uk():
     path = tiny_ckpt("fp8")
     gpu, cfg = mtp_cupy.device("ref"), load_config(path)
-    w = load_mtp_weights(gpu, path, cfg)
+    w = load_deepseek_v3(gpu, path, cfg)
     assert (w.eh_proj.fmt, w.router.fmt, w.head.fmt) == ("bf16", "bf16", "bf16")
     assert {w.q_a.fmt, w.q_b.fmt, w.kv_a.fmt, w.kv_b.fmt, w.o_proj.fmt, w.w_uk_t.fmt} == {"fp8_block"}
     assert all(x.fmt == "fp8_block" for e in w.experts.values() for x in e) and len(w.experts) == 16
@@ -60,7 +60,7 @@ def test_transposed_uk_falls_back_to_bf16_when_blocks_do_not_transpose():
     """kv_lora 192: a transposed 128-row block spans two latent blocks of kv_b with different scales."""
     path = tiny_ckpt("fp8", kv_lora_rank=192)
     gpu, cfg = mtp_cupy.device("ref"), load_config(path)
-    w = load_mtp_weights(gpu, path, cfg)
+    w = load_deepseek_v3(gpu, path, cfg)
     H, C, dn, dv = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.v_head_dim
     assert w.w_uk_t.fmt == "bf16"
     kvb = dequant_linear(Checkpoint(path), cfg.mtp_prefix + "self_attn.kv_b_proj").reshape(H, dn + dv, C)

@@ -7,7 +7,7 @@ import pytest
 import mtp_cupy
 from mtp_cupy.cache import PagedKvCache
 from mtp_cupy.errors import CapacityError, InputError
-from mtp_cupy.models import deepseek_mtp
+from mtp_cupy.models import deepseek_v3 as deepseek_mtp
 from deepseek_util import tiny_ckpt
 
 CYCLES, SEQ, LIVE = 5000, 64, 3

@@ -8,7 +8,9 @@ import pytest
 
 import mtp_cupy
 from mtp_cupy.errors import CapacityError, ConfigError, InputError
-from mtp_cupy.models import deepseek_v4_mtp as v4
+from mtp_cupy.models import deepseek_v4 as v4
+from mtp_cupy.testing.tiny.deepseek_v4 import write_tiny_checkpoint
+from mtp_cupy.weights.deepseek_v4 import LowRankHcHeadError
 from mtp_cupy.runtime.dtypes import BF16
 from reference.deepseek_v4_ref import V4MtpRef, load_weights
 from helpers import rel_err
@@ -21,7 +23,7 @@ def ckpt(seed: int = 1, **kw):
     """A tiny checkpoint written once per process, and its float64 weights / config."""
     key = (seed, tuple(sorted(kw.items())))
     if key not in _CKPTS:
-        path = v4.write_tiny_checkpoint(tempfile.mkdtemp(prefix="v4_"), seed=seed, **kw)
+        path = write_tiny_checkpoint(tempfile.mkdtemp(prefix="v4_"), seed=seed, **kw)
         _CKPTS[key] = (path, *load_weights(path))
     return _CKPTS[key]
 
@@ -102,9 +104,9 @@ def test_hash_routed_mtp_layer(ref):
 
 def test_low_rank_hc_head_is_refused(ref):
     path, _, _ = ckpt(seed=4, low_rank_head=True)
-    with pytest.raises(v4.LowRankHcHeadError, match="low-rank"):
+    with pytest.raises(LowRankHcHeadError, match="low-rank"):
         v4.from_checkpoint(path, ref)
-    assert issubclass(v4.LowRankHcHeadError, ConfigError)
+    assert issubclass(LowRankHcHeadError, ConfigError)
 
 
 def test_device_pointer_hiddens_and_vocab_limit(ref):

@@ -5,7 +5,7 @@ import time
 import numpy as np
 
 from mtp_cupy.errors import CapacityError
-from mtp_cupy.models import deepseek_v4_mtp as v4
+from mtp_cupy.models import deepseek_v4 as v4
 from mtp_cupy.weights.config import load_config
 from test_deepseek_v4 import ckpt, hidden
 from helpers import rel_err, check_pool
@@ -54,7 +54,7 @@ def test_random_cycles_keep_invariants(ref, rng):
     no block leaks, rows == positions written, keys increasing, tables sized to rows."""
     path, _, cfg = ckpt(seed=7, **SMALL)
     c = load_config(path)
-    prop = StubbedSteps(ref, c, v4.load_v4_mtp(ref, path, c), max_seq_len=160, max_drafts=3, kv_blocks=16,
+    prop = StubbedSteps(ref, c, v4.load_deepseek_v4(ref, path, c), max_seq_len=160, max_drafts=3, kv_blocks=16,
                         max_prefill_rows=8)
     states = [prop.alloc_state() for _ in range(4)]
     nxt = [0] * 4

@@ -80,7 +80,7 @@ def hf_mtp_logits(w: dict, cfg: dict, tokens: np.ndarray, hiddens: np.ndarray) -
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from mtp_cupy.weights.deepseek_v4 import write_tiny_checkpoint
+    from mtp_cupy.testing.tiny.deepseek_v4 import write_tiny_checkpoint
     path = write_tiny_checkpoint(tmp_path_factory.mktemp("v4hf"), seed=3)
     w, cfg = load_weights(path)
     return path, w, cfg
@@ -105,7 +105,7 @@ def test_reference_matches_transformers(tiny, form):
 @pytest.mark.parametrize("form", ["streams", "single"])
 def test_proposer_matches_transformers(ref, tiny, form):
     """Prefill rows 0..S-2 on RefBackend, one draft at S-1: its logits against the composition's last row."""
-    from mtp_cupy.models.deepseek_v4_mtp import from_checkpoint
+    from mtp_cupy.models.deepseek_v4 import from_checkpoint
     from mtp_cupy.runtime.dtypes import BF16
     path, w, cfg = tiny
     rng = np.random.default_rng(8)

@@ -10,11 +10,11 @@ from mtp_cupy.cache.paged import CacheSpec, PagedKvCache
 from mtp_cupy.errors import CapacityError, ConfigError, InputError
 from mtp_cupy.layers.dsa import INDEX_CACHE, DsaIndexer, DsaMlaAttention, IndexerDims
 from mtp_cupy.layers.mla import MlaAttention, MlaDims, MlaRope, MlaWeights
-from mtp_cupy.models import glm_mtp, load_proposer
+from mtp_cupy.models import glm5 as glm_mtp, load_proposer
 from mtp_cupy.runtime.arena import ForwardBuffers, pack_mtp_attn_meta
 from mtp_cupy.runtime.dtypes import BF16, bf16_round
 from mtp_cupy.weights import load_config
-from mtp_cupy.weights.glm import Shard, load_glm_weights
+from mtp_cupy.weights.glm5 import Shard, load_glm5
 from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, matches_oracle, ref_weights,
                            masked_drafts_obey, references_agree, rel, snapshot)
 from glm_util import D, V, glm_ckpt, inputs
@@ -52,7 +52,7 @@ def test_loader_keys_and_formats(fmt):
     p = cfg.mtp_prefix
     assert p + "self_attn.indexer.wq_b.weight" in keys and p + "self_attn.indexer.k_norm.bias" in keys
     assert not any(k.startswith(p + "embed_tokens") or k.startswith(p + "shared_head.head") for k in keys)
-    w = load_glm_weights(mtp_cupy.device("ref"), path, cfg)
+    w = load_glm5(mtp_cupy.device("ref"), path, cfg)
     big = "fp8_block" if fmt == "fp8" else "bf16"
     assert {w.q_a.fmt, w.q_b.fmt, w.kv_a.fmt, w.o_proj.fmt, w.indexer.wq_b.fmt, w.indexer.wk.fmt} == {big}
     assert (w.eh_proj.fmt, w.router.fmt, w.head.fmt, w.indexer.weights_proj.fmt) == ("bf16",) * 4
@@ -70,8 +70,8 @@ def test_shards_reassemble_the_layer(world):
     head rows put back together are the unsharded layer."""
     path, gpu = glm_ckpt("bf16"), mtp_cupy.device("ref")
     cfg = load_config(path)
-    full = load_glm_weights(gpu, path, cfg)
-    parts = [load_glm_weights(gpu, path, cfg, Shard(r, world)) for r in range(world)]
+    full = load_glm5(gpu, path, cfg)
+    parts = [load_glm5(gpu, path, cfg, Shard(r, world)) for r in range(world)]
     cat = np.concatenate
     for name in ("q_b", "kv_b", "w_uk_t", "head"):
         got = cat([_rows(gpu, getattr(p, name)) for p in parts])
@@ -82,9 +82,9 @@ def test_shards_reassemble_the_layer(world):
     assert sorted(e for p in parts for e in p.experts) == list(range(16))
     assert [p.head_v0 for p in parts] == [r * V // world for r in range(world)]
     with pytest.raises(ConfigError, match="attention heads"):
-        load_glm_weights(gpu, path, cfg, Shard(0, 3))
+        load_glm5(gpu, path, cfg, Shard(0, 3))
     odd = glm_ckpt("bf16", vocab_size=510)                   # 510 % 4 != 0: every rank sweeps the whole head
-    w = load_glm_weights(gpu, odd, load_config(odd), Shard(1, 4))
+    w = load_glm5(gpu, odd, load_config(odd), Shard(1, 4))
     assert (w.head_v0, w.head.n, w.heads) == (0, 510, (1, 1))
 
 
@@ -93,7 +93,7 @@ def test_fp8_shards_keep_blocks_or_fall_back():
     48 q_b rows) is dequantised to BF16 with the same values."""
     path, gpu = glm_ckpt("fp8"), mtp_cupy.device("ref")
     cfg = load_config(path)
-    w = load_glm_weights(gpu, path, cfg, Shard(1, 2))
+    w = load_glm5(gpu, path, cfg, Shard(1, 2))
     assert w.q_b.fmt == "bf16" and all(x.fmt == "fp8_block" for e in w.experts.values() for x in e)
     from mtp_cupy.weights import Checkpoint, dequant_linear
     qb = dequant_linear(Checkpoint(path), cfg.mtp_prefix + "self_attn.q_b_proj")
@@ -105,11 +105,9 @@ def test_fp8_shards_keep_blocks_or_fall_back():
 def test_dsa_equals_dense_mla_when_rows_fit_topk(rng):
     path, gpu = glm_ckpt("bf16"), mtp_cupy.device("ref")
     cfg = load_config(path)
-    w = load_glm_weights(gpu, path, cfg)
+    w = load_glm5(gpu, path, cfg)
     n = 6                                    # visible rows (incl. the new one) < index_topk = 8
-    dims = MlaDims(4, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-                   cfg.v_head_dim, cfg.rms_norm_eps)
-    rope = MlaRope.from_config(cfg.rope, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)
+    dims, rope = MlaDims.from_config(cfg), MlaRope.from_config(cfg)
     kv = PagedKvCache(gpu, [CacheSpec("latent", dims.row_width), CacheSpec(INDEX_CACHE, cfg.index_head_dim)], 4)
     mw = MlaWeights(w.q_a, w.norms["q_a_layernorm"], w.q_b, w.kv_a, w.norms["kv_a_layernorm"], w.w_uk_t, w.kv_b,
                     w.o_proj)
@@ -120,7 +118,7 @@ def test_dsa_equals_dense_mla_when_rows_fit_topk(rng):
     xn = up(gpu, bf16_round(rng.standard_normal((n, D))).astype(BF16))
     slots = np.array([table[r // 16] * 16 + r % 16 for r in range(n)], np.int64)
     pos, sl = up(gpu, np.arange(3, 3 + n, dtype=np.uint32)), up(gpu, slots)
-    dsa.write_rows(xn.ptr, n - 1, pos.ptr, 4, sl.ptr, 8)
+    dsa.write_kv(xn.ptr, n - 1, pos.ptr, 4, sl.ptr, 8)
     bufs = ForwardBuffers(gpu, {"a": 2 * D, "b": 2 * D})
     gpu.copy_h2d(bufs.mtp_meta, pack_mtp_attn_meta(3 + n - 1, int(slots[-1]), n, table, bufs.mtp_meta_capacity))
     last = xn.ptr.offset(2 * D * (n - 1))

@@ -6,8 +6,8 @@ import pytest
 
 import mtp_cupy
 from mtp_cupy.errors import CapacityError, ConfigError, InputError
-from mtp_cupy.models import qwen_mtp
-from mtp_cupy.models.qwen_mtp import MtpQuantization
+from mtp_cupy.models import qwen3_next as qwen_mtp
+from mtp_cupy.models.qwen3_next import MtpQuantization
 from mtp_cupy.runtime.dtypes import bf16_round
 from qwen_util import assert_chain_close, head_weights, reference_chain, rel, snapshot, tiny_ckpt
 from reference.qwen_ref import QwenMtpRef
@@ -170,5 +170,5 @@ def test_typed_errors_leave_state_unchanged():
 
 def test_load_proposer_dispatches_to_qwen():
     prop = mtp_cupy.load_proposer(tiny_ckpt("nvfp4"), gpu=mtp_cupy.device("ref"), max_seq_len=64)
-    assert isinstance(prop, qwen_mtp.QwenMtpProposer) and prop.quantization is MtpQuantization.NVFP4
+    assert isinstance(prop, qwen_mtp.Qwen3NextMtpProposer) and prop.quantization is MtpQuantization.NVFP4
     assert prop.w.linears["fc"].fmt == "nvfp4" and prop.w.router.fmt == "bf16"   # fc was stored BF16

@@ -7,7 +7,7 @@ import pytest
 
 import mtp_cupy
 from mtp_cupy.errors import CapacityError
-from mtp_cupy.models import qwen_mtp
+from mtp_cupy.models import qwen3_next as qwen_mtp
 from mtp_cupy.runtime.dtypes import bf16_round
 from qwen_util import head_weights, rel, tiny_ckpt
 from reference.qwen_ref import QwenMtpRef

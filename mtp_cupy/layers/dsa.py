@@ -21,10 +21,12 @@ import numpy as np
 from .. import ops
 from ..cache.paged import PagedKvCache
 from ..errors import ConfigError
+from ..runtime.arena import carve
 from ..runtime.backend import Backend
 from ..runtime.ptr import NULL, DevicePtr
+from ..runtime.slab import SLOT_OFFSET
 from ..weights.linear import Linear
-from .mla import SLOT_OFFSET, MlaAttention, MlaDims, MlaRope, MlaWeights
+from .mla import MlaAttention, MlaDims, MlaRope, MlaWeights
 
 INDEX_CACHE = "index_k"
 K_NORM_EPS = 1e-6     # LayerNorm(head_dim, eps=1e-6) in every public implementation
@@ -41,6 +43,11 @@ class IndexerDims:
     @property
     def score_scale(self) -> float:
         return self.heads ** -0.5 * self.head_dim ** -0.5
+
+    @classmethod
+    def from_config(cls, cfg) -> "IndexerDims":
+        return cls(cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim, cfg.index_topk,
+                   cfg.indexer_rope_interleave)
 
 
 @dataclass
@@ -76,21 +83,20 @@ class DsaIndexer:
         self.score_stride, self.sel_stride = int(max_seq_len), dims.topk
         self._inv_freq = gpu.upload(np.asarray(rope.inv_freq, np.float32))
         r = self.max_rows
-        sizes = {"q": 2 * r * nh * hd, "k": 2 * self.max_kv_rows * hd, "w": 4 * r * nh,
-                 "scores": 4 * r * self.score_stride, "sel": 4 * r * self.sel_stride}
-        self._buf = gpu.alloc(sum(-(-n // 256) * 256 for n in sizes.values()))
-        off, self.ptr = 0, {}
-        for name, n in sizes.items():
-            self.ptr[name] = self._buf.ptr.offset(off)
-            off += -(-n // 256) * 256
+        self._buf, self.ptr = carve(gpu, {"q": 2 * r * nh * hd, "k": 2 * self.max_kv_rows * hd, "w": 4 * r * nh,
+                                          "scores": 4 * r * self.score_stride, "sel": 4 * r * self.sel_stride})
 
     @property
     def sel(self) -> DevicePtr:
         """i32 [max_rows, topk]: the rows the last `select` picked (-1 = unused)."""
         return self.ptr["sel"]
 
-    def write_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
-                   slot_stride: int, stream=None) -> None:
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Weight bytes one decode step of m rows reads (wq_b, wk, weights_proj), once for all rows."""
+        return sum(x.weight_bytes for x in (self.w.wq_b, self.w.wk, self.w.weights_proj))
+
+    def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                 slot_stride: int, stream=None) -> None:
         """Indexer cache rows of m normed inputs: LayerNorm(wk xn) with RoPE on its first `rope` dims."""
         if not 1 <= m <= self.max_kv_rows:
             raise ConfigError(f"indexer sized for {self.max_kv_rows} cache rows per call, got {m}")
@@ -111,7 +117,7 @@ class DsaIndexer:
             raise ConfigError(f"indexer sized for {self.max_rows} decode rows, got {m}")
         gpu, d, p = self.gpu, self.d, self.ptr
         nh, hd = d.heads, d.head_dim
-        self.write_rows(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
+        self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.linear(gpu, qr, self.w.wq_b, p["q"], m, stream=stream)
         ops.rope(gpu, p["q"], meta, meta_stride, m, nh, hd, d.rope, 0, nh * hd, hd, self._inv_freq.ptr,
                  d.interleaved, self.rope.mscale, stream=stream)
@@ -136,10 +142,13 @@ class DsaMlaAttention(MlaAttention):
         super().__init__(gpu, w, dims, rope, kv, cache=cache, layer=layer, max_rows=max_rows, max_kv_rows=max_kv_rows)
         self.indexer = indexer
 
-    def write_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
-                   slot_stride: int, stream=None) -> None:
-        super().write_rows(xn, m, pos, pos_stride, slots, slot_stride, stream)
-        self.indexer.write_rows(xn, m, pos, pos_stride, slots, slot_stride, stream)
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        return super().weight_bytes_per_step(m) + self.indexer.weight_bytes_per_step(m)
+
+    def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                 slot_stride: int, stream=None) -> None:
+        super().write_kv(xn, m, pos, pos_stride, slots, slot_stride, stream)
+        self.indexer.write_kv(xn, m, pos, pos_stride, slots, slot_stride, stream)
 
     def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                 sel: DevicePtr = NULL, sel_stride: int = 0, stream=None) -> None:
@@ -148,7 +157,7 @@ class DsaMlaAttention(MlaAttention):
             raise ConfigError("DSA attention picks its own rows; pass no sel")
         if not 1 <= m <= self.max_rows:
             raise ConfigError(f"MLA sized for {self.max_rows} decode rows, got {m}")
-        super().write_rows(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
+        MlaAttention.write_kv(self, xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         qr = self.q_latent(xn, m, stream)
         self.absorbed_q(qr, m, meta, meta_stride, stream)
         chosen = self.indexer.select(xn, qr, m, meta, meta_stride, stream)

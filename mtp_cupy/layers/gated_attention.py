@@ -8,57 +8,82 @@ on the first `rot_dim` dims of each head. Per-row positions and slots come from 
 table there."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import ops
 from ..cache.paged import PagedKvCache
-from ..runtime.backend import Backend
+from ..errors import ConfigError
 from ..runtime.arena import carve
+from ..runtime.backend import Backend
 from ..runtime.ptr import DevicePtr
+from ..runtime.slab import SLOT_OFFSET
 from ..weights.linear import Linear
 from .rope_tables import default_inv_freq
 
-SLOT_OFFSET = 8  # slot i64 @8 of a metadata slab
+
+@dataclass
+class GatedAttentionWeights:
+    q_proj: Linear               # [2 * heads * head_dim, D]: per head [q_h | gate_h]
+    k_proj: Linear               # [kv_heads * head_dim, D]
+    v_proj: Linear               # [kv_heads * head_dim, D]
+    o_proj: Linear               # [D, heads * head_dim]
+    q_norm: DevicePtr            # bf16 [head_dim], (1 + w)
+    k_norm: DevicePtr            # bf16 [head_dim], (1 + w)
+
+
+@dataclass(frozen=True)
+class GatedAttentionDims:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rot_dim: int                 # neox RoPE on the first rot_dim dims of each head
+    rope_theta: float
+    eps: float
+    kv_dtype: str = "bf16"       # cache rows bf16, or fp8 e4m3 times kv_scale
+    kv_scale: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg, kv_dtype: str = "bf16", kv_scale: float = 1.0) -> "GatedAttentionDims":
+        return cls(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rotary_dim, cfg.rope.theta,
+                   float(cfg.rms_norm_eps), kv_dtype, float(kv_scale))
 
 
 class GatedAttention:
-    def __init__(self, gpu: Backend, q_proj: Linear, k_proj: Linear, v_proj: Linear, o_proj: Linear,
-                 q_norm: DevicePtr, k_norm: DevicePtr, heads: int, kv_heads: int, head_dim: int, rot_dim: int,
-                 rope_theta: float, eps: float, kv: PagedKvCache, kv_dtype: str = "bf16", kv_scale: float = 1.0,
+    def __init__(self, gpu: Backend, w: GatedAttentionWeights, dims: GatedAttentionDims, kv: PagedKvCache,
                  max_rows: int = 32, max_kv_rows: int = 512):
-        H, KV, hd = heads, kv_heads, head_dim
+        H, KV, hd = dims.heads, dims.kv_heads, dims.head_dim
         if H % KV:
-            raise ValueError(f"{H} query heads do not group over {KV} kv heads")
-        want = {"q_proj": (2 * H * hd, q_proj), "k_proj": (KV * hd, k_proj), "v_proj": (KV * hd, v_proj)}
-        for name, (n, w) in want.items():
-            if w.n != n:
-                raise ValueError(f"{name} has {w.n} output rows; {n} expected")
-        if o_proj.k != H * hd:
-            raise ValueError(f"o_proj takes {o_proj.k} inputs; {H * hd} expected")
-        self.gpu, self.kv = gpu, kv
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = q_proj, k_proj, v_proj, o_proj
-        self.q_norm, self.k_norm = q_norm, k_norm
-        self.H, self.KV, self.hd, self.rot, self.eps = H, KV, hd, rot_dim, float(eps)
-        self.kv_dtype, self.kv_scale = kv_dtype, float(kv_scale)
+            raise ConfigError(f"{H} query heads do not group over {KV} kv heads")
+        want = {"q_proj": (2 * H * hd, w.q_proj), "k_proj": (KV * hd, w.k_proj), "v_proj": (KV * hd, w.v_proj)}
+        for name, (n, lin) in want.items():
+            if lin.n != n:
+                raise ConfigError(f"{name} has {lin.n} output rows; {n} expected")
+        if w.o_proj.k != H * hd:
+            raise ConfigError(f"o_proj takes {w.o_proj.k} inputs; {H * hd} expected")
+        self.gpu, self.kv, self.w, self.d = gpu, kv, w, dims
+        self.H, self.KV, self.hd, self.rot, self.eps = H, KV, hd, dims.rot_dim, float(dims.eps)
+        self.kv_dtype, self.kv_scale = dims.kv_dtype, float(dims.kv_scale)
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
-        self._inv_freq = gpu.upload(default_inv_freq(rot_dim, rope_theta))
+        self._inv_freq = gpu.upload(default_inv_freq(dims.rot_dim, dims.rope_theta))
         r, rk = self.max_rows, self.max_kv_rows
         sizes = {"qg": 2 * H * hd * r, "q": H * hd * r, "o": H * hd * r, "k": KV * hd * rk, "v": KV * hd * rk}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(w.weight_bytes for w in (self.q_proj, self.k_proj, self.v_proj, self.o_proj))
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Weight bytes one decode step of m rows reads (every projection once for all rows)."""
+        return sum(x.weight_bytes for x in (self.w.q_proj, self.w.k_proj, self.w.v_proj, self.w.o_proj))
 
     def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
                  slot_stride: int, stream=None) -> None:
         """K and V of m rows of the normed input into their cache slots (RoPE on K at `pos`); no attention.
         This is all the drafter prefill and catch-up need: a row's K/V depend only on its own input."""
         if not 1 <= m <= self.max_kv_rows:
-            raise ValueError(f"attention sized for {self.max_kv_rows} K/V rows, got {m}")
+            raise ConfigError(f"attention sized for {self.max_kv_rows} K/V rows, got {m}")
         gpu, KV, hd = self.gpu, self.KV, self.hd
         k, v, w = self._ptr["k"], self._ptr["v"], KV * hd
-        ops.linear(gpu, xn, self.k_proj, k, m, stream=stream)
-        ops.linear(gpu, xn, self.v_proj, v, m, stream=stream)
-        ops.rms_norm_strided(gpu, k, self.k_norm, k, m, KV, hd, w, hd, w, hd, self.eps, unit_offset=True,
+        ops.linear(gpu, xn, self.w.k_proj, k, m, stream=stream)
+        ops.linear(gpu, xn, self.w.v_proj, v, m, stream=stream)
+        ops.rms_norm_strided(gpu, k, self.w.k_norm, k, m, KV, hd, w, hd, w, hd, self.eps, unit_offset=True,
                              stream=stream)
         ops.rope(gpu, k, pos, pos_stride, m, KV, hd, self.rot, 0, w, hd, self._inv_freq.ptr, interleaved=False,
                  stream=stream)
@@ -71,11 +96,11 @@ class GatedAttention:
         """One decode row for each of m sequences: row s writes its K/V at its slab's slot and attends over
         its slab's seq_len rows; out[m, hidden] bf16 = o_proj(attn * sigmoid(gate))."""
         if not 1 <= m <= self.max_rows:
-            raise ValueError(f"attention sized for {self.max_rows} rows, got {m}")
+            raise ConfigError(f"attention sized for {self.max_rows} rows, got {m}")
         gpu, H, KV, hd = self.gpu, self.H, self.KV, self.hd
         qg, q, o = self._ptr["qg"], self._ptr["q"], self._ptr["o"]
-        ops.linear(gpu, xn, self.q_proj, qg, m, stream=stream)
-        ops.rms_norm_strided(gpu, qg, self.q_norm, q, m, H, hd, 2 * H * hd, 2 * hd, H * hd, hd, self.eps,
+        ops.linear(gpu, xn, self.w.q_proj, qg, m, stream=stream)
+        ops.rms_norm_strided(gpu, qg, self.w.q_norm, q, m, H, hd, 2 * H * hd, 2 * hd, H * hd, hd, self.eps,
                              unit_offset=True, stream=stream)
         ops.rope(gpu, q, meta, meta_stride, m, H, hd, self.rot, 0, H * hd, hd, self._inv_freq.ptr,
                  interleaved=False, stream=stream)
@@ -83,5 +108,4 @@ class GatedAttention:
         ops.gqa_decode(gpu, q, H * hd, self.kv.base("k"), self.kv.base("v"), meta, meta_stride, o, m, H, KV, hd,
                        float(hd) ** -0.5, kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream)
         ops.sigmoid_gate_mul(gpu, o, qg.offset(2 * hd), o, m, H, hd, 2 * H * hd, 2 * hd, stream=stream)
-        ops.linear(gpu, o, self.o_proj, out, m, stream=stream)
-
+        ops.linear(gpu, o, self.w.o_proj, out, m, stream=stream)

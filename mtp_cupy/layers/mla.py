@@ -11,7 +11,7 @@
 q_b's nope and rope rows are read in place by two grouped GEMVs, so q_pe lands directly in Q's rope
 columns and no copy kernel runs; W_UV is likewise read in place from kv_b_proj. Positions and cache slots
 are read on the device through (pointer, stride) pairs: from the metadata slabs in decode (`pos u32 @0,
-slot i64 @8`, one slab per sequence), from packed arrays in `write_rows`. General over heads/dims/eps/RoPE
+slot i64 @8`, one slab per sequence), from packed arrays in `write_kv`. General over heads/dims/eps/RoPE
 pairing so DeepSeek-V3 and GLM-5 share it; `sel` (DSA selected rows) passes through to ops.mla_decode."""
 from __future__ import annotations
 
@@ -25,10 +25,9 @@ from ..errors import ConfigError
 from ..runtime.backend import Backend
 from ..runtime.arena import carve
 from ..runtime.ptr import NULL, DevicePtr
+from ..runtime.slab import SLOT_OFFSET
 from ..weights.linear import Linear
 from .rope_tables import default_inv_freq, yarn_inv_freq, yarn_mscale
-
-SLOT_OFFSET = 8  # slot i64 @8 of a metadata slab (pos u32 @0)
 
 
 @dataclass(frozen=True)
@@ -46,6 +45,12 @@ class MlaDims:
         """Cache row: [c (C) | k_pe (rope)]."""
         return self.kv_lora_rank + self.qk_rope
 
+    @classmethod
+    def from_config(cls, cfg, heads: int | None = None) -> "MlaDims":
+        """From a DeepSeek-V3-style config (V3, GLM-5); `heads` overrides the head count (a rank's shard)."""
+        return cls(cfg.num_attention_heads if heads is None else heads, cfg.q_lora_rank, cfg.kv_lora_rank,
+                   cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, float(cfg.rms_norm_eps))
+
 
 @dataclass(frozen=True)
 class MlaRope:
@@ -56,9 +61,10 @@ class MlaRope:
     interleaved: bool = True     # GPT-J pairs (DeepSeek, GLM-5 main attention); False: neox halves
 
     @classmethod
-    def from_config(cls, rope, qk_nope: int, qk_rope: int, interleaved: bool = True) -> "MlaRope":
-        """From a weights.config.RopeConfig (arch_math A.3/A.4): YaRN frequencies with cos/sin scaled by
+    def from_config(cls, cfg) -> "MlaRope":
+        """From a DeepSeek-V3-style config's RoPE (arch_math A.3/A.4): YaRN frequencies with cos/sin scaled by
         mscale(f, mscale) / mscale(f, mscale_all_dim) and softmax scale d^-0.5 * mscale(f, mscale_all_dim)^2."""
+        rope, qk_nope, qk_rope, interleaved = cfg.rope, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rope_interleave
         scale = (qk_nope + qk_rope) ** -0.5
         if not rope.yarn:
             return cls(default_inv_freq(qk_rope, rope.theta), 1.0, scale, interleaved)
@@ -107,9 +113,8 @@ class MlaAttention:
                  "o_lat": H * C * r, "o": H * dv * r, "kv": dims.row_width * rk}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})   # 256-byte aligned
 
-    @property
-    def weight_bytes(self) -> int:
-        """Bytes one decode step reads (W_UK^T and the W_UV half of kv_b_proj)."""
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Weight bytes one decode step of m rows reads (W_UK^T and the W_UV half of kv_b_proj), once for all rows."""
         w = self.w
         lins = [w.q_b, w.kv_a, w.w_uk_t, w.o_proj] + ([w.q_a] if w.q_a is not None else [])
         return sum(x.weight_bytes for x in lins) + w.kv_b.weight_bytes * self.d.v_head // (self.d.qk_nope + self.d.v_head)
@@ -126,8 +131,8 @@ class MlaAttention:
         ops.reshape_and_cache(gpu, kvp, W, slots, slot_stride, self.kv.base(self.cache, self.layer), m, W, W, 0,
                               stream=stream)
 
-    def write_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
-                   slot_stride: int, stream=None) -> None:
+    def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                 slot_stride: int, stream=None) -> None:
         """Prefill / catch-up: the cache rows of m normed inputs (u32 positions at pos + r*pos_stride, i64
         slots at slots + r*slot_stride bytes); no attention: a latent row depends only on its own input."""
         if not 1 <= m <= self.max_kv_rows:

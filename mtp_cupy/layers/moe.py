@@ -13,11 +13,11 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError, InputError
+from ..runtime.arena import carve
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 
 ROUTINGS = ("softmax", "sigmoid_grouped", "sqrtsoftplus", "hash")
-_ALIGN = 256
 
 
 @dataclass
@@ -46,6 +46,24 @@ class MoeConfig:
                               f"{self.n_experts} experts")
         if self.hash_score not in ops.ROUTER_SCORES:
             raise ConfigError(f"hash_score {self.hash_score!r} is not one of {list(ops.ROUTER_SCORES)}")
+
+    @classmethod
+    def from_config(cls, cfg, hashed: bool = False) -> "MoeConfig":
+        """The MTP layer's routing from a family config: DeepSeek-V3 / GLM-5 (scoring_func sigmoid:
+        group-limited top-k), DeepSeek-V4 (sqrtsoftplus, or `hashed`: tid2eid[token]), Qwen3-Next (no
+        scoring_func: softmax top-k)."""
+        score = getattr(cfg, "scoring_func", None)
+        if score is None:
+            return cls(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                       routing="softmax", norm_topk_prob=cfg.norm_topk_prob)
+        common = dict(routed_scaling=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
+        if score == "sigmoid":
+            return cls(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                       routing="sigmoid_grouped", n_group=cfg.n_group, topk_group=cfg.topk_group, **common)
+        if score == "sqrtsoftplus":
+            return cls(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.hidden_size, cfg.moe_intermediate_size,
+                       routing="hash" if hashed else "sqrtsoftplus", swiglu_limit=cfg.swiglu_limit, **common)
+        raise ConfigError(f"scoring_func {score!r} is not supported (sigmoid, sqrtsoftplus)")
 
 
 def _check(L, what: str, n: int, k: int) -> None:
@@ -115,14 +133,10 @@ class MoE:
         regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * K * I, "y": 4 * R * K * D,
                    "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
                    "glogit": 4 * R if shared_gate is not None else 0}
-        offs, total = {}, 0
-        for name, nbytes in regions.items():
-            offs[name] = total
-            total += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
-        self._scratch = gpu.alloc(total)
-        gpu.fill(self._scratch.ptr, total, 0)  # `zeros` (the expert id of single-weight launches) stays 0
-        for name, off in offs.items():
-            setattr(self, name, self._scratch.ptr.offset(off))
+        self._scratch, ptrs = carve(gpu, regions)
+        gpu.fill(self._scratch.ptr, self._scratch.nbytes, 0)  # `zeros` (the expert id of single-weight launches) stays 0
+        for name, ptr in ptrs.items():
+            setattr(self, name, ptr)
 
     def forward(self, x, out, m: int = 1, token_ids=NULL, token_ids_stride: int = 4, add_shared: bool = True,
                 stream=None) -> None:

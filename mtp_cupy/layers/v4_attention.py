@@ -14,51 +14,79 @@ vLLM's bf16 path and transformers do; the difference is the fp8 rounding of the 
 per element). Per-row positions and slots come from the metadata slabs (`pos u32 @0, slot i64 @8`)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from .. import ops
 from ..cache.paged import PagedKvCache
-from ..runtime.backend import Backend
+from ..errors import ConfigError
 from ..runtime.arena import carve
+from ..runtime.backend import Backend
 from ..runtime.ptr import NULL, DevicePtr
+from ..runtime.slab import SLOT_OFFSET
 from ..weights.linear import Linear
 from .rope_tables import default_inv_freq
 
-SLOT_OFFSET = 8  # slot i64 @8 of a metadata slab
 CACHE = "kv"
 
 
+@dataclass
+class V4AttentionWeights:
+    wq_a: Linear                 # [q_lora, D]
+    wq_b: Linear                 # [heads * head_dim, q_lora]
+    wkv: Linear                  # [head_dim, D]
+    wo_a: Linear                 # [o_groups * o_lora, heads * head_dim / o_groups]
+    wo_b: Linear                 # [D, o_groups * o_lora]
+    q_norm: DevicePtr            # bf16 [q_lora]
+    kv_norm: DevicePtr           # bf16 [head_dim]
+    sink: DevicePtr              # f32 [heads]
+
+
+@dataclass(frozen=True)
+class V4AttentionDims:
+    heads: int
+    head_dim: int
+    rot_dim: int
+    rope_theta: float
+    o_groups: int
+    window: int
+    eps: float
+
+    @classmethod
+    def from_config(cls, cfg) -> "V4AttentionDims":
+        return cls(cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim, cfg.rope.theta, cfg.o_groups,
+                   cfg.sliding_window, float(cfg.rms_norm_eps))
+
+
 class V4Attention:
-    def __init__(self, gpu: Backend, wq_a: Linear, wq_b: Linear, wkv: Linear, wo_a: Linear, wo_b: Linear,
-                 q_norm: DevicePtr, kv_norm: DevicePtr, sink: DevicePtr, heads: int, head_dim: int, rot_dim: int,
-                 rope_theta: float, o_groups: int, window: int, eps: float, kv: PagedKvCache, max_rows: int = 1,
-                 max_kv_rows: int = 128):
-        H, hd, G = heads, head_dim, o_groups
-        if H * hd % G or wo_a.n % G:
-            raise ValueError(f"{H} heads x {hd} and wo_a's {wo_a.n} rows do not split into {G} groups")
-        want = {"wq_b": (wq_b, H * hd, wq_a.n), "wkv": (wkv, hd, wq_a.k), "wo_a": (wo_a, wo_a.n, H * hd // G),
-                "wo_b": (wo_b, wo_b.n, wo_a.n)}
-        for name, (w, n, k) in want.items():
-            if (w.n, w.k) != (n, k):
-                raise ValueError(f"{name} is [{w.n}, {w.k}]; [{n}, {k}] expected")
+    def __init__(self, gpu: Backend, w: V4AttentionWeights, dims: V4AttentionDims, kv: PagedKvCache,
+                 max_rows: int = 1, max_kv_rows: int = 128):
+        H, hd, G = dims.heads, dims.head_dim, dims.o_groups
+        if H * hd % G or w.wo_a.n % G:
+            raise ConfigError(f"{H} heads x {hd} and wo_a's {w.wo_a.n} rows do not split into {G} groups")
+        want = {"wq_b": (w.wq_b, H * hd, w.wq_a.n), "wkv": (w.wkv, hd, w.wq_a.k),
+                "wo_a": (w.wo_a, w.wo_a.n, H * hd // G), "wo_b": (w.wo_b, w.wo_b.n, w.wo_a.n)}
+        for name, (lin, n, k) in want.items():
+            if (lin.n, lin.k) != (n, k):
+                raise ConfigError(f"{name} is [{lin.n}, {lin.k}]; [{n}, {k}] expected")
         if kv.specs[CACHE].row_width != hd:
-            raise ValueError(f"cache rows of {kv.specs[CACHE].row_width}; {hd} expected")
-        self.gpu, self.kv = gpu, kv
-        self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b = wq_a, wq_b, wkv, wo_a, wo_b
-        self.q_norm, self.kv_norm, self.sink = q_norm, kv_norm, sink
-        self.H, self.hd, self.rot, self.G, self.window, self.eps = H, hd, rot_dim, G, int(window), float(eps)
+            raise ConfigError(f"cache rows of {kv.specs[CACHE].row_width}; {hd} expected")
+        self.gpu, self.kv, self.w, self.d = gpu, kv, w, dims
+        self.H, self.hd, self.rot, self.G, self.window, self.eps = H, hd, dims.rot_dim, G, int(dims.window), dims.eps
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
-        self._inv_freq = gpu.upload(default_inv_freq(rot_dim, rope_theta))
+        self._inv_freq = gpu.upload(default_inv_freq(dims.rot_dim, dims.rope_theta))
         r = self.max_rows
-        sizes = {"qa": wq_a.n * r, "q": H * hd * r, "o": H * hd * r, "kv": hd * self.max_kv_rows, "z": wo_a.n * r}
+        sizes = {"qa": w.wq_a.n * r, "q": H * hd * r, "o": H * hd * r, "kv": hd * self.max_kv_rows, "z": w.wo_a.n * r}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(w.weight_bytes for w in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b))
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Weight bytes one decode step of m rows reads (every projection once for all rows)."""
+        w = self.w
+        return sum(x.weight_bytes for x in (w.wq_a, w.wq_b, w.wkv, w.wo_a, w.wo_b))
 
     @staticmethod
     def _check(m: int, most: int) -> None:
         if not 1 <= m <= most:
-            raise ValueError(f"V4 attention sized for {most} rows, got {m}")
+            raise ConfigError(f"V4 attention sized for {most} rows, got {m}")
 
     def _rope(self, x: DevicePtr, pos: DevicePtr, pos_stride: int, m: int, heads: int, inverse: bool, stream):
         hd = self.hd
@@ -71,8 +99,8 @@ class V4Attention:
         needs: a row's kv depends only on its own input."""
         self._check(m, self.max_kv_rows)
         gpu, hd, kv = self.gpu, self.hd, self._ptr["kv"]
-        ops.linear(gpu, xn, self.wkv, kv, m, stream=stream)
-        ops.rms_norm(gpu, kv, self.kv_norm, kv, m, hd, self.eps, stream=stream)
+        ops.linear(gpu, xn, self.w.wkv, kv, m, stream=stream)
+        ops.rms_norm(gpu, kv, self.w.kv_norm, kv, m, hd, self.eps, stream=stream)
         self._rope(kv, pos, pos_stride, m, 1, False, stream)
         ops.reshape_and_cache(gpu, kv, hd, slots, slot_stride, self.kv.base(CACHE), m, hd, hd, 0, stream=stream)
 
@@ -81,15 +109,15 @@ class V4Attention:
         """One decode row for each of m sequences (slab s at meta + s * meta_stride): writes the row's kv at
         the slab's slot, attends the last `window` of its seq_len rows; out [m, hidden] bf16."""
         self._check(m, self.max_rows)
-        gpu, H, hd, p = self.gpu, self.H, self.hd, self._ptr
-        ops.linear(gpu, xn, self.wq_a, p["qa"], m, stream=stream)
-        ops.rms_norm(gpu, p["qa"], self.q_norm, p["qa"], m, self.wq_a.n, self.eps, stream=stream)
-        ops.linear(gpu, p["qa"], self.wq_b, p["q"], m, stream=stream)
+        gpu, H, hd, p, w = self.gpu, self.H, self.hd, self._ptr, self.w
+        ops.linear(gpu, xn, w.wq_a, p["qa"], m, stream=stream)
+        ops.rms_norm(gpu, p["qa"], w.q_norm, p["qa"], m, w.wq_a.n, self.eps, stream=stream)
+        ops.linear(gpu, p["qa"], w.wq_b, p["q"], m, stream=stream)
         ops.rms_norm_strided(gpu, p["q"], NULL, p["q"], m, H, hd, H * hd, hd, H * hd, hd, self.eps, stream=stream)
         self._rope(p["q"], meta, meta_stride, m, H, False, stream)
         self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.mla_decode(gpu, p["q"], self.kv.base(CACHE), meta, meta_stride, p["o"], m, H, hd, hd, float(hd) ** -0.5,
-                       window=self.window, sink=self.sink, stream=stream)
+                       window=self.window, sink=w.sink, stream=stream)
         self._rope(p["o"], meta, meta_stride, m, H, True, stream)
-        ops.grouped_gemv(gpu, p["o"], self.wo_a, p["z"], self.G, self.wo_a.n // self.G, m=m, stream=stream)
-        ops.linear(gpu, p["z"], self.wo_b, out, m, stream=stream)
+        ops.grouped_gemv(gpu, p["o"], w.wo_a, p["z"], self.G, w.wo_a.n // self.G, m=m, stream=stream)
+        ops.linear(gpu, p["z"], w.wo_b, out, m, stream=stream)

@@ -20,9 +20,10 @@ import logging
 import numpy as np
 
 from .. import ops
-from ..cache.paged import PagedKvCache, SeqBlocks
+from ..cache.paged import SeqBlocks
 from ..errors import InputError
-from ..runtime.arena import DEFAULT_SCRATCH, META_TABLE_OFFSET, MTP_META_OFFSET, pack_mtp_attn_meta, stage_mtp_meta
+from ..runtime import slab
+from ..runtime.arena import DEFAULT_SCRATCH, MTP_META_OFFSET, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.ptr import DevicePtr
 from ..speculative.inputs import check_position, check_token, hidden_to_device
 from ..speculative.proposer import DraftResult, ProposerState
@@ -37,7 +38,7 @@ class BatchProposeMixin:
                        hidden: int) -> dict[str, int]:
         """The regions propose_batch uses, for the family's ForwardBuffers (extra_regions)."""
         B, k, words = max_batch, max_drafts, (vocab + 31) // 32
-        self.meta_stride = -(-(META_TABLE_OFFSET + 4 * PagedKvCache.blocks_for(max_seq_len)) // 256) * 256
+        self.meta_stride = slab.stride(max_seq_len)
         self._meta_in_scratch = B * self.meta_stride <= DEFAULT_SCRATCH - MTP_META_OFFSET
         self._bstage = self._pad = self._pad_slab = None      # made on first use (pinned stage; pad sequences)
         return {"b_ids": 4 * B * (k + 1), "b_hidden": 2 * B * hidden, "b_logits": 4 * B * vocab_eff,

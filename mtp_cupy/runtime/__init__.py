@@ -27,5 +27,14 @@ def device(kind: str = "auto", device_id: int = 0) -> Backend:
     return RefBackend()
 
 
-__all__ = ["Backend", "DeviceBuffer", "KernelHandle", "KernelLaunch", "DevicePtr", "NULL", "device",
+def as_device(gpu) -> Backend:
+    """A Backend from a Backend, a device name ("auto", "cuda", "ref") or None (= "auto")."""
+    if gpu is None or isinstance(gpu, str):
+        return device(gpu or "auto")
+    if not isinstance(gpu, Backend):
+        raise ConfigError(f"gpu must be a Backend (mtp_cupy.device(...)) or a device name, not {type(gpu).__name__}")
+    return gpu
+
+
+__all__ = ["as_device", "Backend", "DeviceBuffer", "KernelHandle", "KernelLaunch", "DevicePtr", "NULL", "device",
            "cuda_kernel_names", "cuda_modules"]

@@ -1,6 +1,7 @@
 """MtpProposerBase: the mechanics every family shares, so a family writes only its math.
 
-A family subclass implements
+A family subclass sets `family`, `Options` (its options dataclass, models/options.py) and `load_weights`
+(gpu, path, cfg, options, comm) -> weights, and implements
     _step(st, ids, hidden, position, row, logits)   one draft step: embed the i32 token id at device ptr
         `ids`, combine with the bf16 hidden at `hidden`, run the block (its KV row and RoPE position come
         from the metadata slab at bufs.mtp_meta), write f32 logits [vocab_eff] at `logits`, and leave the
@@ -22,12 +23,17 @@ import logging
 
 import numpy as np
 
+from pathlib import Path
+
 from .. import ops
 from ..cache import PagedKvCache, SeqBlocks
-from ..errors import CapacityError, InputError
-from ..runtime.arena import META_TABLE_OFFSET, ForwardBuffers, stage_mtp_meta
+from ..errors import CapacityError, ConfigError, InputError
+from .options import ProposerOptions
+from ..runtime.arena import ForwardBuffers, stage_mtp_meta
+from ..runtime import slab as slab_spec
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
+from ..weights.config import ModelConfig, load_config
 from .inputs import check_bitmask, check_position, check_token, hidden_to_device
 from .proposer import DraftResult, ProposerState, mtp_rows_to_trim
 
@@ -36,16 +42,42 @@ log = logging.getLogger("mtp_cupy")
 
 class MtpProposerBase:
     family = "base"
+    Options: type[ProposerOptions] = ProposerOptions
+    config_class: type[ModelConfig] = ModelConfig
+    shardable = False    # may run over a communicator of several ranks
     refeed_accepted = False
     graph_safe = False   # a family whose _step/_pick launch only device work on fixed buffers sets True
 
+    @classmethod
+    def options_of(cls, options: ProposerOptions | None, kw: dict) -> ProposerOptions:
+        """The family's options from an Options object and/or keyword options (ConfigError when unknown)."""
+        return cls.Options.parse(cls.family, kw, base=options)
+
+    @staticmethod
+    def load_weights(gpu, path, cfg, options, comm=None):
+        raise NotImplementedError
+
+    @classmethod
+    def from_checkpoint(cls, path, gpu, max_seq_len: int = 4096, comm=None, options=None, **kw):
+        """The proposer of the checkpoint at `path` (see `mtp_cupy.load_proposer`). Options are checked, and the
+        config read and checked, before any weight is read."""
+        opts = cls.options_of(options, kw)
+        if not cls.shardable and comm is not None and getattr(comm, "world", 1) != 1:
+            raise ConfigError(f"the {cls.family} MTP proposer runs on one GPU; it is not sharded over ranks")
+        cfg = load_config(Path(path))
+        if not isinstance(cfg, cls.config_class):
+            raise ConfigError(f"{path} is a {cfg.family} checkpoint, not {cls.family}")
+        return cls(gpu, cfg, cls.load_weights(gpu, path, cfg, opts, comm), max_seq_len=max_seq_len, comm=comm,
+                   options=opts)
+
     def __init__(self, gpu, vocab_size: int, hidden_size: int, max_seq_len: int, kv: PagedKvCache,
-                 max_drafts: int = 8, mtp_vocab_size: int = 0, max_prefill_rows: int = 512,
-                 extra_regions: dict[str, int] | None = None, cuda_graphs: bool | None = None):
+                 options: ProposerOptions, extra_regions: dict[str, int] | None = None):
         self.gpu, self.vocab_size, self.hidden_size = gpu, int(vocab_size), int(hidden_size)
-        self.max_seq_len, self.kv, self.max_drafts = int(max_seq_len), kv, int(max_drafts)
+        self.options = options
+        self.max_seq_len, self.kv, self.max_drafts = int(max_seq_len), kv, int(options.max_drafts)
+        mtp_vocab_size = int(getattr(options, "mtp_vocab_size", 0))
         self.vocab_eff = min(mtp_vocab_size, vocab_size) if mtp_vocab_size > 0 else vocab_size
-        self.max_prefill_rows = int(max_prefill_rows)
+        self.max_prefill_rows = int(options.max_prefill_rows)
         hmax = max(int(np.prod(s)) for s in self._hidden_shapes())
         regions = {"ids": 4 * (self.max_drafts + 1), "hidden_in": 2 * hmax,
                    "logits": 4 * self.vocab_eff * self.max_drafts, "flags": 4 * self.max_drafts,
@@ -56,12 +88,13 @@ class MtpProposerBase:
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
         # a slab holds a block table as long as max_seq_len needs, so a graph never outgrows it
-        self._slab_bytes = META_TABLE_OFFSET + 4 * PagedKvCache.blocks_for(self.max_seq_len)
+        self._slab_bytes = slab_spec.slab_bytes(self.max_seq_len)
         if self._slab_bytes > self.bufs.mtp_meta_capacity:
             raise CapacityError(f"max_seq_len {self.max_seq_len} needs a {self._slab_bytes}-byte metadata slab; "
                                 f"the scratch holds {self.bufs.mtp_meta_capacity}")
         self._stage = None
-        self.cuda_graphs = bool(gpu.is_cuda) if cuda_graphs is None else bool(cuda_graphs) and gpu.is_cuda
+        graphs = options.cuda_graphs
+        self.cuda_graphs = bool(gpu.is_cuda) if graphs is None else bool(graphs) and gpu.is_cuda
         # blocking: ordered after work the caller left on the default stream (e.g. the target's hidden)
         self.stream = gpu.new_stream(non_blocking=False)
         self._graphs: dict = {}
@@ -245,7 +278,7 @@ class MtpProposerBase:
     def _stage_meta(self, st, position: int, rows0: int, k: int) -> None:
         """The k steps' metadata slabs, in host staging memory the chain copies from (pinned on CUDA)."""
         if self._stage is None:
-            stride = -(-self._slab_bytes // 256) * 256
+            stride = slab_spec.stride(self.max_seq_len)
             self._stage = self.gpu.alloc_pinned(self.max_drafts * stride).reshape(self.max_drafts, stride)
         stage_mtp_meta(self._stage, k, [position], [rows0], [st.blocks.table], self.kv.block_size)
 

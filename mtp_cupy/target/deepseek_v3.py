@@ -17,7 +17,8 @@ from ..errors import CapacityError, ConfigError, InputError
 from ..layers.dense_ffn import DenseFFN
 from ..layers.mla import MlaAttention, MlaDims, MlaRope
 from ..layers.moe import MoE, MoeConfig
-from ..runtime.arena import META_TABLE_OFFSET, ForwardBuffers, pack_mtp_attn_meta
+from ..runtime import slab as slab_spec
+from ..runtime.arena import ForwardBuffers, pack_mtp_attn_meta
 from ..runtime.backend import Backend
 from ..weights.config import DeepseekV3Config, load_config
 from ..weights.loader import WeightLoader
@@ -45,14 +46,11 @@ class DeepseekV3Target:
         gpu.batch_invariant = True
         D, V, eps = cfg.hidden_size, cfg.vocab_size, float(cfg.rms_norm_eps)
         self.vocab_size, self.hidden_size, self.eps = V, D, eps
-        dims = MlaDims(cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
-                       cfg.qk_rope_head_dim, cfg.v_head_dim, eps)
-        rope = MlaRope.from_config(cfg.rope, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rope_interleave)
+        dims, rope = MlaDims.from_config(cfg), MlaRope.from_config(cfg)
         L = cfg.num_hidden_layers
         self.kv = PagedKvCache(gpu, CacheSpec("latent", dims.row_width, "bf16", num_layers=L),
                                num_blocks=PagedKvCache.blocks_for(max_seq_len) * max_sequences)
-        self.slab = META_TABLE_OFFSET + 4 * PagedKvCache.blocks_for(max_seq_len)
-        self.slab = (self.slab + 255) // 256 * 256
+        self.slab = slab_spec.stride(max_seq_len)
         R = self.R
         self.bufs = ForwardBuffers(gpu, {"ids": 4 * R, "x": 2 * D * R, "xn": 2 * D * R, "tmp": 2 * D * R,
                                          "h": 2 * D * R, "logits": 4 * V * R, "meta": self.slab * R})
@@ -67,12 +65,10 @@ class DeepseekV3Target:
                 lw = load_layer(wl, cfg, f"model.layers.{i}.", moe)
                 attn = MlaAttention(gpu, lw.mla, dims, rope, self.kv, layer=i, max_rows=R, max_kv_rows=R)
                 if moe:
-                    mc = MoeConfig(cfg.n_routed_experts, cfg.num_experts_per_tok, D, cfg.moe_intermediate_size,
-                                   routing="sigmoid_grouped", n_group=cfg.n_group, topk_group=cfg.topk_group,
-                                   routed_scaling=cfg.routed_scaling_factor, norm_topk_prob=cfg.norm_topk_prob)
-                    mlp = MoE(gpu, mc, lw.router, lw.experts, bias=lw.bias, shared=lw.shared, max_rows=R)
+                    mlp = MoE(gpu, MoeConfig.from_config(cfg), lw.router, lw.experts, bias=lw.bias, shared=lw.shared,
+                              max_rows=R)
                 else:
-                    mlp = DenseFFN(gpu, *lw.dense, max_rows=R)
+                    mlp = DenseFFN(gpu, lw.dense, max_rows=R)
                 self.layers.append((lw, attn, mlp))
 
     def alloc(self) -> TargetSeq:

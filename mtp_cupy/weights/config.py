@@ -69,7 +69,7 @@ class _MlaMoeConfig(ModelConfig):
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV3Config(_MlaMoeConfig):
     family: ClassVar[str] = "deepseek_v3"
-    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3", "deepseek_v32", "kimi_k2")
+    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3", "deepseek_v32")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,15 +225,11 @@ class Qwen3NextConfig(ModelConfig):
         return build(cls, d, where, model_type=d["model_type"], rope=rope_from(d, 0.25), quant=quant, raw=d)
 
 
-FAMILIES: tuple[type[ModelConfig], ...] = (DeepseekV3Config, DeepseekV4Config, Qwen3NextConfig, GlmMoeDsaConfig)
-_BY_TYPE = {mt: cls for cls in FAMILIES for mt in cls.model_types}
-
-
 def _read_json(p: Path) -> dict:
     try:
         d = json.loads(p.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {p}: {e}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {p} as JSON: {e}") from None
     if not isinstance(d, dict):
         raise ConfigError(f"{p} is not a JSON object")
     return d
@@ -256,7 +252,5 @@ def load_config(src: str | Path | dict) -> ModelConfig:
     mt = d.get("model_type")
     if mt is None:
         raise ConfigError(f"{where}: missing required field 'model_type'")
-    cls = _BY_TYPE.get(mt)
-    if cls is None:
-        raise ConfigError(f"{where}: unsupported model_type {mt!r}; supported: {', '.join(sorted(_BY_TYPE))}")
-    return cls.from_dict(d, hf_quant, where)
+    from ..families import by_model_type          # the registry owns the model-type table
+    return by_model_type(mt, where).config.from_dict(d, hf_quant, where)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from mtp_cupy.models import family_module
+from mtp_cupy.families import family as family_module
 
 FAMILIES = ["deepseek_v3", "deepseek_v4", "qwen3_next"]
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from mtp_cupy.models import qwen_mtp
+from mtp_cupy.models import qwen3_next as qwen_mtp
 from mtp_cupy.runtime.dtypes import bf16_round
 from qwen_util import assert_chain_close, head_weights, tiny_ckpt
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mpi4py import MPI
-from mtp_cupy.models import glm_mtp
+from mtp_cupy.models import glm5 as glm_mtp
 from mtp_cupy.runtime.dtypes import BF16, bf16_round
 from mtp_cupy.speculative.vocab_argmax import ShardedArgmax, lane_count
 from mtp_cupy.weights import Checkpoint, write_checkpoint

@@ -1,4 +1,4 @@
-"""GLM-5 (`glm_moe_dsa`) MTP checkpoint keys (arch_math.md C.3), per-rank shard loading, tiny checkpoint.
+"""GLM-5 (`glm_moe_dsa`) MTP checkpoint keys (arch_math.md C.3) and per-rank shard loading.
 
 The MTP module is `model.layers.{num_hidden_layers}.*`: enorm, hnorm, eh_proj, shared_head.norm and a full
 decoder layer (DSA attention with `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}` + routed MoE). It has
@@ -30,14 +30,12 @@ from ..errors import ConfigError
 from ..layers.dsa import IndexerWeights
 from ..runtime.backend import Backend
 from ..runtime.dtypes import BF16
-from . import quant_host as qh
 from .config import GlmMoeDsaConfig
 from .deepseek_v3 import (GROUPED_FORMATS, NORMS, DeepseekV3MtpWeights, expert_keys, first_present, mtp_keys,
-                          tiny_tensors, transpose_uk)
+                          transpose_uk)
 from .linear import FORMATS, Linear
 from .loader import WeightLoader, dequant_linear, detect_linear
 from .safetensors_io import Checkpoint
-from .writer import write_checkpoint
 
 BLOCK = 128
 
@@ -70,7 +68,7 @@ class Shard:
 
 
 @dataclass(kw_only=True)
-class GlmMtpWeights(DeepseekV3MtpWeights):
+class Glm5MtpWeights(DeepseekV3MtpWeights):
     """DeepseekV3MtpWeights of this rank's shard (q_b, kv_b, w_uk_t, o_proj: its heads; experts: its own;
     shared: its slice; head: its vocab rows) plus the indexer."""
     indexer: IndexerWeights
@@ -120,8 +118,8 @@ def _uk_t(wl: WeightLoader, prefix: str, H: int, dn: int, dv: int, C: int, h0: i
     return _upload_bf16(wl.gpu, w.transpose(0, 2, 1).reshape(hl * C, dn))
 
 
-def load_glm_weights(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Shard(),
-                     progress: bool | None = None) -> GlmMtpWeights:
+def load_glm5(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Shard(),
+                     progress: bool | None = None) -> Glm5MtpWeights:
     """This rank's shard of the GLM MTP layer at `path` on `gpu`."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(Path(path))
     if not cfg.has_indexer or not cfg.q_lora_rank:
@@ -158,7 +156,7 @@ def load_glm_weights(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Sh
         indexer = IndexerWeights(wq_b=wl.linear(K["wq_b"], nh * hd, ql), wk=wl.linear(K["wk"], hd, D),
                                  k_norm=kn.ptr, k_norm_bias=kb.ptr,
                                  weights_proj=wl.linear(K["weights_proj"], nh, D))
-        return GlmMtpWeights(
+        return Glm5MtpWeights(
             embed=embed.ptr, head=load_part(wl, head_key, V, D, rows=(v0, vn)),
             norms={n: b.ptr for n, b in norms.items()}, eh_proj=wl.linear(K["eh_proj"], D, 2 * D),
             q_a=wl.linear(K["q_a_proj"], ql, D),
@@ -171,63 +169,3 @@ def load_glm_weights(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Sh
             o_proj=load_part(wl, K["o_proj"], D, H * dv, cols=(h0 * dv, hl * dv)),
             router=wl.linear(K["gate"], E, D), bias=bias.ptr, experts=experts, shared=shared,
             owners=[embed, *norms.values(), kn, kb, bias], indexer=indexer, shard=shard, heads=(h0, hl), head_v0=v0)
-
-
-# -- tiny checkpoint -----------------------------------------------------------------------------------
-# Small but faithful: separate nope/rope/v dims (rope 64 as GLM-5's, so a latent row of 64 + 64 fits the
-# attention kernel's 64-column tiles), q and kv LoRA, 8 indexer heads of 64 with index_topk 8 (the sparse
-# pick drops rows once a sequence holds more than 8; with 8 heads a row whose every relu is 0, an exact
-# score tie, is rare), 16 experts top-4 with no group limit (n_group 1, GLM-5's routing), vocab 512
-# (divides over 2, 4 and 8 ranks), the MTP layer at index num_hidden_layers = 2 with no embedding / head
-# copies (GLM checkpoints carry none).
-TINY_DIMS = dict(hidden_size=256, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
-                 qk_rope_head_dim=64, v_head_dim=32, index_n_heads=8, index_head_dim=64, index_topk=8,
-                 n_routed_experts=16, num_experts_per_tok=4, n_group=1, topk_group=1, moe_intermediate_size=64,
-                 n_shared_experts=1, vocab_size=512, num_hidden_layers=2, first_k_dense_replace=1,
-                 intermediate_size=512, rms_norm_eps=1e-5, routed_scaling_factor=2.5, rope_theta=10000.0)
-
-
-def tiny_config(fmt: str = "bf16", **dims) -> dict:
-    """config.json of a tiny GLM-5 (HF names; unknown keys in `dims` are an error)."""
-    bad = set(dims) - set(TINY_DIMS)
-    if bad:
-        raise ValueError(f"unknown dims {sorted(bad)}; known: {sorted(TINY_DIMS)}")
-    c = {**TINY_DIMS, **dims}
-    c.update(model_type="glm_moe_dsa", architectures=["GlmMoeDsaForCausalLM"], hidden_act="silu",
-             scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1,
-             tie_word_embeddings=False, rope_interleave=True, indexer_rope_interleave=True,
-             rope_parameters={"rope_type": "default", "rope_theta": c["rope_theta"]},
-             max_position_embeddings=4096, torch_dtype="bfloat16", num_key_value_heads=c["num_attention_heads"],
-             head_dim=c["qk_rope_head_dim"])
-    if fmt == "fp8":
-        c["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                    "weight_block_size": [BLOCK, BLOCK]}
-    return c
-
-
-def write_tiny_checkpoint(path, seed: int = 0, fmt: str = "bf16", **dims) -> Path:
-    """A small random GLM-5 MTP checkpoint (config.json + model.safetensors) in the real key layout at `path`.
-    fmt "bf16" (GLM-5's BF16 release) or "fp8" (block FP8 projections with weight_scale_inv; eh_proj, router,
-    weights_proj, norms, embedding and head BF16). `dims` override TINY_DIMS (HF names)."""
-    if fmt not in ("fp8", "bf16"):
-        raise ValueError(f"fmt {fmt!r}: choose fp8 or bf16")
-    cfg = tiny_config(fmt, **dims)
-    tensors = tiny_tensors(cfg, seed, fmt, top_level=True, layer_copies=False)
-    c = GlmMoeDsaConfig.from_dict(cfg)
-    K = glm_keys(c)
-    rng = np.random.default_rng(seed + 7919)
-    D, nh, hd, ql = c.hidden_size, c.index_n_heads, c.index_head_dim, c.q_lora_rank
-
-    def lin(n: int, k: int) -> np.ndarray:
-        return (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
-
-    for role, w, as_fmt in (("wq_b", lin(nh * hd, ql), fmt), ("wk", lin(hd, D), fmt),
-                            ("weights_proj", lin(nh, D), "bf16")):
-        if as_fmt == "fp8":
-            q, s = qh.quant_fp8_block(w)
-            tensors.update({K[role] + ".weight": q, K[role] + ".weight_scale_inv": s})
-        else:
-            tensors[K[role] + ".weight"] = w.astype(BF16)
-    tensors[K["k_norm"]] = (1.0 + 0.1 * rng.standard_normal(hd)).astype(BF16)
-    tensors[K["k_norm_bias"]] = (0.1 * rng.standard_normal(hd)).astype(BF16)
-    return Path(write_checkpoint(path, tensors, config=cfg))

@@ -18,6 +18,7 @@ attention: a row's kv depends on the pre-attention path only (front, hc_pre of i
 kv_norm, RoPE). The embedding is not zeroed at position 0 (official; vLLM masks it)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,54 +27,73 @@ from ..cache.paged import CacheSpec, PagedKvCache
 from ..errors import ConfigError, InputError
 from ..layers.mhc import Mhc
 from ..layers.moe import MoE, MoeConfig
-from ..layers.v4_attention import CACHE, V4Attention
+from ..layers.mtp_front import FrontDims, FrontWeights, MtpFront
+from ..layers.norm import Norms
+from ..layers.v4_attention import CACHE, V4Attention, V4AttentionDims, V4AttentionWeights
 from ..runtime.backend import Backend
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
 from ..speculative.base import MtpProposerBase
-from .options import checked_config
+from ..speculative.options import ProposerOptions, opt
 from ..weights.config import DeepseekV4Config
-from ..weights.deepseek_v4 import (LowRankHcHeadError, V4MtpWeights, load_v4_mtp,  # noqa: F401 (re-export)
-                                   write_tiny_checkpoint)
+from ..weights.deepseek_v4 import DeepseekV4MtpWeights, load_deepseek_v4
 
 HIDDEN_FORMS = ("streams", "single")
 
 
+@dataclass(frozen=True, kw_only=True)
+class DeepseekV4Options(ProposerOptions):
+    mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
+    kv_blocks: int | None = opt(None, "KV pool size in blocks of 16 rows (default: one sequence of max_seq_len)")
+    device_hidden: str = opt("streams", "what a device-pointer hidden holds: 'streams' (the target's [hc, D] "
+                                        "pre-hc_head streams) or 'single' (one [D] hidden); host arrays say "
+                                        "which by their shape")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._int("mtp_vocab_size", 0, 1 << 31)
+        if self.kv_blocks is not None:
+            self._int("kv_blocks", 1, 1 << 30)
+        self._choice("device_hidden", HIDDEN_FORMS)
+
+
 class DeepseekV4MtpProposer(MtpProposerBase):
     family = "deepseek_v4"
+    Options = DeepseekV4Options
+    config_class = DeepseekV4Config
     graph_safe = True
 
-    def __init__(self, gpu: Backend, cfg: DeepseekV4Config, weights: V4MtpWeights, max_seq_len: int = 4096,
-                 max_drafts: int = 8, mtp_vocab_size: int = 0, max_prefill_rows: int = 128,
-                 kv_blocks: int | None = None, device_hidden: str = "streams"):
+    @staticmethod
+    def load_weights(gpu, path, cfg, options, comm=None) -> DeepseekV4MtpWeights:
+        return load_deepseek_v4(gpu, path, cfg, options.progress)
+
+    def __init__(self, gpu: Backend, cfg: DeepseekV4Config, weights: DeepseekV4MtpWeights, max_seq_len: int = 4096,
+                 comm=None, options: DeepseekV4Options | None = None, **kw):
+        o = self.options_of(options, kw)
         if cfg.scoring_func != "sqrtsoftplus":
             raise ConfigError(f"deepseek_v4 MTP supports scoring_func sqrtsoftplus, got {cfg.scoring_func}")
-        if device_hidden not in HIDDEN_FORMS:
-            raise ConfigError(f"device_hidden {device_hidden!r}: choose one of {HIDDEN_FORMS}")
         self.cfg, self.w, self.eps = cfg, weights, float(cfg.rms_norm_eps)
-        D, hc, R = cfg.hidden_size, cfg.hc_mult, int(max_prefill_rows)   # R: rows of one prefill pass
-        self.hc, self.device_hidden = hc, device_hidden
-        self._streams_in = device_hidden == "streams"
-        blocks = kv_blocks if kv_blocks is not None else PagedKvCache.blocks_for(max_seq_len) + 1
+        D, hc, R = cfg.hidden_size, cfg.hc_mult, o.max_prefill_rows   # R: rows of one prefill pass
+        self.hc, self.device_hidden = hc, o.device_hidden
+        self._streams_in = self.device_hidden == "streams"
+        blocks = o.kv_blocks if o.kv_blocks is not None else PagedKvCache.blocks_for(max_seq_len) + 1
         kv = PagedKvCache(gpu, CacheSpec(CACHE, cfg.head_dim, "bf16"), num_blocks=blocks)
-        super().__init__(gpu, cfg.vocab_size, D, max_seq_len, kv, max_drafts=max_drafts,
-                         mtp_vocab_size=mtp_vocab_size, max_prefill_rows=R,
+        super().__init__(gpu, cfg.vocab_size, D, max_seq_len, kv, o,
                          extra_regions={"prefill_hidden": 2 * hc * D * R, "X": 2 * hc * D * R,
-                                        "hn": 2 * hc * D * R, **{n: 2 * D * R for n in ("e", "ep", "x", "xn", "f")}})
+                                        **{n: 2 * D * R for n in ("ep", "x", "xn", "f")}})
         self.carry = self.bufs.X   # the next step reads it (hnorm) before h_proj overwrites X
         self.head = weights.head.rows(0, self.vocab_eff)
+        self.norm = Norms(gpu, weights.norms, D, self.eps)
+        self.front = MtpFront(gpu, FrontWeights(weights.embed, e_proj=weights.e_proj, h_proj=weights.h_proj),
+                              FrontDims(D, cfg.vocab_size), self.norm, hc * R)
         self.mhc = Mhc(gpu, hc, D, weights.hc, weights.hc_head, self.eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, R)
         a, n = weights.attn, weights.norms
-        self.attn = V4Attention(gpu, a["wq_a"], a["wq_b"], a["wkv"], a["wo_a"], a["wo_b"], n["attn.q_norm"],
-                                n["attn.kv_norm"], weights.attn_sink, cfg.num_attention_heads, cfg.head_dim,
-                                cfg.qk_rope_head_dim, cfg.rope.theta, cfg.o_groups, cfg.sliding_window, self.eps, kv,
-                                max_rows=1, max_kv_rows=R)
-        hashed = int(weights.tid2eid) != 0
-        mc = MoeConfig(cfg.n_routed_experts, cfg.num_experts_per_tok, D, cfg.moe_intermediate_size,
-                       routing="hash" if hashed else "sqrtsoftplus", routed_scaling=cfg.routed_scaling_factor,
-                       norm_topk_prob=cfg.norm_topk_prob, swiglu_limit=cfg.swiglu_limit)
-        self.moe = MoE(gpu, mc, weights.router, weights.experts, bias=weights.router_bias, shared=weights.shared,
-                       tid2eid=weights.tid2eid, max_rows=1, vocab=cfg.vocab_size)
+        self.attn = V4Attention(gpu, V4AttentionWeights(a["wq_a"], a["wq_b"], a["wkv"], a["wo_a"], a["wo_b"],
+                                                        n["attn.q_norm"], n["attn.kv_norm"], weights.attn_sink),
+                                V4AttentionDims.from_config(cfg), kv, max_rows=1, max_kv_rows=R)
+        self.moe = MoE(gpu, MoeConfig.from_config(cfg, hashed=int(weights.tid2eid) != 0), weights.router,
+                       weights.experts, bias=weights.router_bias, shared=weights.shared, tid2eid=weights.tid2eid,
+                       max_rows=1, vocab=cfg.vocab_size)
 
     # -- hidden forms ----------------------------------------------------------------------------
     def _hidden_shapes(self) -> list[tuple[int, ...]]:
@@ -111,21 +131,13 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         return np.ascontiguousarray(h.astype(BF16, copy=False))
 
     # -- the step --------------------------------------------------------------------------------
-    def _norm(self, x: DevicePtr, name: str, y: DevicePtr, m: int) -> None:
-        ops.rms_norm(self.gpu, x, self.w.norms[name], y, m, self.hidden_size, self.eps)
-
     def _front(self, ids: DevicePtr, hidden: DevicePtr, m: int, streams: bool) -> None:
         """Streams X [m, hc, D] = h_proj(hnorm(hidden)) (+ expanded when single) + e_proj(enorm(embed(ids)))."""
-        gpu, b, D, hc = self.gpu, self.bufs, self.hidden_size, self.hc
-        ops.embed_rows(gpu, self.w.embed, ids, b.e, m, D, vocab=self.vocab_size)
-        self._norm(b.e, "enorm", b.e, m)
-        ops.linear(gpu, b.e, self.w.e_proj, b.ep, m)
+        b = self.bufs
         if streams:
-            self._norm(hidden, "hnorm", b.hn, m * hc)
-            ops.linear(gpu, b.hn, self.w.h_proj, b.X, m * hc)
+            self.front.forward_split(ids, hidden, b.ep, b.X, m, m * self.hc)
         else:
-            self._norm(hidden, "hnorm", b.hn, m)
-            ops.linear(gpu, b.hn, self.w.h_proj, b.x, m)
+            self.front.forward_split(ids, hidden, b.ep, b.x, m, m)
             self.mhc.expand(b.x, b.X, m)
         self.mhc.add(b.X, b.ep, m)
 
@@ -133,11 +145,11 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         """The V4 layer on the streams X [m, hc, D] in place; `ids` are the input tokens (hash routing)."""
         b = self.bufs
         self.mhc.pre("attn", b.X, b.x, m)
-        self._norm(b.x, "attn_norm", b.xn, m)
+        self.norm("attn_norm", b.x, b.xn, m)
         self.attn.forward(b.xn, b.f, m, meta, meta_stride)
         self.mhc.post("attn", b.f, b.X, m)
         self.mhc.pre("ffn", b.X, b.x, m)
-        self._norm(b.x, "ffn_norm", b.xn, m)
+        self.norm("ffn_norm", b.x, b.xn, m)
         self.moe.forward(b.xn, b.f, m=m, token_ids=ids)
         self.mhc.post("ffn", b.f, b.X, m)
 
@@ -146,7 +158,7 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         self._front(ids, hidden, 1, self._streams_in or int(hidden) == int(self.carry))
         self._block(ids, 1, b.mtp_meta, b.mtp_meta_capacity)  # one slab
         self.mhc.head(b.X, b.x, 1)
-        self._norm(b.x, "norm", b.xn, 1)
+        self.norm("norm", b.x, b.xn, 1)
         ops.linear(self.gpu, b.xn, self.head, logits, 1, out_dtype="f32")
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
@@ -154,28 +166,15 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         b = self.bufs
         self._front(tokens_dev.offset(4), hiddens, n, self._prefill_streams)
         self.mhc.pre("attn", b.X, b.x, n)
-        self._norm(b.x, "attn_norm", b.xn, n)
+        self.norm("attn_norm", b.x, b.xn, n)
         self.attn.write_kv(b.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self) -> int:
-        """Weight bytes one draft step reads at least: every projection once, the mHC maps, top_k routed
-        experts plus the shared one, the router, the LM head rows scored."""
-        w, cfg, D, hc = self.w, self.cfg, self.hidden_size, self.hc
-        expert = sum(x.weight_bytes for x in next(iter(w.experts.values())))
-        mhc = 4 * hc * D * (2 * (2 + hc) * hc + (hc if w.hc_head is not None else 0))
-        return (w.e_proj.weight_bytes + w.h_proj.weight_bytes + self.attn.weight_bytes + mhc
-                + w.router.weight_bytes + sum(x.weight_bytes for x in w.shared)
-                + cfg.num_experts_per_tok * expert + self.head.weight_bytes)
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Weight bytes one draft step reads at least: every projection once, the mHC maps, the routed experts
+        m rows touch at most plus the shared one, the router, the LM head rows scored."""
+        return (self.front.weight_bytes_per_step(m) + self.attn.weight_bytes_per_step(m)
+                + self.mhc.weight_bytes_per_step(m) + self.moe.weight_bytes_per_step(m) + self.head.weight_bytes)
 
 
-_OPTIONS = ("max_drafts", "mtp_vocab_size", "max_prefill_rows", "kv_blocks", "device_hidden")
-
-
-def from_checkpoint(path, gpu: Backend, max_seq_len: int = 4096, comm=None, **options) -> DeepseekV4MtpProposer:
-    """The DeepSeek-V4 MTP proposer of the checkpoint at `path`. Options: max_drafts, mtp_vocab_size (0 = full
-    vocab), max_prefill_rows (rows per batched prefill pass), kv_blocks (the cache pool; default one sequence of
-    max_seq_len), device_hidden ("streams": a device-pointer hidden is the target's [hc, D] pre-hc_head
-    streams; "single": one [D] hidden; host arrays say which by their shape)."""
-    cfg = checked_config(path, comm, options, _OPTIONS, "deepseek_v4", DeepseekV4Config, "DeepSeek-V4 MTP layer")
-    return DeepseekV4MtpProposer(gpu, cfg, load_v4_mtp(gpu, path, cfg), max_seq_len=max_seq_len, **options)
+from_checkpoint = DeepseekV4MtpProposer.from_checkpoint

@@ -1,0 +1,81 @@
+"""The MTP front every family shares: the new token's embedding and the target's hidden, each normed, then
+projected into the block's input (docs/model_math.md A.2, B.3, C.3, D.2).
+
+    concat form (DeepSeek-V3, GLM-5: eh_proj; Qwen3-Next: fc)
+        x = proj([enorm(embed(ids)) | hnorm(hidden)])          embedding half first
+        The two norms write straight into the halves of the concat rows (row stride 2D): no concat kernel.
+    split form (DeepSeek-V4: e_proj, h_proj)
+        e = e_proj(enorm(embed(ids))) [m, D];  h = h_proj(hnorm(hidden)) [h_rows, D]
+        the same math as one projection of the concat, kept apart because V4 adds e to every mHC stream of h.
+
+The front reads the i32 token ids and the bf16 hidden rows from device memory and allocates nothing per call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import ops
+from ..errors import ConfigError
+from ..runtime.arena import carve
+from ..runtime.backend import Backend
+from ..runtime.ptr import DevicePtr
+from ..weights.linear import Linear
+from .norm import Norms
+
+
+@dataclass
+class FrontWeights:
+    embed: DevicePtr              # bf16 [vocab, D]
+    proj: Linear | None = None    # concat form: [D, 2D]
+    e_proj: Linear | None = None  # split form: [D, D] each
+    h_proj: Linear | None = None
+
+
+@dataclass(frozen=True)
+class FrontDims:
+    hidden: int
+    vocab: int
+    enorm: str = "enorm"          # the norms' names in the block's Norms
+    hnorm: str = "hnorm"
+
+
+class MtpFront:
+    def __init__(self, gpu: Backend, w: FrontWeights, dims: FrontDims, norms: Norms, max_rows: int):
+        D = dims.hidden
+        concat = w.proj is not None
+        if concat == (w.e_proj is not None or w.h_proj is not None):
+            raise ConfigError("MTP front: give proj (concat form) or e_proj and h_proj (split form)")
+        for name, lin, shape in (("proj", w.proj, (D, 2 * D)), ("e_proj", w.e_proj, (D, D)),
+                                 ("h_proj", w.h_proj, (D, D))):
+            if lin is not None and (lin.n, lin.k) != shape:
+                raise ConfigError(f"MTP front {name}: weight is [{lin.n}, {lin.k}], expected {list(shape)}")
+        self.gpu, self.w, self.d, self.norms, self.max_rows = gpu, w, dims, norms, int(max_rows)
+        self._buf, p = carve(gpu, {"emb": 2 * D * self.max_rows, "cat": (4 if concat else 2) * D * self.max_rows})
+        self.emb, self.cat = p["emb"], p["cat"]
+
+    def _embed(self, ids: DevicePtr, m: int) -> None:
+        if not 1 <= m <= self.max_rows:
+            raise ConfigError(f"MTP front sized for {self.max_rows} rows, got {m}")
+        ops.embed_rows(self.gpu, self.w.embed, ids, self.emb, m, self.d.hidden, vocab=self.d.vocab)
+
+    def forward(self, ids: DevicePtr, hidden: DevicePtr, out: DevicePtr, m: int) -> None:
+        """Concat form: out bf16 [m, D] = proj([enorm(embed(ids)) | hnorm(hidden)])."""
+        D, n = self.d.hidden, self.norms
+        self._embed(ids, m)
+        n.strided(self.d.enorm, self.emb, self.cat, m, D, 2 * D)
+        n.strided(self.d.hnorm, hidden, self.cat.offset(2 * D), m, D, 2 * D)
+        ops.linear(self.gpu, self.cat, self.w.proj, out, m)
+
+    def forward_split(self, ids: DevicePtr, hidden: DevicePtr, e_out: DevicePtr, h_out: DevicePtr, m: int,
+                      h_rows: int) -> None:
+        """Split form: e_out [m, D] = e_proj(enorm(embed(ids))), h_out [h_rows, D] = h_proj(hnorm(hidden))."""
+        if not 1 <= h_rows <= self.max_rows:
+            raise ConfigError(f"MTP front sized for {self.max_rows} hidden rows, got {h_rows}")
+        self._embed(ids, m)
+        self.norms(self.d.enorm, self.emb, self.emb, m)
+        ops.linear(self.gpu, self.emb, self.w.e_proj, e_out, m)
+        self.norms(self.d.hnorm, hidden, self.cat, h_rows)
+        ops.linear(self.gpu, self.cat, self.w.h_proj, h_out, h_rows)
+
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Weight bytes one step of m rows reads: the projection(s) (the embedding rows are counted apart)."""
+        return sum(x.weight_bytes for x in (self.w.proj, self.w.e_proj, self.w.h_proj) if x is not None)

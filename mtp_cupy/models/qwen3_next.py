@@ -1,0 +1,180 @@
+"""Qwen3-Next `MtpHead` draft proposer (arch_math.md D, seed mtp_head.rs).
+
+One draft step (D.2): pre-fc (1 + w) norms -> concat [norm(embed), norm(hidden)] -> fc -> input_layernorm ->
+gated attention over the head's own paged K/V cache -> residual -> post_attention_layernorm -> MoE (softmax
+top-k, sigmoid-gated shared expert) or dense FFN -> residual -> mtp.norm -> LM head (f32 logits over the
+first `mtp_vocab_size` rows). The post-mtp.norm hidden is carried to the next draft step.
+
+`quantization` is the precision the projections run at: a BF16 checkpoint is quantised on the device at load
+(fp8 -> fp8_row, nvfp4 -> nvfp4); tensors a checkpoint already stores as FP8/NVFP4 are taken as stored. The
+router and the shared-expert gate stay BF16. An NVFP4 head scores with an NVFP4 copy of lm_head (as the
+seed) and keeps its K/V in FP8; BF16 and FP8 heads keep K/V in BF16."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .. import ops
+from ..cache.paged import CacheSpec, PagedKvCache
+from ..errors import ConfigError
+from ..layers.dense_ffn import DenseFFN
+from ..layers.gated_attention import GatedAttention, GatedAttentionDims, GatedAttentionWeights
+from ..layers.moe import MoE, MoeConfig
+from ..layers.mtp_front import FrontDims, FrontWeights, MtpFront
+from ..layers.norm import Norms
+from ..runtime.backend import Backend
+from ..runtime.ptr import DevicePtr
+from ..speculative.base import MtpProposerBase
+from ..speculative.options import ProposerOptions, opt
+from ..weights.config import Qwen3NextConfig
+from ..weights.qwen3_next import Qwen3NextMtpWeights, load_qwen3_next
+from .qwen_batch import BatchProposeMixin
+
+
+class MtpQuantization(enum.Enum):
+    NVFP4 = "nvfp4"
+    FP8 = "fp8"
+    BF16 = "bf16"
+
+    @classmethod
+    def parse(cls, s: "str | MtpQuantization") -> "MtpQuantization":
+        if isinstance(s, cls):
+            return s
+        name = str(s).lower()
+        if name == "fp4":
+            return cls.NVFP4
+        try:
+            return cls(name)
+        except ValueError:
+            raise ConfigError(f"Unknown MTP quantization: {s}. Expected: nvfp4, fp8, bf16") from None
+
+    def effective_for_head(self, dense_ffn_head: bool) -> "MtpQuantization":
+        """A dense-FFN head under NVFP4 runs the BF16 forward (the seed); everything else runs as asked."""
+        return MtpQuantization.BF16 if dense_ffn_head and self is MtpQuantization.NVFP4 else self
+
+    @property
+    def linear_fmt(self) -> str:
+        """The Linear format BF16 projections are quantised to at load."""
+        return {"nvfp4": "nvfp4", "fp8": "fp8_row", "bf16": "bf16"}[self.value]
+
+    @property
+    def kv_dtype(self) -> str:
+        return "fp8" if self is MtpQuantization.NVFP4 else "bf16"
+
+
+def default_quantization(cfg: Qwen3NextConfig) -> MtpQuantization:
+    """What the checkpoint itself stores: NVFP4 / FP8 checkpoints run at their format, others at BF16."""
+    algo = (cfg.quant.algo if cfg.quant else "").upper()
+    return MtpQuantization.NVFP4 if "NVFP4" in algo else MtpQuantization.FP8 if "FP8" in algo else MtpQuantization.BF16
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3NextOptions(ProposerOptions):
+    max_prefill_rows: int = opt(512, "drafter rows written per batched prefill pass")
+    quantization: str | None = opt(None, "precision of the projections: 'nvfp4' ('fp4'), 'fp8', 'bf16' "
+                                         "(default: the checkpoint's own format)")
+    mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
+    max_batch: int = opt(32, "most sequences one propose_batch drafts for (1 to 32)")
+    kv_blocks: int | None = opt(None, "KV pool size in blocks of 16 rows (default: max_batch sequences of "
+                                      "max_seq_len)")
+    kv_scale: float = opt(1.0, "scale of FP8 K/V cache rows")
+    refeed_accepted: bool = opt(False, "after_verify also drops accepted rows built from a drafter hidden (the "
+                                       "caller re-feeds them from the target)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.quantization is not None:
+            MtpQuantization.parse(self.quantization)
+        self._int("mtp_vocab_size", 0, 1 << 31)
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= 32:
+            raise ConfigError(f"max_batch {self.max_batch} outside [1, 32] (the batched GEMV path)")
+        if self.kv_blocks is not None:
+            self._int("kv_blocks", 1, 1 << 30)
+        if not isinstance(self.kv_scale, (int, float)) or not self.kv_scale > 0:
+            raise ConfigError(f"option kv_scale={self.kv_scale!r} must be a positive number")
+        if not isinstance(self.refeed_accepted, bool):
+            raise ConfigError(f"option refeed_accepted={self.refeed_accepted!r} must be True or False")
+
+
+class Qwen3NextMtpProposer(BatchProposeMixin, MtpProposerBase):
+    family = "qwen3_next"
+    Options = Qwen3NextOptions
+    config_class = Qwen3NextConfig
+    graph_safe = True
+
+    @staticmethod
+    def load_weights(gpu, path, cfg, options, comm=None) -> Qwen3NextMtpWeights:
+        return load_qwen3_next(gpu, path, cfg, options.progress)
+
+    def __init__(self, gpu: Backend, cfg: Qwen3NextConfig, weights: Qwen3NextMtpWeights, max_seq_len: int = 4096,
+                 comm=None, options: Qwen3NextOptions | None = None, **kw):
+        o = self.options_of(options, kw)
+        q = default_quantization(cfg) if o.quantization is None else MtpQuantization.parse(o.quantization)
+        self.quantization = q.effective_for_head(weights.dense_ffn)
+        self.cfg, self.w, self.refeed_accepted = cfg, weights, o.refeed_accepted
+        D, V = cfg.hidden_size, cfg.vocab_size
+        self.max_batch, self.eps = o.max_batch, float(cfg.rms_norm_eps)
+        weights.quantize(gpu, self.quantization.linear_fmt)
+        if self.quantization is MtpQuantization.NVFP4 and weights.lm_head.fmt == "bf16":
+            weights.lm_head = ops.quantize_linear(gpu, weights.lm_head, "nvfp4")
+        kvw, kv_dtype = cfg.num_key_value_heads * cfg.head_dim, self.quantization.kv_dtype
+        blocks = o.kv_blocks if o.kv_blocks is not None else PagedKvCache.blocks_for(max_seq_len) * self.max_batch
+        kv = PagedKvCache(gpu, [CacheSpec("k", kvw, kv_dtype), CacheSpec("v", kvw, kv_dtype)], num_blocks=blocks)
+        rows = max(self.max_batch, o.max_prefill_rows)
+        v_eff = min(o.mtp_vocab_size, V) if o.mtp_vocab_size > 0 else V
+        super().__init__(gpu, V, D, max_seq_len, kv, o,
+                         extra_regions={**{n: 2 * D * rows for n in ("x", "xn", "tmp")}, "carry": 2 * D * self.max_batch,
+                                        **self._batch_regions(max_seq_len, self.max_batch, o.max_drafts, V, v_eff, D)})
+        self.carry = self.bufs.carry
+        self.lm_head = weights.lm_head.rows(0, self.vocab_eff)
+        self.norm = Norms(gpu, weights.norms, D, self.eps, unit_offset=True)
+        self.front = MtpFront(gpu, FrontWeights(weights.embed, proj=weights.linears["fc"]), FrontDims(
+            D, V, "pre_fc_norm_embedding", "pre_fc_norm_hidden"), self.norm, rows)
+        L = weights.linears
+        self.attn = GatedAttention(gpu, GatedAttentionWeights(L["q_proj"], L["k_proj"], L["v_proj"], L["o_proj"],
+                                                              weights.norms["q_norm"], weights.norms["k_norm"]),
+                                   GatedAttentionDims.from_config(cfg, kv_dtype, o.kv_scale), kv, self.max_batch, rows)
+        if weights.dense_ffn:
+            self.ffn = DenseFFN(gpu, (L["gate_proj"], L["up_proj"], L["down_proj"]), max_rows=self.max_batch)
+        else:
+            self.ffn = MoE(gpu, MoeConfig.from_config(cfg), weights.router, weights.experts, shared=weights.shared,
+                           shared_gate=weights.shared_gate, max_rows=self.max_batch)
+
+    # -- the step --------------------------------------------------------------------------------
+    def _forward(self, ids: DevicePtr, hidden: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
+                 logits: DevicePtr) -> None:
+        """m sequences, one row each: logits[m, vocab_eff] f32 and the carried hidden at self.carry."""
+        b = self.bufs
+        self.front.forward(ids, hidden, b.x, m)
+        self.norm("input_layernorm", b.x, b.xn, m)
+        self.attn.forward(b.xn, b.tmp, m, meta, meta_stride)
+        self.norm.add("post_attention_layernorm", b.x, b.tmp, b.xn, m)
+        self.ffn.forward(b.xn, b.tmp, m)
+        self.norm.add("norm", b.x, b.tmp, self.carry, m)
+        ops.linear(self.gpu, self.carry, self.lm_head, logits, m, out_dtype="f32")
+
+    def _step(self, st, ids, hidden, position, row, logits) -> None:
+        self._forward(ids, hidden, 1, self.bufs.mtp_meta, self.meta_stride, logits)
+
+    def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
+        # row r pairs embed(tokens[r + 1]) with hiddens[r]
+        self.front.forward(tokens_dev.offset(4), hiddens, self.bufs.x, n)
+        self.norm("input_layernorm", self.bufs.x, self.bufs.xn, n)
+        self.attn.write_kv(self.bufs.xn, n, positions, 4, slots, 8)
+
+    # -- accounting ------------------------------------------------------------------------------
+    def weight_bytes_per_step(self, m: int = 1) -> int:
+        """Weight bytes one draft step over m sequences must read at least: every projection once, the
+        routed experts m rows are expected to touch (uniform routing), the LM head rows scored."""
+        w = self.w
+        total = self.front.weight_bytes_per_step(m) + self.attn.weight_bytes_per_step(m) + self.lm_head.weight_bytes
+        if w.dense_ffn:
+            return total + self.ffn.weight_bytes_per_step(m)
+        E, k = self.cfg.num_experts, self.cfg.num_experts_per_tok
+        per_expert = sum(x.weight_bytes for x in next(iter(w.experts.values())))
+        touched = E * (1 - (1 - k / E) ** m)
+        total += w.router.weight_bytes + w.shared_gate.weight_bytes + sum(x.weight_bytes for x in w.shared)
+        return int(total + touched * per_expert)
+
+
+from_checkpoint = Qwen3NextMtpProposer.from_checkpoint

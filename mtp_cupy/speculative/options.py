@@ -1,0 +1,67 @@
+"""Proposer options: one frozen dataclass per family, documented once (each field's `help`), validated once.
+
+`load_proposer(path, **options)` and every proposer constructor turn their keyword options into the family's
+dataclass with `parse`; an unknown name is a ConfigError that lists the known ones, a bad value a ConfigError
+that names the field and the value."""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from ..errors import ConfigError
+
+
+def opt(default: Any, help: str) -> Any:
+    """A documented option field."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProposerOptions:
+    """Options every family takes."""
+    max_drafts: int = opt(8, "most draft tokens one propose may ask for")
+    max_prefill_rows: int = opt(128, "drafter rows written per batched prefill pass")
+    cuda_graphs: bool | None = opt(None, "replay each draft chain as a CUDA graph (default: on when the device is CUDA)")
+    progress: bool | None = opt(None, "show a weight-loading bar (default: for checkpoints over 256 MB)")
+
+    def __post_init__(self) -> None:
+        self._int("max_drafts", 1, 64)
+        self._int("max_prefill_rows", 1, 1 << 16)
+        for name in ("cuda_graphs", "progress"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ConfigError(f"option {name}={v!r} must be True, False or None")
+
+    def _int(self, name: str, lo: int, hi: int) -> None:
+        v = getattr(self, name)
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ConfigError(f"option {name}={v!r} must be an integer in [{lo}, {hi}]")
+
+    def _choice(self, name: str, choices) -> None:
+        if getattr(self, name) not in choices:
+            raise ConfigError(f"option {name}={getattr(self, name)!r}: choose one of {', '.join(map(str, choices))}")
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def parse(cls, family: str, given: dict[str, Any] | None = None, base: "ProposerOptions | None" = None):
+        """`base` (or the defaults) with the fields in `given` replaced; unknown names raise ConfigError."""
+        given = dict(given or {})
+        bad = sorted(set(given) - set(cls.names()))
+        if bad:
+            raise ConfigError(f"unknown option(s) {bad} for {family}; known: {', '.join(cls.names())}")
+        if base is not None and not isinstance(base, cls):
+            raise ConfigError(f"options of type {type(base).__name__} given to {family} (expected {cls.__name__})")
+        start = {f.name: getattr(base, f.name) for f in fields(cls)} if base is not None else {}
+        return cls(**{**start, **given})
+
+    @classmethod
+    def help(cls) -> str:
+        """One line per option: name, default and what it does (docstrings and `--help`)."""
+        out = []
+        for f in fields(cls):
+            d = f.default if f.default is not MISSING else "required"
+            out.append(f"{f.name} (default {d!r}): {f.metadata.get('help', '')}")
+        return "\n".join(out)
