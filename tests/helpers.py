@@ -79,4 +79,4 @@ def check_pool(prop, states):
         assert st.seq_len == len(st.keys) and len(st.blocks.table) == PagedKvCache.blocks_for(st.seq_len)
         assert all(b > a for a, b in zip(st.keys, st.keys[1:]))
         used += len(st.blocks.table)
-    assert used + prop.kv.free_count == prop.kv.num_blocks
+    assert used + prop.kv.free_count == prop.pool_blocks

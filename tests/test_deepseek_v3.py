@@ -203,7 +203,7 @@ def test_errors_leave_state_unchanged(rng):
 
 
 def test_kv_pool_exhaustion_is_typed_and_changes_nothing(rng):
-    prop = load(tiny_ckpt("bf16"), max_seq_len=64)            # 4 blocks: one sequence of 64 rows
+    prop = load(tiny_ckpt("bf16"), max_seq_len=64, max_sequences=1)   # 4 blocks: one sequence of 64 rows
     toks, hs, tok, h = inputs(rng, 40)
     a, b = prop.alloc_state(), prop.alloc_state()
     prop.prefill(a, toks, hs)
@@ -215,18 +215,19 @@ def test_kv_pool_exhaustion_is_typed_and_changes_nothing(rng):
     assert snapshot(prop, a) == before_a and prop.kv.free_count == free and b.seq_len == 0
     prop.free_state(a)
     prop.free_state(a)                                         # idempotent
-    assert prop.kv.free_count == prop.kv.num_blocks
+    assert prop.kv.free_count == prop.pool_blocks
     assert prop.prefill(b, toks, hs) == 40
 
 
 def test_load_proposer_dispatches_here():
     prop = mtp_cupy.load_proposer(tiny_ckpt("bf16"), gpu=mtp_cupy.device("ref"), max_seq_len=64, max_sequences=2)
-    assert isinstance(prop, deepseek_mtp.DeepseekV3MtpProposer) and prop.kv.num_blocks == 8
+    assert isinstance(prop, deepseek_mtp.DeepseekV3MtpProposer) and prop.pool_blocks == 8
+    assert prop.sequences_that_fit() == 2
 
 
 def test_options_and_config_errors(tmp_path):
     with pytest.raises(ConfigError, match="unknown option"):
-        load(tiny_ckpt("bf16"), max_batch=4)
+        load(tiny_ckpt("bf16"), kv_blocks=4)
 
     class TwoRanks:
         world = 2

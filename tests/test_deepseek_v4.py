@@ -75,13 +75,17 @@ def test_prefill_and_propose_cycles_match_reference(ref, form):
     pos = n
     for accept in (2, 0, 3):
         tok = int(rng.integers(0, cfg["vocab_size"]))
+        rows = len(model.rows)
         check_chain(prop, st, model, tok, hidden(rng, cfg, form), pos, 3)
         prop.after_verify(st, accept)
-        model.truncate(len(st.keys))
-        assert [p for p, _ in model.rows] == st.keys
-        pos += accept + 1
+        model.truncate(rows + accept)           # the accepted drafts' rows stay, the rejected ones go
+        assert [p for p, _ in model.rows] == st.keys == list(range(pos + accept))
+        pos += accept + 1                       # catch-up: the row of the last accepted token, from the target
+        t2, h1 = rng.integers(0, cfg["vocab_size"], 2), hidden(rng, cfg, form, 1)
+        prop.prefill(st, t2, h1)
+        model.write_row(int(t2[1]), h1[0].astype(np.float64), pos - 1)
     prop.free_state(st)
-    assert prop.kv.free_count == prop.kv.num_blocks
+    assert prop.kv.free_count == prop.pool_blocks
 
 
 def test_forward_one_without_hc_head_takes_first_stream(ref):
@@ -151,9 +155,10 @@ def test_errors_are_typed_and_leave_state_unchanged(ref):
     rng = np.random.default_rng(9)
     D, hc, V = cfg["hidden_size"], cfg["hc_mult"], cfg["vocab_size"]
     toks, hs = rng.integers(0, V, 11), hidden(rng, cfg, "streams", 10)
-    prop = v4.from_checkpoint(path, ref, max_seq_len=40, kv_blocks=1)
-    st = prop.alloc_state()
+    prop = v4.from_checkpoint(path, ref, max_seq_len=40, max_sequences=1)    # 3 blocks
+    st, filler = prop.alloc_state(), prop.alloc_state()
     prop.prefill(st, toks, hs)
+    prop.prefill(filler, rng.integers(0, V, 31), hidden(rng, cfg, "single", 30))   # the other 2 blocks
     good = hidden(rng, cfg, "streams")
     before = snapshot(prop, st)
     bad_calls = [
@@ -163,7 +168,8 @@ def test_errors_are_typed_and_leave_state_unchanged(ref):
         (InputError, lambda: prop.propose(st, 1, np.zeros(D + 1, np.float32), 10, 1)),  # hidden size
         (InputError, lambda: prop.propose(st, 1, np.zeros((hc + 1, D), np.float32), 10, 1)),
         (InputError, lambda: prop.propose(st, 1, np.zeros(D, np.float64), 10, 1)),      # hidden dtype
-        (CapacityError, lambda: prop.propose(st, 1, good, 30, 8)),                       # KV pool: 1 block
+        (CapacityError, lambda: prop.propose(st, 1, good, 10, 8)),                       # KV pool full
+        (InputError, lambda: prop.propose(st, 1, good, 11, 1)),                          # a hole at 10
         (InputError, lambda: prop.prefill(st, [1, V + 3], hidden(rng, cfg, "streams", 1))),
         (InputError, lambda: prop.prefill(st, [1, 2, 3], np.zeros((2, hc + 1, D), np.float32))),
         (CapacityError, lambda: prop.prefill(st, rng.integers(0, V, 25), hidden(rng, cfg, "single", 24))),
@@ -175,7 +181,7 @@ def test_errors_are_typed_and_leave_state_unchanged(ref):
         assert snapshot(prop, st) == before
     # nothing the failed calls touched shows in the next call: same result as a proposer that never failed
     got = prop.propose(st, 3, good, 10, 2, return_logits=True)
-    clean = v4.from_checkpoint(path, ref, max_seq_len=40, kv_blocks=1)
+    clean = v4.from_checkpoint(path, ref, max_seq_len=40, max_sequences=1)
     st2 = clean.alloc_state()
     clean.prefill(st2, toks, hs)
     want = clean.propose(st2, 3, good, 10, 2, return_logits=True)
@@ -185,7 +191,7 @@ def test_errors_are_typed_and_leave_state_unchanged(ref):
 def test_unknown_option_and_wrong_family(ref):
     path, _, _ = ckpt()
     with pytest.raises(ConfigError, match="unknown option"):
-        v4.from_checkpoint(path, ref, max_batch=4)
+        v4.from_checkpoint(path, ref, kv_blocks=4)
     with pytest.raises(ConfigError, match="device_hidden"):
         v4.from_checkpoint(path, ref, device_hidden="both")
 

@@ -39,10 +39,10 @@ class StubbedSteps(v4.DeepseekV4MtpProposer):
     real = False
     rng = np.random.default_rng(0)
 
-    def _step(self, st, ids, hidden, position, row, logits):
+    def _forward(self, ids, hidden, m, meta, meta_stride, logits):
         if self.real:
-            return super()._step(st, ids, hidden, position, row, logits)
-        self.gpu.copy_h2d(logits, self.rng.standard_normal(self.vocab_eff).astype(np.float32))
+            return super()._forward(ids, hidden, m, meta, meta_stride, logits)
+        self.gpu.copy_h2d(logits, self.rng.standard_normal((m, self.vocab_eff)).astype(np.float32))
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n):
         if self.real:
@@ -54,8 +54,8 @@ def test_random_cycles_keep_invariants(ref, rng):
     no block leaks, rows == positions written, keys increasing, tables sized to rows."""
     path, _, cfg = ckpt(seed=7, **SMALL)
     c = load_config(path)
-    prop = StubbedSteps(ref, c, v4.load_deepseek_v4(ref, path, c), max_seq_len=160, max_drafts=3, kv_blocks=16,
-                        max_prefill_rows=8)
+    prop = StubbedSteps(ref, c, v4.load_deepseek_v4(ref, path, c), max_seq_len=160, max_drafts=3, max_sequences=1,
+                        max_prefill_rows=8, drafter_context=False)
     states = [prop.alloc_state() for _ in range(4)]
     nxt = [0] * 4
     t0, cycles, exhausted, real = time.perf_counter(), 0, 0, 0
@@ -92,6 +92,6 @@ def test_random_cycles_keep_invariants(ref, rng):
         check_pool(prop, states)
     for st in states:
         prop.free_state(st)
-    assert prop.kv.free_count == prop.kv.num_blocks
+    assert prop.kv.free_count == prop.pool_blocks
     assert time.perf_counter() - t0 < 60
     assert exhausted > 0 and real > 100   # the pool ran dry at times, and real steps ran among the stubs

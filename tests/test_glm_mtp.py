@@ -209,7 +209,7 @@ def test_errors_leave_state_unchanged(rng):
     assert prop.prefill(st, toks[:3], hs[:2], start_position=10) == 2     # appends at the current length
     prop.free_state(st)
     prop.free_state(st)                                                    # idempotent
-    assert prop.kv.free_count == prop.kv.num_blocks
+    assert prop.kv.free_count == prop.pool_blocks
     with pytest.raises(InputError, match="freed"):
         prop.propose(st, tok, h, 12, 1)
     st = prop.alloc_state()
@@ -218,7 +218,7 @@ def test_errors_leave_state_unchanged(rng):
 
 
 def test_kv_pool_exhaustion_is_typed(rng):
-    prop = load(glm_ckpt("bf16"), max_seq_len=32)              # 2 blocks: one sequence of 32 rows
+    prop = load(glm_ckpt("bf16"), max_seq_len=32, max_sequences=1)   # 2 blocks: one sequence of 32 rows
     toks, hs, _, _ = inputs(rng, 20)
     a, b = prop.alloc_state(), prop.alloc_state()
     prop.prefill(a, toks, hs)

@@ -18,10 +18,10 @@ CASES = [("bf16", "bf16", False), ("bf16", "fp8", False), ("bf16", "nvfp4", Fals
          ("nvfp4", None, False), ("bf16", "bf16", True), ("bf16", "nvfp4", True)]
 
 
-def _load(ckpt_quant, quant, dense=False, gpu=None, **kw):
+def _load(ckpt_quant, quant, dense=False, gpu=None, max_seq_len=256, **kw):
     gpu = gpu or mtp_cupy.device("ref")
     opts = {} if quant is None else {"quantization": quant}
-    return qwen_mtp.from_checkpoint(tiny_ckpt(ckpt_quant, dense), gpu, max_seq_len=256, **opts, **kw)
+    return qwen_mtp.from_checkpoint(tiny_ckpt(ckpt_quant, dense), gpu, max_seq_len=max_seq_len, **opts, **kw)
 
 
 def _inputs(seed):
@@ -124,7 +124,7 @@ def test_mtp_vocab_size_limits_rows_scored():
 
 
 def test_typed_errors_leave_state_unchanged():
-    prop = _load("bf16", "bf16", kv_blocks=6)
+    prop = _load("bf16", "bf16", max_seq_len=96, max_sequences=1)     # 6 blocks
     rng = np.random.default_rng(5)
     toks, hs = rng.integers(0, V, 49), bf16_round(rng.standard_normal((48, D)))
     tok, h = int(toks[-1]), hs[-1]
@@ -134,8 +134,9 @@ def test_typed_errors_leave_state_unchanged():
     prop.prefill(hog, toks[:2], hs[:1])                 # the last block
     before, before_other = snapshot(prop, st), snapshot(prop, other)
     good = dict(token=tok, hidden=h, position=47, num_drafts=1)
-    bad = [(InputError, dict(token=V)), (InputError, dict(token=-1)), (InputError, dict(position=256)),
-           (InputError, dict(position=250, num_drafts=8)), (InputError, dict(position=46)),
+    bad = [(InputError, dict(token=V)), (InputError, dict(token=-1)), (InputError, dict(position=96)),
+           (InputError, dict(position=90, num_drafts=8)), (InputError, dict(position=46)),
+           (InputError, dict(position=48)),                                        # a hole at 47
            (InputError, dict(hidden=h[:-1])), (InputError, dict(hidden=h.astype(np.float64))),
            (InputError, dict(hidden=h.astype(np.int32))), (InputError, dict(num_drafts=9)),
            (CapacityError, dict(num_drafts=2))]

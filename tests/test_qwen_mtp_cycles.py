@@ -43,7 +43,7 @@ def test_prefill_equals_step_by_step():
 
 @pytest.mark.parametrize("mode", ["plain", "confidence", "grammar"])
 def test_batched_equals_unbatched(mode):
-    prop = _load("bf16", quantization="fp8", max_batch=8)
+    prop = _load("bf16", quantization="fp8", max_batch=8, drafter_context=False)
     rng = np.random.default_rng(1)
     lens = [5, 17, 32, 33]
     A, B = [prop.alloc_state() for _ in lens], [prop.alloc_state() for _ in lens]
@@ -85,7 +85,7 @@ def test_batched_equals_unbatched(mode):
             prop.after_verify(B[s], acc)
             pos[s] += acc + 1
     used = sum(len(s.blocks.table) for s in A + B)
-    assert prop.kv.free_count + used == prop.kv.num_blocks
+    assert prop.kv.free_count + used == prop.pool_blocks
 
 
 @pytest.mark.parametrize("refeed", [False, True])
@@ -150,7 +150,8 @@ def test_random_cycles_keep_invariants(rng):
     dims = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=4,
                 num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32, vocab_size=64)
     prop = qwen_mtp.from_checkpoint(tiny_ckpt("bf16", **dims), mtp_cupy.device("ref"), max_seq_len=160,
-                                    max_drafts=2, max_batch=4, kv_blocks=16, refeed_accepted=True)
+                                    max_drafts=2, max_batch=4, max_sequences=1, refeed_accepted=True,
+                                    drafter_context=False)
     states = [prop.alloc_state() for _ in range(4)]
     nxt = [0] * 4
     t0, cycles, exhausted = time.perf_counter(), 0, 0

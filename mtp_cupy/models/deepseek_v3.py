@@ -33,12 +33,10 @@ from ..weights.deepseek_v3 import DeepseekV3MtpWeights, load_deepseek_v3
 
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV3Options(ProposerOptions):
-    max_sequences: int = opt(1, "KV pool size, in sequences of max_seq_len")
     mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._int("max_sequences", 1, 1 << 20)
         self._int("mtp_vocab_size", 0, 1 << 31)
 
 
@@ -58,13 +56,13 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         if cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc":
             raise ConfigError(f"{self.family} MTP supports scoring_func sigmoid / topk_method noaux_tc, got "
                               f"{cfg.scoring_func} / {cfg.topk_method}")
-        self.cfg, self.w, self.eps = cfg, weights, float(cfg.rms_norm_eps)
+        self.cfg, self.w, self.eps, self.options = cfg, weights, float(cfg.rms_norm_eps), o
         self._setup_shard(cfg, weights, comm, o)
-        D, rows = cfg.hidden_size, o.max_prefill_rows
+        D, B, rows = cfg.hidden_size, o.max_batch, max(o.max_batch, o.max_prefill_rows)
         self.dims = MlaDims.from_config(cfg, heads=self._local_heads())
-        kv = PagedKvCache(gpu, self._cache_specs(), num_blocks=PagedKvCache.blocks_for(max_seq_len) * o.max_sequences)
+        kv = PagedKvCache(gpu, self._cache_specs(), num_blocks=self.kv_blocks(o, max_seq_len))
         super().__init__(gpu, cfg.vocab_size, D, max_seq_len, kv, o,
-                         extra_regions={"x": 2 * D * rows, "xn": 2 * D * rows, "tmp": 2 * D, **self._regions()})
+                         extra_regions={"x": 2 * D * rows, "xn": 2 * D * rows, "tmp": 2 * D * B, **self._regions()})
         self.norm = Norms(gpu, weights.norms, D, self.eps)
         self.front = MtpFront(gpu, FrontWeights(weights.embed, proj=weights.eh_proj), FrontDims(D, cfg.vocab_size),
                               self.norm, rows)
@@ -72,7 +70,7 @@ class DeepseekV3MtpProposer(MtpProposerBase):
                                               weights.kv_a, weights.norms["kv_a_layernorm"], weights.w_uk_t,
                                               weights.kv_b, weights.o_proj), MlaRope.from_config(cfg), kv, rows)
         self.moe = MoE(gpu, MoeConfig.from_config(cfg), weights.router, weights.experts, bias=weights.bias,
-                       shared=weights.shared, max_rows=1)
+                       shared=weights.shared, max_rows=B)
         self.head = self._head()
         self.carry = self._carry()
 
@@ -90,7 +88,7 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         return {}
 
     def _attention(self, w: MlaWeights, rope: MlaRope, kv: PagedKvCache, rows: int):
-        return MlaAttention(self.gpu, w, self.dims, rope, kv, max_rows=1, max_kv_rows=rows)
+        return MlaAttention(self.gpu, w, self.dims, rope, kv, max_rows=self.options.max_batch, max_kv_rows=rows)
 
     def _head(self):
         return self.w.head.rows(0, self.vocab_eff)
@@ -99,24 +97,24 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         return self.bufs.x   # g: the next step's front reads it (hnorm) before eh_proj overwrites x
 
     # -- the step --------------------------------------------------------------------------------
-    def _block(self, ids, hidden, carry) -> None:
-        """front, attention, MoE; leaves the shared_head.norm output in `carry` (xn when carry is x)."""
+    def _block(self, ids, hidden, m: int, meta, meta_stride: int, normed) -> None:
+        """front, attention, MoE over m rows; leaves the shared_head.norm output in `normed`."""
         b = self.bufs
-        self.front.forward(ids, hidden, b.x, 1)
-        self.norm("input_layernorm", b.x, b.xn, 1)
-        self.mla.forward(b.xn, b.tmp, 1, b.mtp_meta, b.mtp_meta_capacity)
-        self._reduce(b.tmp)
-        self.norm.add("post_attention_layernorm", b.x, b.tmp, b.xn, 1)
-        self.moe.forward(b.xn, b.tmp, m=1)
-        self._reduce(b.tmp)
-        self.norm.add("shared_head.norm", b.x, b.tmp, carry, 1)
+        self.front.forward(ids, hidden, b.x, m)
+        self.norm("input_layernorm", b.x, b.xn, m)
+        self.mla.forward(b.xn, b.tmp, m, meta, meta_stride)
+        self._reduce(b.tmp, m)
+        self.norm.add("post_attention_layernorm", b.x, b.tmp, b.xn, m)
+        self.moe.forward(b.xn, b.tmp, m=m)
+        self._reduce(b.tmp, m)
+        self.norm.add("shared_head.norm", b.x, b.tmp, normed, m)
 
-    def _reduce(self, ptr) -> None:
+    def _reduce(self, ptr, m: int) -> None:
         """Sum partial block outputs across ranks (GLM-5 sharded); nothing on one rank."""
 
-    def _step(self, st, ids, hidden, position, row, logits) -> None:
-        self._block(ids, hidden, self.bufs.xn)
-        ops.linear(self.gpu, self.bufs.xn, self.head, logits, 1, out_dtype="f32")
+    def _forward(self, ids, hidden, m, meta, meta_stride, logits) -> None:
+        self._block(ids, hidden, m, meta, meta_stride, self.bufs.xn)
+        ops.linear(self.gpu, self.bufs.xn, self.head, logits, m, out_dtype="f32")
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
         # row r pairs embed(tokens[r + 1]) with hiddens[r]

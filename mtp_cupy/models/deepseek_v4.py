@@ -44,7 +44,6 @@ HIDDEN_FORMS = ("streams", "single")
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV4Options(ProposerOptions):
     mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
-    kv_blocks: int | None = opt(None, "KV pool size in blocks of 16 rows (default: one sequence of max_seq_len)")
     device_hidden: str = opt("streams", "what a device-pointer hidden holds: 'streams' (the target's [hc, D] "
                                         "pre-hc_head streams) or 'single' (one [D] hidden); host arrays say "
                                         "which by their shape")
@@ -52,8 +51,6 @@ class DeepseekV4Options(ProposerOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._int("mtp_vocab_size", 0, 1 << 31)
-        if self.kv_blocks is not None:
-            self._int("kv_blocks", 1, 1 << 30)
         self._choice("device_hidden", HIDDEN_FORMS)
 
 
@@ -73,11 +70,11 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         if cfg.scoring_func != "sqrtsoftplus":
             raise ConfigError(f"deepseek_v4 MTP supports scoring_func sqrtsoftplus, got {cfg.scoring_func}")
         self.cfg, self.w, self.eps = cfg, weights, float(cfg.rms_norm_eps)
-        D, hc, R = cfg.hidden_size, cfg.hc_mult, o.max_prefill_rows   # R: rows of one prefill pass
+        D, hc, B = cfg.hidden_size, cfg.hc_mult, o.max_batch
+        R = max(B, o.max_prefill_rows)            # rows of one pass: a prefill chunk or a batch
         self.hc, self.device_hidden = hc, o.device_hidden
         self._streams_in = self.device_hidden == "streams"
-        blocks = o.kv_blocks if o.kv_blocks is not None else PagedKvCache.blocks_for(max_seq_len) + 1
-        kv = PagedKvCache(gpu, CacheSpec(CACHE, cfg.head_dim, "bf16"), num_blocks=blocks)
+        kv = PagedKvCache(gpu, CacheSpec(CACHE, cfg.head_dim, "bf16"), num_blocks=self.kv_blocks(o, max_seq_len))
         super().__init__(gpu, cfg.vocab_size, D, max_seq_len, kv, o,
                          extra_regions={"prefill_hidden": 2 * hc * D * R, "X": 2 * hc * D * R,
                                         **{n: 2 * D * R for n in ("ep", "x", "xn", "f")}})
@@ -90,10 +87,10 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         a, n = weights.attn, weights.norms
         self.attn = V4Attention(gpu, V4AttentionWeights(a["wq_a"], a["wq_b"], a["wkv"], a["wo_a"], a["wo_b"],
                                                         n["attn.q_norm"], n["attn.kv_norm"], weights.attn_sink),
-                                V4AttentionDims.from_config(cfg), kv, max_rows=1, max_kv_rows=R)
+                                V4AttentionDims.from_config(cfg), kv, max_rows=B, max_kv_rows=R)
         self.moe = MoE(gpu, MoeConfig.from_config(cfg, hashed=int(weights.tid2eid) != 0), weights.router,
                        weights.experts, bias=weights.router_bias, shared=weights.shared, tid2eid=weights.tid2eid,
-                       max_rows=1, vocab=cfg.vocab_size)
+                       max_rows=B, vocab=cfg.vocab_size)
 
     # -- hidden forms ----------------------------------------------------------------------------
     def _hidden_shapes(self) -> list[tuple[int, ...]]:
@@ -101,10 +98,8 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         s, one = (self.hc, self.hidden_size), (self.hidden_size,)
         return [s, one] if self.device_hidden == "streams" else [one, s]
 
-    def _check_hidden_shape(self, hidden):
-        shape = super()._check_hidden_shape(hidden)
+    def _use_hidden_shape(self, shape: tuple[int, ...]) -> None:
         self._streams_in = len(shape) == 2
-        return shape
 
     def _graph_variant(self):
         return self._streams_in
@@ -153,13 +148,13 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         self.moe.forward(b.xn, b.f, m=m, token_ids=ids)
         self.mhc.post("ffn", b.f, b.X, m)
 
-    def _step(self, st, ids, hidden, position, row, logits) -> None:
+    def _forward(self, ids, hidden, m, meta, meta_stride, logits) -> None:
         b = self.bufs
-        self._front(ids, hidden, 1, self._streams_in or int(hidden) == int(self.carry))
-        self._block(ids, 1, b.mtp_meta, b.mtp_meta_capacity)  # one slab
-        self.mhc.head(b.X, b.x, 1)
-        self.norm("norm", b.x, b.xn, 1)
-        ops.linear(self.gpu, b.xn, self.head, logits, 1, out_dtype="f32")
+        self._front(ids, hidden, m, self._streams_in or int(hidden) == int(self.carry))
+        self._block(ids, m, meta, meta_stride)
+        self.mhc.head(b.X, b.x, m)
+        self.norm("norm", b.x, b.xn, m)
+        ops.linear(self.gpu, b.xn, self.head, logits, m, out_dtype="f32")
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
         # one pass over n <= max_prefill_rows rows; row r pairs embed(tokens[r + 1]) with hiddens[r]

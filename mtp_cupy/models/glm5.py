@@ -39,7 +39,6 @@ from .deepseek_v3 import DeepseekV3MtpProposer
 
 @dataclass(frozen=True, kw_only=True)
 class Glm5Options(ProposerOptions):
-    max_sequences: int = opt(1, "KV pool size, in sequences of max_seq_len")
     head_fp8: bool = opt(False, "draft from an FP8 (per-row scale) copy of this rank's head slice (or of the "
                                 "whole head on one rank)")
     head_exchange: str = opt("digits", "cross-rank argmax: 'digits' (bf16 lanes, one all-reduce) or 'pairs' "
@@ -47,7 +46,6 @@ class Glm5Options(ProposerOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._int("max_sequences", 1, 1 << 20)
         if not isinstance(self.head_fp8, bool):
             raise ConfigError(f"option head_fp8={self.head_fp8!r} must be True or False")
         self._choice("head_exchange", EXCHANGES)
@@ -86,18 +84,18 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
         return [CacheSpec("latent", self.dims.row_width, "bf16"), CacheSpec(INDEX_CACHE, self.idx_dims.head_dim, "bf16")]
 
     def _regions(self) -> dict[str, int]:
-        D, V = self.cfg.hidden_size, self.cfg.vocab_size
-        return {"carry": 2 * D, "hlog": 2 * self.head_n, "full": 2 * V if self.head_sharded else 0}
+        D, V, B = self.cfg.hidden_size, self.cfg.vocab_size, self.options.max_batch
+        return {"carry": 2 * D * B, "hlog": 2 * self.head_n * B, "full": 2 * V if self.head_sharded else 0}
 
     def _attention(self, w: MlaWeights, rope: MlaRope, kv, rows: int):
+        B = self.options.max_batch
         self.indexer = DsaIndexer(self.gpu, self.w.indexer, self.idx_dims, rope, kv, self.max_seq_len,
-                                  self.cfg.q_lora_rank, max_rows=1, max_kv_rows=rows)
-        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=1, max_kv_rows=rows)
+                                  self.cfg.q_lora_rank, max_rows=B, max_kv_rows=rows)
+        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=B, max_kv_rows=rows)
 
     def _head(self):
-        self.xchg = ShardedArgmax(self.gpu, self.comm, self.head_v0, self.head_n, self.options.head_exchange) \
-            if self.head_sharded else None
-        self._f32_logits = False
+        self.xchg = ShardedArgmax(self.gpu, self.comm, self.head_v0, self.head_n, self.options.head_exchange,
+                                  self.max_batch) if self.head_sharded else None
         if self.options.head_fp8 and self.w.head.fmt == "bf16":
             return ops.quantize_linear(self.gpu, self.w.head, "fp8_row")
         return self.w.head
@@ -106,46 +104,38 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
         return self.bufs.carry   # GLM-5 carries the post-shared_head.norm hidden
 
     # -- the step --------------------------------------------------------------------------------
-    def _reduce(self, ptr: DevicePtr) -> None:
+    def _reduce(self, ptr: DevicePtr, m: int) -> None:
         """Sum the ranks' partial block outputs (o_proj row-parallel, EP MoE) in bf16, as NCCL does."""
         if self.comm is not None:
-            self.comm.all_reduce(ptr, self.hidden_size, dtype="bf16", op="sum")
+            self.comm.all_reduce(ptr, m * self.hidden_size, dtype="bf16", op="sum")
 
-    def _step(self, st, ids, hidden, position, row, logits) -> None:
-        self._block(ids, hidden, self.bufs.carry)
-        ops.linear(self.gpu, self.bufs.carry, self.head, self.bufs.hlog, 1)
+    def _forward(self, ids, hidden, m, meta, meta_stride, logits) -> None:
+        """bf16 logits of this rank's vocab slice [m, head_n] into hlog (the pick widens them when f32 ones
+        are wanted)."""
+        self._block(ids, hidden, m, meta, meta_stride, self.bufs.carry)
+        ops.linear(self.gpu, self.bufs.carry, self.head, self.bufs.hlog, m)
 
-    def _full_logits(self, logits: DevicePtr) -> None:
-        """f32 [vocab] at `logits`: this rank's slice gathered with the others' (sharded) and widened."""
-        src = self.bufs.hlog
-        if self.head_sharded:
-            self.comm.all_gather(src, self.bufs.full, self.head_n, dtype="bf16")
-            src = self.bufs.full
-        ops.widen_bf16_f32(self.gpu, src, logits, self.vocab_size)
+    def _full_logits(self, logits: DevicePtr, W: int) -> None:
+        """f32 [W, vocab] at `logits`: each row's slice gathered with the other ranks' (sharded), widened."""
+        b, V, n = self.bufs, self.vocab_size, self.head_n
+        for r in range(W):
+            src = b.hlog.offset(2 * n * r)
+            if self.head_sharded:
+                self.comm.all_gather(src, b.full, n, dtype="bf16")
+                src = b.full
+            ops.widen_bf16_f32(self.gpu, src, logits.offset(4 * V * r), V)
 
-    def _graph_variant(self):
-        """return_logits adds the gather / widen launches to every step: a chain of its own."""
-        return self._f32_logits
-
-    def _pick(self, step: int, logits: DevicePtr, mask: DevicePtr | None, want_lp: bool) -> None:
-        if mask is None and not want_lp and not self._f32_logits:
-            ids_out = self.bufs.ids.offset(4 * (step + 1))
+    def _pick(self, step: int, W: int, logits: DevicePtr, masked: bool, want_lp: bool, keep: bool = False) -> None:
+        if not (masked or want_lp or keep):
+            out = self.bufs.ids.offset(4 * W * (step + 1))
             if self.xchg is not None:
-                self.xchg.pick(self.bufs.hlog, ids_out)
+                self.xchg.pick(self.bufs.hlog, out, W)
             else:
-                ops.argmax(self.gpu, self.bufs.hlog, self.vocab_size, ids_out, dtype="bf16")
+                ops.argmax(self.gpu, self.bufs.hlog, self.vocab_size, out, rows=W, row_stride=self.head_n,
+                           dtype="bf16")
             return
-        self._full_logits(logits)
-        super()._pick(step, logits, mask, want_lp)
-
-    def propose(self, st, token, hidden, position, num_drafts, grammar_bitmask=None, return_logits=False,
-                min_logprob=None):
-        self._f32_logits = bool(return_logits)
-        try:
-            return super().propose(st, token, hidden, position, num_drafts, grammar_bitmask, return_logits,
-                                   min_logprob)
-        finally:
-            self._f32_logits = False
+        self._full_logits(logits, W)
+        super()._pick(step, W, logits, masked, want_lp, keep)
 
     # -- accounting ------------------------------------------------------------------------------
     def weight_bytes_per_step(self, m: int = 1) -> int:

@@ -28,7 +28,6 @@ from ..speculative.base import MtpProposerBase
 from ..speculative.options import ProposerOptions, opt
 from ..weights.config import Qwen3NextConfig
 from ..weights.qwen3_next import Qwen3NextMtpWeights, load_qwen3_next
-from .qwen_batch import BatchProposeMixin
 
 
 class MtpQuantization(enum.Enum):
@@ -74,9 +73,6 @@ class Qwen3NextOptions(ProposerOptions):
     quantization: str | None = opt(None, "precision of the projections: 'nvfp4' ('fp4'), 'fp8', 'bf16' "
                                          "(default: the checkpoint's own format)")
     mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
-    max_batch: int = opt(32, "most sequences one propose_batch drafts for (1 to 32)")
-    kv_blocks: int | None = opt(None, "KV pool size in blocks of 16 rows (default: max_batch sequences of "
-                                      "max_seq_len)")
     kv_scale: float = opt(1.0, "scale of FP8 K/V cache rows")
     refeed_accepted: bool = opt(False, "after_verify also drops accepted rows built from a drafter hidden (the "
                                        "caller re-feeds them from the target)")
@@ -86,17 +82,13 @@ class Qwen3NextOptions(ProposerOptions):
         if self.quantization is not None:
             MtpQuantization.parse(self.quantization)
         self._int("mtp_vocab_size", 0, 1 << 31)
-        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= 32:
-            raise ConfigError(f"max_batch {self.max_batch} outside [1, 32] (the batched GEMV path)")
-        if self.kv_blocks is not None:
-            self._int("kv_blocks", 1, 1 << 30)
         if not isinstance(self.kv_scale, (int, float)) or not self.kv_scale > 0:
             raise ConfigError(f"option kv_scale={self.kv_scale!r} must be a positive number")
         if not isinstance(self.refeed_accepted, bool):
             raise ConfigError(f"option refeed_accepted={self.refeed_accepted!r} must be True or False")
 
 
-class Qwen3NextMtpProposer(BatchProposeMixin, MtpProposerBase):
+class Qwen3NextMtpProposer(MtpProposerBase):
     family = "qwen3_next"
     Options = Qwen3NextOptions
     config_class = Qwen3NextConfig
@@ -113,18 +105,16 @@ class Qwen3NextMtpProposer(BatchProposeMixin, MtpProposerBase):
         self.quantization = q.effective_for_head(weights.dense_ffn)
         self.cfg, self.w, self.refeed_accepted = cfg, weights, o.refeed_accepted
         D, V = cfg.hidden_size, cfg.vocab_size
-        self.max_batch, self.eps = o.max_batch, float(cfg.rms_norm_eps)
+        B, self.eps = o.max_batch, float(cfg.rms_norm_eps)
         weights.quantize(gpu, self.quantization.linear_fmt)
         if self.quantization is MtpQuantization.NVFP4 and weights.lm_head.fmt == "bf16":
             weights.lm_head = ops.quantize_linear(gpu, weights.lm_head, "nvfp4")
         kvw, kv_dtype = cfg.num_key_value_heads * cfg.head_dim, self.quantization.kv_dtype
-        blocks = o.kv_blocks if o.kv_blocks is not None else PagedKvCache.blocks_for(max_seq_len) * self.max_batch
-        kv = PagedKvCache(gpu, [CacheSpec("k", kvw, kv_dtype), CacheSpec("v", kvw, kv_dtype)], num_blocks=blocks)
-        rows = max(self.max_batch, o.max_prefill_rows)
-        v_eff = min(o.mtp_vocab_size, V) if o.mtp_vocab_size > 0 else V
+        kv = PagedKvCache(gpu, [CacheSpec("k", kvw, kv_dtype), CacheSpec("v", kvw, kv_dtype)],
+                          num_blocks=self.kv_blocks(o, max_seq_len))
+        rows = max(B, o.max_prefill_rows)
         super().__init__(gpu, V, D, max_seq_len, kv, o,
-                         extra_regions={**{n: 2 * D * rows for n in ("x", "xn", "tmp")}, "carry": 2 * D * self.max_batch,
-                                        **self._batch_regions(max_seq_len, self.max_batch, o.max_drafts, V, v_eff, D)})
+                         extra_regions={**{n: 2 * D * rows for n in ("x", "xn", "tmp")}, "carry": 2 * D * B})
         self.carry = self.bufs.carry
         self.lm_head = weights.lm_head.rows(0, self.vocab_eff)
         self.norm = Norms(gpu, weights.norms, D, self.eps, unit_offset=True)
@@ -133,12 +123,12 @@ class Qwen3NextMtpProposer(BatchProposeMixin, MtpProposerBase):
         L = weights.linears
         self.attn = GatedAttention(gpu, GatedAttentionWeights(L["q_proj"], L["k_proj"], L["v_proj"], L["o_proj"],
                                                               weights.norms["q_norm"], weights.norms["k_norm"]),
-                                   GatedAttentionDims.from_config(cfg, kv_dtype, o.kv_scale), kv, self.max_batch, rows)
+                                   GatedAttentionDims.from_config(cfg, kv_dtype, o.kv_scale), kv, B, rows)
         if weights.dense_ffn:
-            self.ffn = DenseFFN(gpu, (L["gate_proj"], L["up_proj"], L["down_proj"]), max_rows=self.max_batch)
+            self.ffn = DenseFFN(gpu, (L["gate_proj"], L["up_proj"], L["down_proj"]), max_rows=B)
         else:
             self.ffn = MoE(gpu, MoeConfig.from_config(cfg), weights.router, weights.experts, shared=weights.shared,
-                           shared_gate=weights.shared_gate, max_rows=self.max_batch)
+                           shared_gate=weights.shared_gate, max_rows=B)
 
     # -- the step --------------------------------------------------------------------------------
     def _forward(self, ids: DevicePtr, hidden: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
@@ -152,9 +142,6 @@ class Qwen3NextMtpProposer(BatchProposeMixin, MtpProposerBase):
         self.ffn.forward(b.xn, b.tmp, m)
         self.norm.add("norm", b.x, b.tmp, self.carry, m)
         ops.linear(self.gpu, self.carry, self.lm_head, logits, m, out_dtype="f32")
-
-    def _step(self, st, ids, hidden, position, row, logits) -> None:
-        self._forward(ids, hidden, 1, self.bufs.mtp_meta, self.meta_stride, logits)
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
         # row r pairs embed(tokens[r + 1]) with hiddens[r]

@@ -20,17 +20,30 @@ def opt(default: Any, help: str) -> Any:
 class ProposerOptions:
     """Options every family takes."""
     max_drafts: int = opt(8, "most draft tokens one propose may ask for")
+    max_batch: int = opt(64, "most sequences one propose_batch drafts for (graph buckets 1, 2, 4, ... up to it)")
+    max_sequences: int | None = opt(None, "KV pool size in sequences of max_seq_len (default: max_batch)")
     max_prefill_rows: int = opt(128, "drafter rows written per batched prefill pass")
+    drafter_context: bool = opt(True, "the drafter attends over its own KV of every earlier position, so a "
+                                      "propose must follow the newest row without a hole; False: it attends "
+                                      "over whatever rows it holds and holes are allowed")
     cuda_graphs: bool | None = opt(None, "replay each draft chain as a CUDA graph (default: on when the device is CUDA)")
     progress: bool | None = opt(None, "show a weight-loading bar (default: for checkpoints over 256 MB)")
 
     def __post_init__(self) -> None:
         self._int("max_drafts", 1, 64)
+        self._int("max_batch", 1, 64)
+        if self.max_sequences is not None:
+            self._int("max_sequences", 1, 1 << 20)
         self._int("max_prefill_rows", 1, 1 << 16)
+        self._bool("drafter_context")
         for name in ("cuda_graphs", "progress"):
-            v = getattr(self, name)
-            if v is not None and not isinstance(v, bool):
-                raise ConfigError(f"option {name}={v!r} must be True, False or None")
+            if getattr(self, name) is not None:
+                self._bool(name)
+
+    def _bool(self, name: str) -> None:
+        v = getattr(self, name)
+        if not isinstance(v, bool):
+            raise ConfigError(f"option {name}={v!r} must be True or False")
 
     def _int(self, name: str, lo: int, hi: int) -> None:
         v = getattr(self, name)

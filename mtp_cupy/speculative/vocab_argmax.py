@@ -20,6 +20,7 @@ import numpy as np
 
 from .. import ops
 from ..errors import ConfigError, InputError
+from ..runtime.arena import carve
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
 
@@ -75,38 +76,41 @@ def decode_pairs(pairs, world: int) -> tuple[int, int, float]:
 
 
 class ShardedArgmax:
-    """The device path: local argmax of this rank's bf16 logits slice with its value, the exchange, and the
-    decode straight into the caller's i32 id slot (no host round trip)."""
+    """The device path for up to `max_rows` sequences at once: the local argmax of each row of this rank's
+    bf16 logits slice with its value, ONE exchange for all rows (row r's lanes or pair at its own offset), and
+    the decode straight into the caller's i32 id slots (no host round trip)."""
 
-    def __init__(self, gpu, comm, v0: int, n: int, exchange: str = "digits"):
+    def __init__(self, gpu, comm, v0: int, n: int, exchange: str = "digits", max_rows: int = 1):
         if exchange not in EXCHANGES:
             raise ConfigError(f"head_exchange {exchange!r}: choose one of {', '.join(EXCHANGES)}")
         if v0 + n > MAX_ID and exchange == "digits":
             raise ConfigError(f"vocab end {v0 + n} needs more than three base-256 digits")
         self.gpu, self.comm, self.v0, self.n, self.exchange = gpu, comm, int(v0), int(n), exchange
+        self.max_rows = R = int(max_rows)
         W = comm.world
-        lanes = max(2 * lane_count(W), 8)
-        # local id i32 @0, value f32 @4, lanes bf16 [4W] (or this rank's pair) @16, gathered pairs u32 [W, 2]
-        self._buf = gpu.alloc(16 + lanes + 8 * W)
-        p = self._buf.ptr
-        self.local_id, self.value, self.xchg, self.gathered = p, p.offset(4), p.offset(16), p.offset(16 + lanes)
+        # local ids i32 [R], values f32 [R], lanes bf16 [R, 4W] or pairs u32 [R, 2], gathered pairs [W, R, 2]
+        self._buf, p = carve(gpu, {"id": 4 * R, "val": 4 * R, "xchg": max(8 * W, 8) * R, "gathered": 8 * W * R})
+        self.local_id, self.value, self.xchg, self.gathered = p["id"], p["val"], p["xchg"], p["gathered"]
 
-    def local(self, logits: DevicePtr, stream=None) -> None:
-        """Local argmax of the bf16 slice (ties to the lowest id) and its value."""
-        ops.argmax(self.gpu, logits, self.n, self.local_id, dtype="bf16", out_val=self.value, stream=stream)
+    def local(self, logits: DevicePtr, rows: int = 1, stream=None) -> None:
+        """Local argmax of each bf16 row of the slice (ties to the lowest id) and its value."""
+        ops.argmax(self.gpu, logits, self.n, self.local_id, rows=rows, row_stride=self.n, dtype="bf16",
+                   out_val=self.value, stream=stream)
 
-    def exchange_into(self, out_id: DevicePtr, stream=None) -> None:
-        """The exchange and the decode of the local (id, value) already in place."""
+    def exchange_into(self, out_id: DevicePtr, rows: int = 1, stream=None) -> None:
+        """One exchange for all rows and the decode of each row's winner into out_id[r]."""
+        if not 1 <= rows <= self.max_rows:
+            raise InputError(f"sharded argmax sized for {self.max_rows} rows, got {rows}")
         gpu, comm, W = self.gpu, self.comm, self.comm.world
         if self.exchange == "digits":
-            ops.pack_argmax_lanes(gpu, self.local_id, self.value, self.v0, comm.rank, W, self.xchg, stream=stream)
-            comm.all_reduce(self.xchg, lane_count(W), dtype="bf16", op="sum", stream=stream)
-            ops.decode_argmax_lanes(gpu, self.xchg, W, out_id, stream=stream)
+            ops.pack_argmax_lanes(gpu, self.local_id, self.value, self.v0, comm.rank, W, self.xchg, rows, stream)
+            comm.all_reduce(self.xchg, rows * lane_count(W), dtype="bf16", op="sum", stream=stream)
+            ops.decode_argmax_lanes(gpu, self.xchg, W, out_id, rows, stream)
         else:
-            ops.pack_argmax_pair(gpu, self.local_id, self.value, self.v0, self.xchg, stream=stream)
-            comm.all_gather(self.xchg, self.gathered, 8, dtype="u8", stream=stream)
-            ops.decode_argmax_pairs(gpu, self.gathered, W, out_id, stream=stream)
+            ops.pack_argmax_pair(gpu, self.local_id, self.value, self.v0, self.xchg, rows, stream)
+            comm.all_gather(self.xchg, self.gathered, 8 * rows, dtype="u8", stream=stream)
+            ops.decode_argmax_pairs(gpu, self.gathered, W, out_id, rows, stream)
 
-    def pick(self, logits: DevicePtr, out_id: DevicePtr, stream=None) -> None:
-        self.local(logits, stream)
-        self.exchange_into(out_id, stream)
+    def pick(self, logits: DevicePtr, out_id: DevicePtr, rows: int = 1, stream=None) -> None:
+        self.local(logits, rows, stream)
+        self.exchange_into(out_id, rows, stream)

@@ -1,0 +1,57 @@
+"""Shared by the batched-drafting tests (CPU and GPU): a tiny checkpoint per family, B sequences of ragged lengths
+prefilled alike into several proposers, and one verify round (ragged accepted counts, then the catch-up row of
+the last accepted token, from the 'target')."""
+from __future__ import annotations
+
+import tempfile
+
+import numpy as np
+
+from mtp_cupy.families import family
+from mtp_cupy.runtime.dtypes import bf16_round
+
+FAMILIES = ["deepseek_v3", "deepseek_v4", "qwen3_next", "glm5"]
+_CKPTS: dict = {}
+
+
+def ckpt(fam: str, seed: int = 3):
+    key = (fam, seed)
+    if key not in _CKPTS:
+        _CKPTS[key] = family(fam).write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"batch_{fam}_"), seed=seed)
+    return _CKPTS[key]
+
+
+def hidden(rng, prop, n: int | None = None, streams: bool = False) -> np.ndarray:
+    """bf16-exact hiddens: [n, D] (or [n, hc, D] for V4 streams)."""
+    shape = (prop.hc, prop.hidden_size) if streams else (prop.hidden_size,)
+    return bf16_round(rng.standard_normal(shape if n is None else (n, *shape)))
+
+
+def prefill_alike(rng, props, lens, streams: bool = False) -> list[list]:
+    """B sequences of lengths `lens` prefilled with the same rows into every proposer: states[p][s]."""
+    states = [[p.alloc_state() for _ in lens] for p in props]
+    for s, n in enumerate(lens):
+        toks, hs = rng.integers(0, props[0].vocab_size, n + 1), hidden(rng, props[0], n, streams)
+        for p, sts in zip(props, states):
+            p.prefill(sts[s], toks, hs)
+    return states
+
+
+def verify_round(rng, props, states, results, streams: bool = False) -> tuple[list[int], list[int]]:
+    """Accept a random prefix of each sequence's drafts (the same in every proposer), add the catch-up row at
+    the last accepted position, and return the next (positions, tokens). The kept rows are derived from what
+    was proposed and accepted, not read from the proposer."""
+    V = props[0].vocab_size
+    nxt, toks = [], []
+    for s, res in enumerate(results):
+        a = int(rng.integers(0, len(res.tokens) + 1))
+        expect = states[0][s].keys[:len(states[0][s].keys) - len(res.tokens)] + \
+            list(range(states[0][s].keys[-len(res.tokens)], states[0][s].keys[-len(res.tokens)] + a))
+        row, t = hidden(rng, props[0], 1, streams), rng.integers(0, V, 2)
+        for p, sts in zip(props, states):
+            p.after_verify(sts[s], a)
+            assert sts[s].keys == expect, (s, a)
+            p.prefill(sts[s], t, row)          # the row of the last accepted token, from the target
+        nxt.append(expect[-1] + 2 if expect else 1)
+        toks.append(int(rng.integers(0, V)))
+    return nxt, toks

@@ -1,0 +1,135 @@
+"""propose_batch for every family against one-at-a-time propose (the reference here is the same proposer on a
+batch of one: a sequence must draft the same whatever batch it is in), continuous-batching semantics (ragged
+lengths, ragged accepted counts, sequences joining and leaving, per-sequence masks and confidence stops),
+and the typed errors of a batch (a hole, a full pool) leaving every sequence as it was."""
+import numpy as np
+import pytest
+
+import mtp_cupy
+from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round
+from helpers import check_pool
+from mtp_cupy.errors import CapacityError, InputError
+
+
+def load(fam, gpu=None, **kw):
+    return mtp_cupy.load_proposer(ckpt(fam), gpu=gpu or mtp_cupy.device("ref"), max_seq_len=96,
+                                  max_batch=kw.pop("max_batch", 8), **kw)
+
+
+def random_masks(rng, prop, B):
+    """None for some sequences, a random allowed set for others, an all-zero mask (pad drafts) for one."""
+    words = (prop.vocab_size + 31) // 32
+    out = []
+    for s in range(B):
+        r = rng.random()
+        out.append(None if r < 0.4 else np.zeros(words, np.int32) if r < 0.5 else
+                   rng.integers(-2**31, 2**31 - 1, words, dtype=np.int64).astype(np.int32))
+    return out
+
+
+def same(got, want, bit_equal: bool) -> None:
+    assert got.tokens == want.tokens
+    if want.logits is not None:
+        fin = np.isfinite(want.logits)
+        assert np.array_equal(np.isfinite(got.logits), fin)
+        if bit_equal:
+            assert np.array_equal(got.logits[fin], want.logits[fin])
+        else:
+            d = np.linalg.norm(got.logits[fin] - want.logits[fin]) / np.linalg.norm(want.logits[fin])
+            assert d <= 1e-6, d
+    assert (got.logprobs is None) == (want.logprobs is None)
+    if want.logprobs is not None:
+        assert got.logprobs == want.logprobs
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+@pytest.mark.parametrize("B", [1, 3, 8])
+def test_batched_equals_one_at_a_time(fam, B, rng):
+    """Three rounds of propose_batch against propose on twin states: drafts, logits (bit for bit on the NumPy
+    device: every kernel's per-row arithmetic is independent of the other rows), log-probs and state."""
+    batched, single = load(fam), load(fam)
+    streams = fam == "deepseek_v4" and rng.random() < 0.5
+    lens = [int(n) for n in rng.integers(1, 30, B)]
+    sa, sb = prefill_alike(rng, (batched, single), lens, streams)
+    pos, toks = list(lens), [int(t) for t in rng.integers(0, batched.vocab_size, B)]
+    for rnd in range(3):
+        hs = hidden(rng, batched, B, streams)
+        k = int(rng.integers(1, 4))
+        mode = rnd % 3
+        kw = {}
+        masks = random_masks(rng, batched, B) if mode == 1 else None
+        if mode == 2:
+            kw["min_logprob"] = float(rng.uniform(-6, -1))
+        got = batched.propose_batch(sa, toks, hs, pos, k, grammar_bitmasks=masks, return_logits=True, **kw)
+        for s in range(B):
+            want = single.propose(sb[s], toks[s], hs[s], pos[s], k, return_logits=True,
+                                  grammar_bitmask=None if masks is None else masks[s], **kw)
+            same(got[s], want, bit_equal=True)
+            assert (sa[s].keys, sa[s].blocks.rows, sa[s].last_num_drafted) == \
+                (sb[s].keys, sb[s].blocks.rows, sb[s].last_num_drafted)
+            if masks is not None and masks[s] is not None and not masks[s].any():
+                assert got[s].tokens == [0] * k        # a mask that allows nothing drafts the pad id
+        pos, toks = verify_round(rng, (batched, single), (sa, sb), got, streams)
+        check_pool(batched, sa)
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_sequences_join_and_leave(fam, rng):
+    """A sequence's drafts do not depend on which sequences share its batch: the same sequence proposed beside
+    different neighbours (which join, leave and change order between calls) drafts the same."""
+    prop, alone = load(fam), load(fam)
+    lens = [int(n) for n in rng.integers(2, 20, 5)]
+    states, solo = prefill_alike(rng, (prop, alone), lens)
+    live = [0, 1, 2]
+    pos = {s: lens[s] for s in range(5)}
+    for rnd in range(4):
+        if rnd == 1:
+            live = [2, 3, 0]                       # 1 leaves, 3 joins, order changes
+            prop.free_state(states[1])
+            alone.free_state(solo[1])
+        if rnd == 2:
+            live = [4, 2]
+        toks = [int(t) for t in rng.integers(0, prop.vocab_size, len(live))]
+        hs = hidden(rng, prop, len(live))
+        got = prop.propose_batch([states[s] for s in live], toks, hs, [pos[s] for s in live], 2, return_logits=True)
+        for j, s in enumerate(live):
+            same(got[j], alone.propose(solo[s], toks[j], hs[j], pos[s], 2, return_logits=True), bit_equal=True)
+        nxt, _ = verify_round(rng, (prop, alone), ([states[s] for s in live], [solo[s] for s in live]), got)
+        pos.update(zip(live, nxt))
+    check_pool(prop, [states[s] for s in range(5) if not states[s].released])
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_hole_and_full_pool_errors_change_nothing(fam, rng):
+    prop = load(fam, max_sequences=1)                      # 6 blocks: one sequence of 96 rows
+    sts = prefill_alike(rng, (prop,), [20, 30, 30])[0]      # 2 + 2 + 2 blocks: the pool is full
+    snap = lambda: [(list(s.keys), s.blocks.rows, list(s.blocks.table)) for s in sts]  # noqa: E731
+    before, free = snap(), prop.kv.free_count
+    hs = hidden(rng, prop, 3)
+    with pytest.raises(InputError, match="sequence 1: position 31 would leave a hole"):
+        prop.propose_batch(sts, [1, 2, 3], hs, [20, 31, 30], 2)
+    with pytest.raises(CapacityError):          # sequence 0 fits in its block, 1 and 2 need new ones
+        prop.propose_batch(sts, [1, 2, 3], hs, [20, 30, 30], 3)
+    with pytest.raises(InputError, match="twice"):
+        prop.propose_batch([sts[0], sts[0]], [1, 2], hs[:2], [20, 20], 1)
+    with pytest.raises(InputError, match="shape"):
+        prop.propose_batch(sts, [1, 2, 3], hs[:2], [20, 30, 30], 1)
+    with pytest.raises(InputError, match="out of range"):
+        prop.propose_batch(sts, [1, prop.vocab_size, 3], hs, [20, 30, 30], 1)
+    assert snap() == before and prop.kv.free_count == free
+    res = prop.propose_batch(sts[:1], [1], hs[:1], [20], 3)     # still works: 20..22 fit block 1 of seq 0
+    assert len(res[0].tokens) == 3
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_without_drafter_context_holes_are_allowed(fam, rng):
+    prop = load(fam, drafter_context=False)
+    st = prefill_alike(rng, (prop,), [10])[0][0]
+    res = prop.propose(st, 1, hidden(rng, prop), 17, 2)
+    assert len(res.tokens) == 2 and st.keys == list(range(10)) + [17, 18]
+
+
+def test_pool_sizing_option_and_report():
+    prop = load("deepseek_v3", max_batch=4)
+    assert prop.sequences_that_fit() == 4 and prop.pool_blocks == 4 * 6
+    assert load("qwen3_next", max_batch=2, max_sequences=5).sequences_that_fit() == 5
