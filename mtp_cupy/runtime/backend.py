@@ -130,11 +130,46 @@ class Backend:
     def new_stream(self, non_blocking: bool = True):
         return None
 
-    def new_event(self):
+    def new_event(self, timing: bool = True):
         return None
 
     def record(self, event, stream=None) -> None:
         pass
+
+    # -- sharing streams and arrays with the caller (torch, cupy) ----------------------------------
+    @property
+    def xp(self):
+        """The array module of this device's arrays (numpy here, cupy on CUDA)."""
+        return np
+
+    def external_stream(self, stream):
+        """This device's handle of a caller's stream (a torch.cuda.Stream, a cupy stream, anything with
+        `__cuda_stream__`, or a raw cudaStream_t int); None where the device has no streams."""
+        return None
+
+    def wait_event(self, stream, event) -> None:
+        """Make `stream` wait for `event` on the device; the host does not wait."""
+
+    def host_wait(self, event) -> None:
+        """Block the host until `event` has happened (one event, never the whole device)."""
+
+    def copy_d2h_on(self, src: DevicePtr, nbytes: int, stream) -> np.ndarray:
+        """copy_d2h ordered on `stream`: the host waits for that stream only, never for the whole device."""
+        return self.copy_d2h(src, nbytes)
+
+    def export(self, src: DevicePtr, dtype, shape, stream=None):
+        """A new array of this device (it exports `__dlpack__`) holding a copy of `shape` `dtype` elements at
+        `src`, written on `stream`; later calls never overwrite it."""
+        return self.read(src, dtype, shape)
+
+    def from_dlpack(self, obj, stream=None):
+        """(array, dtype name) of a DLPack object on this device, read in place; `stream` is the one that will
+        use it (the producer orders its own stream before it). Only CUDA devices hold device tensors."""
+        raise NotImplementedError(f"the {self.name} device holds no DLPack device tensors")
+
+    def to_host(self, arr, stream=None) -> np.ndarray:
+        """A host copy of an array of this device (waits for `stream` only)."""
+        return np.asarray(arr)
 
     def elapsed_ms(self, start, end) -> float:
         return 0.0
@@ -166,12 +201,14 @@ class Backend:
         self.copy_h2d(buf.ptr, host)
         return buf
 
-    def read(self, src: DevicePtr, dtype, shape) -> np.ndarray:
+    def read(self, src: DevicePtr, dtype, shape, stream=None) -> np.ndarray:
+        """A host copy of `shape` `dtype` elements at `src` (with `stream`: ordered on it, waiting for it only)."""
         from .dtypes import dtype as _dt
         dt = _dt(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         n = int(np.prod(shape)) * dt.itemsize
-        return self.copy_d2h(src, n).view(dt).reshape(shape).copy()
+        raw = self.copy_d2h(src, n) if stream is None else self.copy_d2h_on(src, n, stream)
+        return raw.view(dt).reshape(shape).copy()
 
     def fill(self, dst: DevicePtr, nbytes: int, byte: int = 0xFF) -> None:
         """Poison or clear a region (synchronous)."""

@@ -1,11 +1,20 @@
 """CupyBackend: real CUDA. Each cuda_src/<module>.cu is compiled once with NVRTC through cupy.RawModule
-(cupy also caches the binary on disk) and kernels launch as RawKernels with raw addresses and scalars."""
+(cupy also caches the binary on disk) and kernels launch as RawKernels with raw addresses and scalars.
+
+Sharing with torch: `external_stream` wraps a caller's stream (`cupy.cuda.Stream.from_external` on CuPy >= 14,
+`ExternalStream` before), `from_dlpack` reads a caller's CUDA tensor in place (a torch bf16 tensor travels as
+its int16 view on CuPy < 14, whose DLPack import of bf16 crashed), `bf16_rows` narrows f32/f16 rows to bf16 on
+the device, `export` hands results back as fresh cupy arrays."""
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
-from ..errors import KernelError
+from ..errors import ConfigError, KernelError
 from .backend import Backend, DeviceBuffer, KernelHandle, cuda_kernel_names, cuda_source, module_source
+from .dtypes import BF16
+from .dtypes import dtype as _dtype
 from .ptr import DevicePtr
 
 # -default-device: unannotated functions (lambdas in kernels) are device code. No fast-math: the twins
@@ -14,6 +23,16 @@ NVRTC_OPTIONS = ("-std=c++17", "-default-device")
 _SCALAR = {"ptr": np.uint64, "u32": np.uint32, "i32": np.int32, "u64": np.uint64, "i64": np.int64,
            "f32": np.float32}
 H2D, D2H, D2D = 1, 2, 3
+# f32 -> bf16 bits, round to nearest even (what __float2bfloat16_rn and ml_dtypes do); NaN stays a quiet NaN
+_F32_TO_BF16 = """
+unsigned int u = __float_as_uint(x);
+y = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
+                                      : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+"""
+
+
+def _torch_bf16(obj) -> bool:
+    return type(obj).__module__.startswith("torch") and str(getattr(obj, "dtype", "")) == "torch.bfloat16"
 
 
 def cuda_available() -> bool:
@@ -36,6 +55,8 @@ class CupyBackend(Backend):
         self._modules: dict[str, object] = {}
         self._smem_optin: dict[int, int] = {}   # id(RawKernel) -> dynamic shared bytes opted in
         self._pinned: list = []
+        self._narrow = None
+        self.cupy_major = int(cupy.__version__.split(".")[0])
         self.launches = 0
 
     @property
@@ -136,8 +157,80 @@ class CupyBackend(Backend):
     def new_stream(self, non_blocking: bool = True):
         return self.cp.cuda.Stream(non_blocking=non_blocking)
 
-    def new_event(self):
-        return self.cp.cuda.Event()
+    def new_event(self, timing: bool = True):
+        return self.cp.cuda.Event(disable_timing=not timing)
+
+    # -- sharing streams and arrays with the caller ------------------------------------------------
+    @property
+    def xp(self):
+        return self.cp
+
+    def external_stream(self, stream):
+        cp = self.cp
+        if stream is None or isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+            return stream
+        if hasattr(stream, "__cuda_stream__"):
+            if hasattr(cp.cuda.Stream, "from_external"):     # CuPy >= 14: keeps the caller's stream alive
+                return cp.cuda.Stream.from_external(stream)
+            ptr = stream.__cuda_stream__()
+            ptr = ptr[1] if isinstance(ptr, tuple) else ptr
+        elif hasattr(stream, "cuda_stream"):                  # torch streams before __cuda_stream__
+            ptr = stream.cuda_stream
+        elif isinstance(stream, int) and not isinstance(stream, bool):
+            ptr = stream
+        else:
+            raise ConfigError(f"stream {stream!r}: pass a torch.cuda.Stream, a cupy stream, an object with "
+                              "__cuda_stream__ or a cudaStream_t address")
+        return cp.cuda.ExternalStream(int(ptr), self.device_id)
+
+    def wait_event(self, stream, event) -> None:
+        self._stream(stream).wait_event(event)
+
+    def host_wait(self, event) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def copy_d2h_on(self, src, nbytes: int, stream) -> np.ndarray:
+        out = np.empty(int(nbytes), np.uint8)
+        if nbytes:  # pageable destination: returns once the copy, queued behind the stream's work, is done
+            s = self._stream(stream)
+            self.cp.cuda.runtime.memcpyAsync(out.ctypes.data, int(src), int(nbytes), D2H, s.ptr)
+            s.synchronize()
+        return out
+
+    def export(self, src, dtype, shape, stream=None):
+        s = self._stream(stream)
+        with s:   # cupy's pool hands the block out again only in stream order
+            arr = self.cp.empty(shape, dtype=_dtype(dtype))
+        if arr.nbytes:
+            self.cp.cuda.runtime.memcpyAsync(arr.data.ptr, int(src), arr.nbytes, D2D, s.ptr)
+        return arr
+
+    def from_dlpack(self, obj, stream=None):
+        bf16 = _torch_bf16(obj)
+        if bf16 and self.cupy_major < 14:      # CuPy 13 has no bf16 dtype (its bf16 import crashed): raw words
+            obj = obj.view(sys.modules["torch"].int16)
+        with self._stream(stream):             # the producer makes this stream wait on its current one
+            arr = self.cp.from_dlpack(obj)
+        return arr, "bfloat16" if bf16 or arr.dtype == BF16 else arr.dtype.name
+
+    def bf16_rows(self, arr, kind: str, stream=None):
+        """A C-contiguous uint16 array of bf16 words holding `arr` (bfloat16 words as they are, float32 / float16
+        rounded to nearest even), computed on `stream`; `arr` itself when it already is that."""
+        cp = self.cp
+        with self._stream(stream):
+            if kind == "bfloat16":
+                w = arr.view(cp.uint16)
+                return w if w.flags.c_contiguous else cp.ascontiguousarray(w)
+            if self._narrow is None:
+                self._narrow = cp.ElementwiseKernel("float32 x", "uint16 y", _F32_TO_BF16, "mtp_f32_to_bf16")
+            return self._narrow(arr.astype(cp.float32, copy=False))
+
+    def to_host(self, arr, stream=None) -> np.ndarray:
+        s = self._stream(stream)
+        out = arr.get(stream=s)
+        s.synchronize()
+        return out
 
     def record(self, event, stream=None) -> None:
         event.record(self._stream(stream))

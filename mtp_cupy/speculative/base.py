@@ -22,9 +22,24 @@ sequences: token 0, the hidden left in their row, one KV row in a block of their
 never read back. A family that sets `graph_safe = True` promises that `_forward` and `_pick` launch only
 device work on fixed buffers and read every per-call value from device memory.
 
+Tensors and streams (torch serving loops). Hiddens, tokens and positions may be any DLPack object (torch or
+cupy tensors, CPU or CUDA) besides NumPy arrays (`speculative/inputs.py`). A C-contiguous bf16 CUDA tensor on the
+proposer's GPU is read in place: on the eager path the chain reads the caller's pointer; on the graph path (a
+graph captures the `hidden_in` address) it is one device-to-device copy into `hidden_in`; neither touches the
+host. Other tensors are converted once (f32/f16 rounded to bf16 on the device, strided ones made contiguous; CPU
+ones on the host). Work runs on `self.stream`: the proposer's own blocking stream, or the caller's
+(`load_proposer(..., stream=s)`); a per-call `stream=s` makes the proposer's stream wait for s before the call's
+work and s wait for it after (events, no host wait). Device tokens / positions are read to the host (a wait on
+the proposer's stream: they drive the checks and the host-side metadata). The only host waits are the
+result read the caller asks for (host results, the default; `device_results=True` returns device arrays
+instead) and, before restaging the pinned slabs, a wait for this proposer's previous chain to have read them.
+Inputs are read asynchronously: keep a tensor unchanged until the call's work ran (host results: until the
+call returns; otherwise pass `stream=` or share the stream).
+
 State changes happen only after every check passes; a failure inside the chain rolls every row back."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -39,7 +54,7 @@ from ..runtime.dtypes import BF16
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
 from .batch_inputs import batch_masks, check_sequences
-from .inputs import check_position, check_token, hidden_to_device
+from .inputs import check_position, check_token, host_ints, is_device_pointer, stage_hidden, take_hidden
 from .options import ProposerOptions
 from .proposer import DraftResult, ProposerState, mtp_rows_to_trim
 
@@ -115,8 +130,12 @@ class MtpProposerBase:
         self._pad_zeroed = False
         graphs = o.cuda_graphs
         self.cuda_graphs = bool(gpu.is_cuda) if graphs is None else bool(graphs) and gpu.is_cuda
-        # blocking: ordered after work the caller left on the default stream (e.g. the target's hidden)
-        self.stream = gpu.new_stream(non_blocking=False)
+        # own stream blocking: ordered after work the caller left on the default stream (e.g. the target's
+        # hidden); or the caller's stream itself
+        self._own_stream = o.stream is None
+        self.stream = gpu.new_stream(non_blocking=False) if self._own_stream else gpu.external_stream(o.stream)
+        self._capture_stream = None
+        self._stage_done = None   # event after the last chain's staged copies (before the pinned stage is rewritten)
         self._graphs: dict = {}
         self._warm: set = set()
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
@@ -190,16 +209,18 @@ class MtpProposerBase:
         st.blocks.reserve(rows)
 
     # -- prefill / catch-up ----------------------------------------------------------------------
-    def prefill(self, st: ProposerState, tokens, hiddens, start_position: int | None = None) -> int:
+    def prefill(self, st: ProposerState, tokens, hiddens, start_position: int | None = None, stream=None) -> int:
         """Write drafter rows pairing embed(tokens[r+1]) with hiddens[r] at positions start_position + r.
 
         Parameters
         ----------
         st : ProposerState
-        tokens : sequence of int, n + 1 token ids
-        hiddens : array [n, D] float32 or bfloat16 (V4 also [n, hc, D]), or a device pointer to n bf16 rows
+        tokens : n + 1 token ids (ints, an array or a DLPack tensor)
+        hiddens : [n, D] (V4 also [n, hc, D]) float32, float16 or bfloat16: a NumPy array, any DLPack tensor (a
+            C-contiguous bf16 CUDA one is read in place), or a device pointer to n bf16 rows
         start_position : int, optional
             Must be the next position after the newest row (the default): no hole, no overwrite.
+        stream : optional; a caller's stream the call is ordered after (and that waits for the call's work)
 
         Returns
         -------
@@ -208,40 +229,58 @@ class MtpProposerBase:
         Raises InputError (bad ids, shapes, positions) or CapacityError (KV pool or max_seq_len); the state is
         unchanged on failure."""
         self._live(st)
-        toks = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        n = toks.size - 1
-        if n < 1:
-            raise InputError("prefill needs at least two tokens (one row)")
-        for t in toks:
-            check_token(t, self.vocab_size)
-        nxt = st.keys[-1] + 1 if st.keys else 0
-        start = nxt if start_position is None else int(start_position)
-        if start != nxt and (self.drafter_context or start < nxt):
-            raise InputError(f"prefill at position {start} would leave a hole or overwrite: the next drafter "
-                             f"position is {nxt}")
-        check_position(start + n - 1, self.max_seq_len)
-        h = self._host_hiddens(hiddens, n)
-        rows0 = st.blocks.rows
-        self._reserve(st, rows0 + n)
-        try:
-            with self.gpu.using(self.stream):
-                self._prefill_chunks(st, toks, h, start, rows0, n)
-        except Exception:
-            st.blocks.truncate(rows0)
-            raise
+        with self._ordered(stream):
+            toks = np.asarray(host_ints(tokens, self.gpu, "tokens", self.stream), dtype=np.int64)
+            n = toks.size - 1
+            if n < 1:
+                raise InputError("prefill needs at least two tokens (one row)")
+            for t in toks:
+                check_token(t, self.vocab_size)
+            nxt = st.keys[-1] + 1 if st.keys else 0
+            start = nxt if start_position is None else int(start_position)
+            if start != nxt and (self.drafter_context or start < nxt):
+                raise InputError(f"prefill at position {start} would leave a hole or overwrite: the next drafter "
+                                 f"position is {nxt}")
+            check_position(start + n - 1, self.max_seq_len)
+            h, keep = self._prefill_hiddens(hiddens, n)
+            rows0 = st.blocks.rows
+            self._reserve(st, rows0 + n)
+            try:
+                with self.gpu.using(self.stream):
+                    self._prefill_chunks(st, toks, h, start, rows0, n)
+            except Exception:
+                st.blocks.truncate(rows0)
+                raise
+            del keep   # converted copies go back to the pool in stream order
         st.keys.extend(range(start, start + n))
         return n
+
+    def _prefill_hiddens(self, hiddens, n: int):
+        """(what `_host_hiddens` takes, what keeps converted device rows alive): a bare pointer as it is; a
+        DLPack / NumPy input checked by `take_hidden`. A device tensor in the form a pointer carries
+        (`_hidden_shapes()[0]`) is read in place; one in another accepted form is read back to the host."""
+        if is_device_pointer(hiddens):
+            return self._host_hiddens(hiddens, n), None
+        shapes = self._hidden_shapes()
+        hid = take_hidden(self.gpu, hiddens, n, shapes, "hiddens", self.stream,
+                          check_device=self.options.check_device_finite)
+        if hid.host is not None:
+            return self._host_hiddens(hid.host, n), hid
+        if hid.row_shape != shapes[0]:
+            return self._host_hiddens(self.gpu.read(hid.ptr, "bf16", hid.shape, stream=self.stream), n), hid
+        return self._host_hiddens(hid.ptr, n), hid
 
     def _prefill_chunks(self, st, toks, h, start: int, rows0: int, n: int) -> None:
         for c0 in range(0, n, self.max_prefill_rows):
             c = min(self.max_prefill_rows, n - c0)
             pos = np.arange(start + c0, start + c0 + c, dtype=np.uint32)
             slots = np.array([st.blocks.slot(rows0 + c0 + r) for r in range(c)], dtype=np.int64)
-            self.gpu.copy_h2d(self.bufs.prefill_ids, toks[c0:c0 + c + 1].astype(np.int32))
-            self.gpu.copy_h2d(self.bufs.prefill_pos, pos)
-            self.gpu.copy_h2d(self.bufs.prefill_slots, slots)
+            # on the proposer's stream (pageable sources are staged before the call returns): no device-wide sync
+            self.gpu.copy_h2d_async(self.bufs.prefill_ids, toks[c0:c0 + c + 1].astype(np.int32))
+            self.gpu.copy_h2d_async(self.bufs.prefill_pos, pos)
+            self.gpu.copy_h2d_async(self.bufs.prefill_slots, slots)
             if isinstance(h, np.ndarray):
-                self.gpu.copy_h2d(self.bufs.prefill_hidden, h[c0:c0 + c])
+                self.gpu.copy_h2d_async(self.bufs.prefill_hidden, h[c0:c0 + c])
                 hp = self.bufs.prefill_hidden
             else:
                 hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
@@ -263,112 +302,161 @@ class MtpProposerBase:
         return np.ascontiguousarray(h.astype(BF16, copy=False))
 
     # -- propose ---------------------------------------------------------------------------------
-    def _batch_hidden_shape(self, hiddens, B: int) -> tuple[int, ...]:
-        """The per-sequence hidden shape of B hiddens (a device pointer holds the first of _hidden_shapes)."""
-        if isinstance(hiddens, (DevicePtr, int)) and not isinstance(hiddens, (bool, np.ndarray)):
-            return self._hidden_shapes()[0]
-        shape = tuple(np.shape(hiddens))
-        for s in self._hidden_shapes():
-            if shape == (B,) + s:
-                return s
-        raise InputError(f"hiddens has shape {shape}; expected one of {[(B,) + s for s in self._hidden_shapes()]}")
-
-    def propose(self, st: ProposerState, token: int, hidden, position: int, num_drafts: int,
-                grammar_bitmask=None, return_logits: bool = False, min_logprob: float | None = None) -> DraftResult:
-        """Draft `num_drafts` tokens for one sequence: `propose_batch` of one (see there)."""
-        if not (isinstance(hidden, (DevicePtr, int)) and not isinstance(hidden, (bool, np.ndarray))):
-            h = np.asarray(hidden)
-            if not any(h.shape in (s, (1,) + s) for s in self._hidden_shapes()):
-                raise InputError(f"hidden has shape {h.shape}; expected one of {self._hidden_shapes()}")
-            hidden = h.reshape((1,) + next(s for s in self._hidden_shapes() if int(np.prod(s)) == h.size))
+    def propose(self, st: ProposerState, token, hidden, position, num_drafts: int, grammar_bitmask=None,
+                return_logits: bool = False, min_logprob: float | None = None, stream=None,
+                device_results: bool = False) -> DraftResult:
+        """Draft `num_drafts` tokens for one sequence: `propose_batch` of one (see there). `hidden` is one
+        sequence's hidden ([D], V4 also [hc, D]), with or without a leading 1."""
         masks = None if grammar_bitmask is None else [grammar_bitmask]
-        return self.propose_batch([st], [token], hidden, [position], num_drafts, masks, return_logits,
-                                  min_logprob)[0]
+        return self._propose([st], token, hidden, position, num_drafts, masks, return_logits, min_logprob, stream,
+                             device_results, single=True)[0]
 
     def propose_batch(self, states: list[ProposerState], tokens, hiddens, positions, num_drafts: int,
-                      grammar_bitmasks=None, return_logits: bool = False,
-                      min_logprob: float | None = None) -> list[DraftResult]:
+                      grammar_bitmasks=None, return_logits: bool = False, min_logprob: float | None = None,
+                      stream=None, device_results: bool = False) -> list[DraftResult]:
         """Draft `num_drafts` tokens for each of B sequences in one chain of batched steps.
 
         Parameters
         ----------
         states : list of ProposerState, B distinct live sequences (1 <= B <= max_batch)
-        tokens : B ints; tokens[s] is what the target emitted after position positions[s]
-        hiddens : array [B, D] (V4 also [B, hc, D]) float32 or bfloat16, or a device pointer to B bf16 rows:
-            the target's hidden at positions[s]
-        positions : B ints; each must be the next position after the sequence's newest drafter row
+        tokens : B ints (or an integer array / DLPack tensor); tokens[s] is what the target emitted after
+            position positions[s]
+        hiddens : [B, D] (V4 also [B, hc, D]) float32, float16 or bfloat16: a NumPy array, any DLPack tensor (a
+            C-contiguous bf16 CUDA tensor on this GPU is not copied to the host, see the module docstring), or a
+            device pointer to B bf16 rows: the target's hidden at positions[s]
+        positions : B ints (or an array / tensor); each must be the next position after the sequence's newest
+            drafter row
         num_drafts : int, 1 <= k <= max_drafts
         grammar_bitmasks : list of B masks (int32 [words] or [k, words], None = unconstrained), optional
         return_logits : bool; DraftResult.logits is then float32 [drafts, vocab] on the host
         min_logprob : float, optional; a sequence stops after the first draft whose top-1 log-prob is below it
+        stream : optional; a caller's stream (torch.cuda.Stream, cupy stream, __cuda_stream__, cudaStream_t int)
+            the call's work is ordered after, and that is made to wait for that work (device events, no host wait)
+        device_results : bool; the drafts (and logits) stay on the device (DraftResult.device_tokens /
+            device_logits, DLPack arrays of their own) and the call returns without waiting for them
 
         Returns
         -------
         list of DraftResult, one per sequence, in order.
 
-        Raises InputError (bad ids, shapes, a hole in a sequence's rows, ...) or CapacityError (KV pool,
-        max_seq_len); no sequence changes on failure."""
-        k = int(num_drafts)
-        toks, poss = check_sequences(self, states, tokens, positions, k)
-        B = len(states)
-        if min_logprob is not None and grammar_bitmasks is not None:
-            raise InputError("min_logprob is measured by the plain argmax; it cannot be combined with "
-                             "grammar bitmasks")
-        hshape = self._batch_hidden_shape(hiddens, B)
-        graphed = self.cuda_graphs and self.graph_safe
-        W = next((b for b in BUCKETS if B <= b <= self.max_batch), self.max_batch) if graphed else B
-        masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
-        rows0 = [st.blocks.rows for st in states]
-        reserved = []
-        try:
-            for st, r0 in zip(states, rows0):
-                self._reserve(st, r0 + k)
-                reserved.append(st)
-        except Exception:
-            for st, r0 in zip(reserved, rows0):
-                st.blocks.truncate(r0)
-            raise
-        gpu, want_lp = self.gpu, min_logprob is not None
-        try:
-            with gpu.using(self.stream):
-                self._use_hidden_shape(hshape)
-                hidden_to_device(gpu, hiddens, (B,) + hshape, self.bufs.hidden_in)
-                self._pad_rows(B, W, int(np.prod(hshape)))
-                gpu.copy_h2d_async(self.bufs.ids, np.array(toks + [0] * (W - B), dtype=np.int32))
-                if masks is not None:
-                    gpu.copy_h2d_async(self.bufs.mask, masks)
-                self._stage_slabs(states, rows0, poss, k, W)
-                key = (k, W, masks is not None, want_lp, return_logits, self._graph_variant())
-                run = lambda: self._chain(k, W, masks is not None, want_lp, return_logits)  # noqa: E731
-                if graphed:
-                    self._replay(key, run)
-                else:
-                    run()
-                ids = gpu.read(self.bufs.ids.offset(4 * W), np.int32, (k, W))[:, :B]
-                flags = gpu.read(self.bufs.flags, np.int32, (k, W))[:, :B] if masks is not None else None
-                lps = gpu.read(self.bufs.lp, np.float32, (k, W))[:, :B] if want_lp else None
-                logits = gpu.read(self._all_logits.ptr, np.float32, (k, W, self.vocab_eff))[:, :B] \
-                    if return_logits else None
-        except Exception:
-            for st, r0 in zip(states, rows0):
-                st.blocks.truncate(r0)
-            raise
-        return [self._finish(st, s, r0, p, k, ids, flags, lps, logits, min_logprob)
-                for s, (st, r0, p) in enumerate(zip(states, rows0, poss))]
+        Raises InputError (bad ids, shapes, dtypes, devices, a hole in a sequence's rows, ...) or CapacityError
+        (KV pool, max_seq_len); no sequence changes on failure."""
+        return self._propose(states, tokens, hiddens, positions, num_drafts, grammar_bitmasks, return_logits,
+                             min_logprob, stream, device_results, single=False)
 
-    def _finish(self, st, s: int, r0: int, position: int, k: int, ids, flags, lps, logits, min_logprob):
-        done = k
+    def _propose(self, states, tokens, hiddens, positions, num_drafts, grammar_bitmasks, return_logits,
+                 min_logprob, stream, device_results, single: bool) -> list[DraftResult]:
+        k, gpu = int(num_drafts), self.gpu
+        with self._ordered(stream):
+            toks = host_ints(tokens, gpu, "token" if single else "tokens", self.stream)
+            poss = host_ints(positions, gpu, "position" if single else "positions", self.stream)
+            if single and (len(toks) != 1 or len(poss) != 1):
+                raise InputError(f"propose takes one token and one position, got {len(toks)} and {len(poss)}")
+            toks, poss = check_sequences(self, states, toks, poss, k)
+            B = len(states)
+            if min_logprob is not None and grammar_bitmasks is not None:
+                raise InputError("min_logprob is measured by the plain argmax; it cannot be combined with "
+                                 "grammar bitmasks")
+            if min_logprob is not None and device_results:
+                raise InputError("min_logprob stops on log-probs read on the host; it cannot be combined with "
+                                 "device_results")
+            graphed = self.cuda_graphs and self.graph_safe
+            W = next((b for b in BUCKETS if B <= b <= self.max_batch), self.max_batch) if graphed else B
+            masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
+            hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
+                              self.stream, single=single, check_device=self.options.check_device_finite)
+            rows0 = [st.blocks.rows for st in states]
+            reserved = []
+            try:
+                for st, r0 in zip(states, rows0):
+                    self._reserve(st, r0 + k)
+                    reserved.append(st)
+            except Exception:
+                for st, r0 in zip(reserved, rows0):
+                    st.blocks.truncate(r0)
+                raise
+            want_lp = min_logprob is not None
+            try:
+                with gpu.using(self.stream):
+                    self._use_hidden_shape(hid.row_shape)
+                    # eager: the chain reads a device hidden where it is; a graph reads hidden_in (its address
+                    # is captured), so the hidden is copied there (device to device when it is on the device)
+                    in_place = hid.ptr is not None and not graphed
+                    if not in_place:
+                        stage_hidden(gpu, hid, self.bufs.hidden_in)
+                    hidden0 = hid.ptr if in_place else self.bufs.hidden_in
+                    self._pad_rows(B, W, int(np.prod(hid.row_shape)))
+                    gpu.copy_h2d_async(self.bufs.ids, np.array(toks + [0] * (W - B), dtype=np.int32))
+                    if masks is not None:
+                        gpu.copy_h2d_async(self.bufs.mask, masks)
+                    self._stage_slabs(states, rows0, poss, k, W)
+                    key = (k, W, masks is not None, want_lp, return_logits, self._graph_variant())
+                    run = lambda: self._chain(k, W, masks is not None, want_lp, return_logits, hidden0)  # noqa: E731
+                    if graphed:
+                        self._replay(key, run)
+                    else:
+                        run()
+                    self._stage_done = gpu.new_event(timing=False)
+                    gpu.record(self._stage_done, self.stream)
+                    if device_results:
+                        out = self._device_results(k, W, B, return_logits)
+                    else:
+                        out = self._host_results(k, W, B, masks is not None, want_lp, return_logits)
+            except Exception:
+                for st, r0 in zip(states, rows0):
+                    st.blocks.truncate(r0)
+                raise
+            del hid   # a converted copy goes back to the pool in stream order
+        return [self._finish(st, s, r0, p, k, out, min_logprob) for s, (st, r0, p) in enumerate(zip(states, rows0, poss))]
+
+    def _host_results(self, k: int, W: int, B: int, masked: bool, want_lp: bool, logits: bool) -> dict:
+        """The chain's outputs read to the host on the proposer's stream (a wait on it, not on the device)."""
+        gpu, st = self.gpu, self.stream
+        return {"ids": gpu.read(self.bufs.ids.offset(4 * W), np.int32, (k, W), stream=st)[:, :B],
+                "flags": gpu.read(self.bufs.flags, np.int32, (k, W), stream=st)[:, :B] if masked else None,
+                "lps": gpu.read(self.bufs.lp, np.float32, (k, W), stream=st)[:, :B] if want_lp else None,
+                "logits": gpu.read(self._all_logits.ptr, np.float32, (k, W, self.vocab_eff), stream=st)[:, :B]
+                if logits else None}
+
+    def _device_results(self, k: int, W: int, B: int, logits: bool) -> dict:
+        """The chain's outputs copied on the proposer's stream into device arrays of this call: ids [B, k]
+        (int32), logits [B, k, vocab] (f32, -inf past mtp_vocab_size); `ready` is recorded after them."""
+        gpu, xp = self.gpu, self.gpu.xp
+        ids = gpu.export(self.bufs.ids.offset(4 * W), "i32", (k, W), self.stream)
+        ids = ids[:, :B].T.copy()
+        lg = None
+        if logits:
+            lg = gpu.export(self._all_logits.ptr, "f32", (k, W, self.vocab_eff), self.stream)[:, :B]
+            lg = lg.transpose(1, 0, 2)
+            if self.vocab_eff < self.vocab_size:
+                full = xp.full((B, k, self.vocab_size), -np.inf, dtype=np.float32)
+                full[:, :, :self.vocab_eff] = lg
+                lg = full
+            else:
+                lg = lg.copy()
+        ready = gpu.new_event(timing=False)
+        gpu.record(ready, self.stream)
+        return {"device_ids": ids, "device_logits": lg, "ready": ready}
+
+    def _finish(self, st, s: int, r0: int, position: int, k: int, out: dict, min_logprob):
+        done, lps = k, out.get("lps")
         if lps is not None:
             low = np.flatnonzero(lps[:, s] < min_logprob)
             done = int(low[0]) + 1 if low.size else k
         st.blocks.rows = r0 + k
         st.blocks.truncate(r0 + done)
+        st.keys.extend(range(position, position + done))
+        if "device_ids" in out:   # nothing read back: the drafts live on the device (no grammar warnings)
+            st.last_num_drafted, st.last_pair_key, st.last_drafts = done, position + done - 1, []
+            lg = out["device_logits"]
+            return DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"],
+                               device_logits=None if lg is None else lg[s])
+        ids, flags, logits = out["ids"], out["flags"], out["logits"]
         toks = ids[:done, s].tolist()
         if flags is not None:
             for i in np.flatnonzero(flags[:done, s]):
                 log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0",
                             i, position + i)
-        st.keys.extend(range(position, position + done))
         st.last_num_drafted, st.last_pair_key, st.last_drafts = done, position + done - 1, toks
         lg = None
         if logits is not None:
@@ -376,6 +464,31 @@ class MtpProposerBase:
             if self.vocab_eff < self.vocab_size:
                 lg = np.pad(lg, ((0, 0), (0, self.vocab_size - self.vocab_eff)), constant_values=-np.inf)
         return DraftResult(toks, lg, lps[:done, s].tolist() if lps is not None else None)
+
+    # -- streams ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _ordered(self, stream):
+        """Order a call's work after `stream` (a caller's stream) and make `stream` wait for it, with events on
+        the device (no host wait); nothing when `stream` is None or the proposer's own."""
+        caller = None
+        if stream is not None:
+            try:
+                caller = self.gpu.external_stream(stream)
+            except ConfigError as e:
+                raise InputError(str(e)) from None
+        if caller is not None and caller == self.stream:
+            caller = None
+        if caller is not None:
+            ev = self.gpu.new_event(timing=False)
+            self.gpu.record(ev, caller)
+            self.gpu.wait_event(self.stream, ev)
+        try:
+            yield
+        finally:
+            if caller is not None:
+                done = self.gpu.new_event(timing=False)
+                self.gpu.record(done, self.stream)
+                self.gpu.wait_event(caller, done)
 
     # -- the k-step chain over W rows: eager, or captured once per key and replayed ------------------------
     def _pad_rows(self, B: int, W: int, h_elems: int) -> None:
@@ -386,7 +499,11 @@ class MtpProposerBase:
             self._pad_zeroed = True
 
     def _stage_slabs(self, states, rows0, positions, k: int, W: int) -> None:
-        """Every step's slabs into the pinned stage; rows past len(states) (up to W) get the pad slab."""
+        """Every step's slabs into the pinned stage; rows past len(states) (up to W) get the pad slab. The chain
+        copies from the stage when it runs, so the previous chain must have run first (a wait for it only,
+        which has always passed when its results were read to the host)."""
+        if self._stage_done is not None:
+            self.gpu.host_wait(self._stage_done)
         if self._stage is None:
             self._stage = self.gpu.alloc_pinned(self.max_drafts * self.max_batch * self.meta_stride)
             self._stage = self._stage.reshape(self.max_drafts, -1)
@@ -402,10 +519,11 @@ class MtpProposerBase:
             self._all_logits = self.gpu.alloc(4 * self.max_drafts * self.max_batch * self.vocab_eff)
         return self._all_logits.ptr.offset(4 * W * self.vocab_eff * step)
 
-    def _chain(self, k: int, W: int, masked: bool, want_lp: bool, keep_logits: bool) -> None:
+    def _chain(self, k: int, W: int, masked: bool, want_lp: bool, keep_logits: bool, hidden0=None) -> None:
         """The k steps over W rows. Per-call values live in device buffers (ids, hidden_in, the staged slabs),
-        so the same launches replay as a graph."""
-        b, hid = self.bufs, self.bufs.hidden_in
+        so the same launches replay as a graph; eagerly, step 0 may read the hiddens at `hidden0` instead."""
+        b = self.bufs
+        hid = b.hidden_in if hidden0 is None else hidden0
         for i in range(k):
             self.gpu.copy_h2d_async(self.meta, self._stage[i, :W * self.meta_stride])
             logits = self._logits_at(i, W, keep_logits)
@@ -415,15 +533,23 @@ class MtpProposerBase:
 
     def _replay(self, key, launches) -> None:
         """Replay the graph of `key` on self.stream; the first call per key runs `launches` eagerly (lazy
-        workspaces get allocated), the second captures them."""
+        workspaces get allocated), the second captures them (on a private stream when self.stream is the
+        caller's: that may be the legacy default stream, which cannot capture)."""
         graph = self._graphs.get(key)
         if graph is None:
             if key not in self._warm:
                 self._warm.add(key)
                 launches()
                 return
-            graph = self._graphs[key] = self.gpu.capture(launches, self.stream)
+            graph = self._graphs[key] = self.gpu.capture(launches, self._capture_on())
         self.gpu.replay(graph, self.stream)
+
+    def _capture_on(self):
+        if self._own_stream:
+            return self.stream
+        if self._capture_stream is None:
+            self._capture_stream = self.gpu.new_stream(non_blocking=True)
+        return self._capture_stream
 
     def after_verify(self, st: ProposerState, num_accepted: int) -> None:
         """Trim the drafter rows the verifier rejected (`mtp_rows_to_trim`); InputError for a count outside

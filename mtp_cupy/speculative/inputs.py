@@ -2,6 +2,8 @@
 changes, and raises InputError naming the problem."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..errors import InputError
@@ -55,3 +57,196 @@ def hidden_to_device(gpu: Backend, hidden, shape: tuple[int, ...], dst: DevicePt
     if h.dtype == np.float32 and not np.all(np.isfinite(h)):
         raise InputError("hidden holds NaN or inf")
     gpu.copy_h2d_async(dst, np.ascontiguousarray(h.astype(BF16, copy=False)).reshape(-1), stream)
+
+
+# -- DLPack inputs (torch / cupy tensors, CPU or CUDA) ------------------------------------------------
+DL_CPU, DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 1, 2, 3, 13
+HIDDEN_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def is_device_pointer(x) -> bool:
+    """A bare device address (DevicePtr or int; not a bool)."""
+    return isinstance(x, (DevicePtr, int)) and not isinstance(x, (bool, np.ndarray))
+
+
+def dlpack_device(x) -> tuple[int, int] | None:
+    """(DLPack device type, device id) of a DLPack object; None for NumPy arrays and non-DLPack data."""
+    f = None if isinstance(x, np.ndarray) else getattr(x, "__dlpack_device__", None)
+    if f is None:
+        return None
+    try:
+        t, i = f()
+    except Exception as e:
+        raise InputError(f"{type(x).__name__}.__dlpack_device__() failed: {e}") from None
+    return int(t), int(i)
+
+
+def is_cuda_tensor(x) -> bool:
+    d = dlpack_device(x)
+    return d is not None and d[0] in (DL_CUDA, DL_CUDA_MANAGED)
+
+
+def _torch_bf16(x) -> bool:
+    return type(x).__module__.startswith("torch") and str(getattr(x, "dtype", "")) == "torch.bfloat16"
+
+
+def host_array(x, what: str) -> np.ndarray:
+    """A NumPy view of host data: a NumPy array, a CPU DLPack object (a torch CPU tensor, bf16 included), or
+    nested sequences. A CUDA tensor raises InputError (device data takes the device path)."""
+    if isinstance(x, np.ndarray):
+        return x
+    dev = dlpack_device(x)
+    if dev is None:
+        try:
+            return np.asarray(x)
+        except Exception as e:
+            raise InputError(f"{what}: cannot read a {type(x).__name__} as an array ({e})") from None
+    if dev[0] not in (DL_CPU, DL_CUDA_HOST):
+        raise InputError(f"{what} is on DLPack device type {dev[0]} (device {dev[1]}); expected the host or CUDA")
+    if hasattr(x, "detach"):
+        x = x.detach()
+    bf16 = _torch_bf16(x)
+    if bf16:   # NumPy's DLPack import has no bf16: read the raw words
+        import sys
+        x = x.view(sys.modules["torch"].int16)
+    try:
+        a = np.from_dlpack(x)
+    except Exception as e:
+        raise InputError(f"{what}: a {type(x).__name__} of dtype {getattr(x, 'dtype', '?')} cannot be read through "
+                         f"DLPack ({e})") from None
+    return a.view(BF16) if bf16 else a
+
+
+def host_ints(x, gpu: Backend | None, what: str, stream=None) -> list[int]:
+    """Integer ids or positions as host ints: an int, a sequence of ints, a NumPy array or a DLPack tensor (a
+    CUDA one is read to the host: a wait on `stream`, never on the whole device)."""
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        return [int(x)]
+    if is_cuda_tensor(x):
+        if gpu is None or not gpu.is_cuda:
+            raise InputError(f"{what} is a CUDA tensor but this proposer runs on the {getattr(gpu, 'name', '?')} "
+                             "device; pass host values")
+        arr, kind = _import_device(gpu, x, what, stream)
+        a = gpu.to_host(arr, stream)
+    elif dlpack_device(x) is not None or isinstance(x, np.ndarray):
+        a = host_array(x, what)
+    else:
+        try:
+            return [int(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
+        except (TypeError, ValueError) as e:
+            raise InputError(f"{what}: expected integers, got {type(x).__name__} ({e})") from None
+    if a.dtype.kind not in "iu":
+        raise InputError(f"{what} must hold integers, got dtype {a.dtype}")
+    return [int(v) for v in a.reshape(-1)]
+
+
+def _check_dtype(name: str, what: str) -> None:
+    if name not in HIDDEN_DTYPES:
+        raise InputError(f"{what} must be float32, float16 or bfloat16, got {name}")
+
+
+def _match_shape(shape: tuple[int, ...], rows: int, shapes: list[tuple[int, ...]], what: str,
+                 single: bool) -> tuple[int, ...]:
+    """(rows,) + the per-row shape `shape` is; `single` also accepts one row without its leading 1."""
+    shape = tuple(int(s) for s in shape)
+    for s in shapes:
+        if shape == (rows,) + s or (single and shape == s):
+            return (rows,) + s
+    want = [(rows,) + s for s in shapes] + (list(shapes) if single else [])
+    raise InputError(f"{what} has shape {shape}; expected one of {want}")
+
+
+def _finite(a) -> bool:
+    """No NaN or inf in a float32 / float16 / bf16 array (host or device; bf16 words as uint16 are tested by
+    their exponent bits)."""
+    if a.dtype == np.uint16:
+        return not bool(((a & 0x7F80) == 0x7F80).any())
+    xp = np if isinstance(a, np.ndarray) else __import__("cupy")
+    return bool(xp.isfinite(a).all())
+
+
+def _import_device(gpu: Backend, x, what: str, stream):
+    dev = dlpack_device(x)
+    if not gpu.is_cuda:
+        raise InputError(f"{what} is a CUDA tensor but this proposer runs on the {gpu.name} device; pass a host "
+                         "tensor or array")
+    if dev[0] == DL_CUDA and dev[1] != getattr(gpu, "device_id", 0):
+        raise InputError(f"{what} is on CUDA device {dev[1]}; this proposer runs on CUDA device {gpu.device_id}")
+    if hasattr(x, "detach"):
+        x = x.detach()
+    try:
+        return gpu.from_dlpack(x, stream)
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(f"{what}: cannot import a {type(x).__name__} through DLPack ({type(e).__name__}: {e})") \
+            from None
+
+
+@dataclass
+class Hidden:
+    """One call's hiddens after every check: a contiguous host bf16 array, or bf16 rows on the device (the
+    caller's own memory when `in_place`, else a converted copy that `keep` owns until the call's work ran)."""
+    shape: tuple[int, ...]              # (rows,) + the per-row shape
+    host: np.ndarray | None = None
+    ptr: DevicePtr | None = None
+    in_place: bool = False
+    keep: object = None
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.shape[1:]
+
+
+def take_hidden(gpu: Backend, x, rows: int, shapes: list[tuple[int, ...]], what: str = "hidden", stream=None,
+                single: bool = False, check_device: bool = False) -> Hidden:
+    """Check and stage hiddens for `rows` rows of one of the per-row `shapes` (the first is what a bare device
+    pointer holds).
+
+    * a device pointer: bf16 rows of `shapes[0]`, read in place (no checks possible);
+    * a CUDA DLPack tensor on this proposer's GPU: a C-contiguous bf16 one is read in place (zero copy);
+      float32 / float16 ones are rounded to bf16 on the device and strided ones made contiguous, once, on
+      `stream`; NaN/inf are checked only with `check_device` (a wait on `stream`);
+    * anything else (CPU tensors, NumPy arrays, sequences): float32 / float16 / bfloat16 (NumPy arrays: float32
+      / bfloat16), finite, converted to contiguous bf16 once on the host.
+    Raises InputError naming the problem (dtype, shape, device, NaN) before any state changes."""
+    if is_device_pointer(x):
+        if int(x) == 0:
+            raise InputError(f"{what} is a NULL device pointer")
+        return Hidden((rows,) + shapes[0], ptr=DevicePtr(int(x)), in_place=True)
+    if is_cuda_tensor(x):
+        arr, kind = _import_device(gpu, x, what, stream)
+        _check_dtype(kind, what)
+        shape = _match_shape(arr.shape, rows, shapes, what, single)
+        words = gpu.bf16_rows(arr, kind, stream)
+        in_place = words.data.ptr == arr.data.ptr
+        if check_device:
+            with _on(gpu, stream):
+                ok = _finite(words)
+            if not ok:
+                raise InputError(f"{what} holds NaN or inf")
+        return Hidden(shape, ptr=DevicePtr(words.data.ptr), in_place=in_place, keep=(x, arr, words))
+    h = host_array(x, what)
+    if isinstance(x, np.ndarray) and h.dtype == np.float16:   # NumPy arrays keep their float32 / bfloat16 contract
+        raise InputError(f"{what} must be float32 or bfloat16 (float16 is taken from tensors), got {h.dtype}")
+    _check_dtype("bfloat16" if h.dtype == BF16 else h.dtype.name, what)
+    shape = _match_shape(h.shape, rows, shapes, what, single)
+    if h.dtype == np.float16:
+        h = h.astype(np.float32)
+    if not _finite(h.view(np.uint16) if h.dtype == BF16 else h):
+        raise InputError(f"{what} holds NaN or inf")
+    return Hidden(shape, host=np.ascontiguousarray(h.astype(BF16, copy=False)).reshape(shape))
+
+
+def stage_hidden(gpu: Backend, hid: Hidden, dst: DevicePtr, stream=None) -> None:
+    """Put checked hiddens into `dst`: one host-to-device copy, or one device-to-device copy (none when they
+    already are there)."""
+    if hid.host is not None:
+        gpu.copy_h2d_async(dst, hid.host.reshape(-1), stream)
+    elif int(hid.ptr) != int(dst):
+        gpu.copy_d2d_async(dst, hid.ptr, 2 * int(np.prod(hid.shape)), stream)
+
+
+def _on(gpu: Backend, stream):
+    import contextlib
+    return gpu.using(stream) if stream is not None else contextlib.nullcontext()

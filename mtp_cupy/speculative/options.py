@@ -28,6 +28,11 @@ class ProposerOptions:
                                       "over whatever rows it holds and holes are allowed")
     cuda_graphs: bool | None = opt(None, "replay each draft chain as a CUDA graph (default: on when the device is CUDA)")
     progress: bool | None = opt(None, "show a weight-loading bar (default: for checkpoints over 256 MB)")
+    stream: Any = opt(None, "run on this CUDA stream (a torch.cuda.Stream, a cupy stream, anything with "
+                            "__cuda_stream__, or a cudaStream_t int) instead of one of the proposer's own; graphs are "
+                            "then captured on a private stream and replayed on this one")
+    check_device_finite: bool = opt(False, "check CUDA-tensor hiddens for NaN/inf too (one reduction and a wait on "
+                                           "the proposer's stream per call); host inputs are always checked")
 
     def __post_init__(self) -> None:
         self._int("max_drafts", 1, 64)
@@ -36,6 +41,12 @@ class ProposerOptions:
             self._int("max_sequences", 1, 1 << 20)
         self._int("max_prefill_rows", 1, 1 << 16)
         self._bool("drafter_context")
+        self._bool("check_device_finite")
+        st = self.stream
+        if st is not None and not (hasattr(st, "__cuda_stream__") or hasattr(st, "cuda_stream") or hasattr(st, "ptr")
+                                   or (isinstance(st, int) and not isinstance(st, bool))):
+            raise ConfigError(f"option stream={st!r}: pass a torch.cuda.Stream, a cupy stream, an object with "
+                              "__cuda_stream__ or a cudaStream_t address")
         for name in ("cuda_graphs", "progress"):
             if getattr(self, name) is not None:
                 self._bool(name)

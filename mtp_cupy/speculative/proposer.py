@@ -5,16 +5,41 @@ position the caller gives. A row at position p pairs the target's hidden at p wi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 
 @dataclass
 class DraftResult:
-    tokens: list[int]
+    """One sequence's drafts. Host results (the default): `tokens` and, when asked, `logits`.
+
+    Device results (`propose(..., device_results=True)`): `tokens` and `logits` are None and the drafts stay on
+    the proposer's device as arrays of their own that export `__dlpack__` (cupy on CUDA, NumPy on the NumPy
+    device): `device_tokens` int32 [num_drafts], `device_logits` float32 [num_drafts, vocab] with
+    return_logits. They are written on the proposer's stream (`ready` is an event recorded there after them);
+    read them on that stream, on a stream passed as `stream=` to the call (it waits for them), or after `host()`.
+    Later calls never overwrite them."""
+    tokens: list[int] | None
     logits: np.ndarray | None = None      # [num_drafts, vocab] float32 on the host when asked
     logprobs: list[float] | None = None   # top-1 log-probabilities when measured (confidence stop)
+    device_tokens: Any = None
+    device_logits: Any = None
+    ready: Any = None
+
+    def host(self) -> "DraftResult":
+        """Fill `tokens` (and `logits`) from the device arrays, waiting for them; returns self."""
+        if self.tokens is None and self.device_tokens is not None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self.tokens = [int(t) for t in _to_numpy(self.device_tokens)]
+            if self.device_logits is not None:
+                self.logits = _to_numpy(self.device_logits).astype(np.float32, copy=False)
+        return self
+
+
+def _to_numpy(a) -> np.ndarray:
+    return a if isinstance(a, np.ndarray) else a.get()
 
 
 @dataclass
