@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import KernelError
+from ..errors import ConfigError, KernelError
 from .ptr import DevicePtr
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
@@ -44,6 +44,19 @@ def module_source(module: str) -> str:
 
 def cuda_modules() -> list[str]:
     return sorted(p.stem for p in CUDA_SRC.glob("*.cu"))
+
+
+def is_stream_like(obj) -> bool:
+    """A torch / cupy stream, anything with `__cuda_stream__`, or a cudaStream_t address."""
+    return (hasattr(obj, "__cuda_stream__") or hasattr(obj, "cuda_stream") or hasattr(obj, "ptr")
+            or (isinstance(obj, int) and not isinstance(obj, bool)))
+
+
+def check_stream(obj) -> None:
+    """ConfigError unless `obj` is None or stream-like."""
+    if obj is not None and not is_stream_like(obj):
+        raise ConfigError(f"stream {obj!r}: pass a torch.cuda.Stream, a cupy stream, an object with __cuda_stream__ "
+                          "or a cudaStream_t address")
 
 
 @dataclass(frozen=True)
@@ -144,7 +157,9 @@ class Backend:
 
     def external_stream(self, stream):
         """This device's handle of a caller's stream (a torch.cuda.Stream, a cupy stream, anything with
-        `__cuda_stream__`, or a raw cudaStream_t int); None where the device has no streams."""
+        `__cuda_stream__`, or a raw cudaStream_t int); None where the device has no streams (the NumPy device
+        is synchronous, so any stream is respected)."""
+        check_stream(stream)
         return None
 
     def wait_event(self, stream, event) -> None:

@@ -11,8 +11,9 @@ import sys
 
 import numpy as np
 
-from ..errors import ConfigError, KernelError
-from .backend import Backend, DeviceBuffer, KernelHandle, cuda_kernel_names, cuda_source, module_source
+from ..errors import KernelError
+from .backend import (Backend, DeviceBuffer, KernelHandle, check_stream, cuda_kernel_names, cuda_source,
+                      module_source)
 from .dtypes import BF16
 from .dtypes import dtype as _dtype
 from .ptr import DevicePtr
@@ -179,8 +180,8 @@ class CupyBackend(Backend):
         elif isinstance(stream, int) and not isinstance(stream, bool):
             ptr = stream
         else:
-            raise ConfigError(f"stream {stream!r}: pass a torch.cuda.Stream, a cupy stream, an object with "
-                              "__cuda_stream__ or a cudaStream_t address")
+            check_stream(stream)          # raises for anything that is not a stream
+            ptr = stream.ptr              # another library's stream object with a raw handle
         return cp.cuda.ExternalStream(int(ptr), self.device_id)
 
     def wait_event(self, stream, event) -> None:

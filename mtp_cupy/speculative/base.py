@@ -352,14 +352,14 @@ class MtpProposerBase:
             poss = host_ints(positions, gpu, "position" if single else "positions", self.stream)
             if single and (len(toks) != 1 or len(poss) != 1):
                 raise InputError(f"propose takes one token and one position, got {len(toks)} and {len(poss)}")
-            toks, poss = check_sequences(self, states, toks, poss, k)
-            B = len(states)
             if min_logprob is not None and grammar_bitmasks is not None:
                 raise InputError("min_logprob is measured by the plain argmax; it cannot be combined with "
                                  "grammar bitmasks")
             if min_logprob is not None and device_results:
                 raise InputError("min_logprob stops on log-probs read on the host; it cannot be combined with "
                                  "device_results")
+            toks, poss = check_sequences(self, states, toks, poss, k)
+            B = len(states)
             graphed = self.cuda_graphs and self.graph_safe
             W = next((b for b in BUCKETS if B <= b <= self.max_batch), self.max_batch) if graphed else B
             masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)

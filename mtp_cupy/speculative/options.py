@@ -9,6 +9,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..runtime.backend import check_stream
 
 
 def opt(default: Any, help: str) -> Any:
@@ -42,11 +43,10 @@ class ProposerOptions:
         self._int("max_prefill_rows", 1, 1 << 16)
         self._bool("drafter_context")
         self._bool("check_device_finite")
-        st = self.stream
-        if st is not None and not (hasattr(st, "__cuda_stream__") or hasattr(st, "cuda_stream") or hasattr(st, "ptr")
-                                   or (isinstance(st, int) and not isinstance(st, bool))):
-            raise ConfigError(f"option stream={st!r}: pass a torch.cuda.Stream, a cupy stream, an object with "
-                              "__cuda_stream__ or a cudaStream_t address")
+        try:
+            check_stream(self.stream)
+        except ConfigError as e:
+            raise ConfigError(f"option {e}") from None
         for name in ("cuda_graphs", "progress"):
             if getattr(self, name) is not None:
                 self._bool(name)
