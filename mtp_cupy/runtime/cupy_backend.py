@@ -168,13 +168,13 @@ class CupyBackend(Backend):
 
     def external_stream(self, stream):
         cp = self.cp
-        if stream is None or isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+        if stream is None or type(stream).__module__.startswith("cupy"):    # a cupy stream already
             return stream
         if hasattr(stream, "__cuda_stream__"):
-            if hasattr(cp.cuda.Stream, "from_external"):     # CuPy >= 14: keeps the caller's stream alive
-                return cp.cuda.Stream.from_external(stream)
             ptr = stream.__cuda_stream__()
             ptr = ptr[1] if isinstance(ptr, tuple) else ptr
+            if int(ptr) != 0 and hasattr(cp.cuda.Stream, "from_external"):   # CuPy >= 14: keeps it alive
+                return cp.cuda.Stream.from_external(stream)
         elif hasattr(stream, "cuda_stream"):                  # torch streams before __cuda_stream__
             ptr = stream.cuda_stream
         elif isinstance(stream, int) and not isinstance(stream, bool):
@@ -182,6 +182,8 @@ class CupyBackend(Backend):
         else:
             check_stream(stream)          # raises for anything that is not a stream
             ptr = stream.ptr              # another library's stream object with a raw handle
+        if int(ptr) == 0:                 # the legacy default stream (torch's default stream)
+            return cp.cuda.Stream.null
         return cp.cuda.ExternalStream(int(ptr), self.device_id)
 
     def wait_event(self, stream, event) -> None:

@@ -449,7 +449,7 @@ class MtpProposerBase:
         if "device_ids" in out:   # nothing read back: the drafts live on the device (no grammar warnings)
             st.last_num_drafted, st.last_pair_key, st.last_drafts = done, position + done - 1, []
             lg = out["device_logits"]
-            return DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"],
+            return DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"], stream=self.stream,
                                device_logits=None if lg is None else lg[s])
         ids, flags, logits = out["ids"], out["flags"], out["logits"]
         toks = ids[:done, s].tolist()

@@ -26,20 +26,24 @@ class DraftResult:
     device_tokens: Any = None
     device_logits: Any = None
     ready: Any = None
+    stream: Any = field(default=None, repr=False)     # the proposer's stream the device arrays were written on
 
     def host(self) -> "DraftResult":
-        """Fill `tokens` (and `logits`) from the device arrays, waiting for them; returns self."""
+        """Fill `tokens` (and `logits`) from the device arrays: copied on the proposer's stream, waiting for that
+        stream only. Returns self."""
         if self.tokens is None and self.device_tokens is not None:
-            if self.ready is not None:
-                self.ready.synchronize()
-            self.tokens = [int(t) for t in _to_numpy(self.device_tokens)]
+            self.tokens = [int(t) for t in self._read(self.device_tokens)]
             if self.device_logits is not None:
-                self.logits = _to_numpy(self.device_logits).astype(np.float32, copy=False)
+                self.logits = self._read(self.device_logits).astype(np.float32, copy=False)
         return self
 
-
-def _to_numpy(a) -> np.ndarray:
-    return a if isinstance(a, np.ndarray) else a.get()
+    def _read(self, a) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a
+        out = a.get(stream=self.stream)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return out
 
 
 @dataclass
