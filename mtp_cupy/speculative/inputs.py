@@ -132,9 +132,16 @@ def host_ints(x, gpu: Backend | None, what: str, stream=None) -> list[int]:
         a = host_array(x, what)
     else:
         try:
-            return [int(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
-        except (TypeError, ValueError) as e:
-            raise InputError(f"{what}: expected integers, got {type(x).__name__} ({e})") from None
+            a = np.asarray(x)
+        except Exception:
+            a = np.empty(0, object)
+        if a.dtype == object:   # e.g. CUDA scalars in a list: one at a time
+            try:
+                return [int(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
+            except (TypeError, ValueError) as e:
+                raise InputError(f"{what}: expected integers, got {type(x).__name__} ({e})") from None
+    if a.size == 0:
+        return []
     if a.dtype.kind not in "iu":
         raise InputError(f"{what} must hold integers, got dtype {a.dtype}")
     return [int(v) for v in a.reshape(-1)]
