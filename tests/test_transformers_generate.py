@@ -224,3 +224,23 @@ def test_sampling_is_lossless(forced):
         assert 0 < m.num_accepted_tokens < m.num_draft_tokens, m.as_vllm()
     else:               # the (right) draft of the forced token was kept: the checked token is the bonus draw
         assert m.num_accepted_tokens >= n, m.as_vllm()
+
+
+def test_benchmark_beside_transformers_mtp_runs(tmp_path):
+    """scripts/bench_transformers.py in small (CPU): transformers' own use_mtp finds the embedded checkpoint's
+    MTP layer once its key pattern is re-pointed at layer 4, and every method's output is target-only's."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+    import bench_transformers
+    cls = transformers.DeepseekV3ForCausalLM
+    saved = cls._keys_to_ignore_on_load_unexpected
+    try:
+        out = bench_transformers.main(["--max-new-tokens", "24", "--repeats", "1", "--ks", "1,2",
+                                       "--json", str(tmp_path / "b.json")])
+    finally:
+        cls._keys_to_ignore_on_load_unexpected = saved
+    rows = {r["method"]: r for r in out["results"]}
+    assert set(rows) == {"target only", "transformers use_mtp", "mtp_cupy k=1", "mtp_cupy k=2"}
+    assert all(r["identical_to_target"] for r in rows.values())
+    assert rows["transformers use_mtp"]["target_forwards"] < 24 and rows["mtp_cupy k=1"]["target_forwards"] < 24
