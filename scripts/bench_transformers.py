@@ -132,7 +132,7 @@ def run(args) -> dict:
     return {"checkpoint": str(ckpt), "device": torch.cuda.get_device_name(0) if cuda else f"cpu ({torch.get_num_threads()} threads)",
             "target_dtype": str(dtype).replace("torch.", ""), "drafter_device": drafter.gpu.name,
             "transformers": transformers.__version__, "torch": torch.__version__, "prompt": args.prompt,
-            "max_new_tokens": n, "results": results,
+            "max_new_tokens": n, "results": results, "outputs": outputs,
             "text": bytes(t for t in ref if t < 256).decode("utf-8", "replace")}
 
 

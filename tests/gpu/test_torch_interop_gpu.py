@@ -283,6 +283,18 @@ def test_device_results(rng):
 _HF: dict = {}
 
 
+def same_or_near_tie(model, base: list[int], spec: list[int], margin: float = 0.25) -> bool:
+    """Equal, or first different where the target's own top-2 logits (one forward over the common prefix) are
+    within `margin`: a bf16 target's 1-row and (k+1)-row forwards may round a near tie either way."""
+    j = next((i for i, (x, y) in enumerate(zip(base, spec)) if x != y), None)
+    if j is None:
+        return len(base) == len(spec)
+    with torch.no_grad():
+        lg = model(torch.tensor([base[:j]], device="cuda")).logits[0, -1].float()
+    top = torch.topk(lg, 2)
+    return float(top.values[0] - top.values[1]) < margin and {base[j], spec[j]} <= set(top.indices.tolist())
+
+
 def hf_pair(fam, dtype=None):
     from mtp_cupy.testing.hf_targets import load_hf_target, write_hf_target
     if fam not in _HF:
@@ -310,7 +322,7 @@ def test_transformers_path_every_family(fam):
 
 def test_transformers_path_bf16_zero_copy():
     """A bf16 target: its hiddens reach the drafter without a copy through the host; the trained drafter is
-    accepted and greedy output is target-only's."""
+    accepted and greedy output is target-only's (or parts at a bf16 near tie of the target's own logits)."""
     from mtp_cupy.integrations.transformers import generate as mtp_generate
     from mtp_cupy.speculative.metrics import SpecDecodeMetrics
     model, drafter = hf_pair("embedded", torch.bfloat16)
@@ -323,13 +335,14 @@ def test_transformers_path_bf16_zero_copy():
                               drafter=drafter, num_drafts=3, spec_metrics=m)
     finally:
         spy.close()
-    assert torch.equal(base, spec)
+    assert same_or_near_tie(model, base[0].tolist(), spec[0].tolist()), (base.tolist(), spec.tolist())
     assert m.acceptance_rate_per_pos()[0] > 0.5
     assert int(drafter.bufs.hidden_in) not in spy.h2d and int(drafter.bufs.prefill_hidden) not in spy.h2d
 
 
 def test_benchmark_beside_transformers_mtp(tmp_path, capsys):
-    """scripts/bench_transformers.py on the GPU (bf16 target, drafter on CUDA): prints the table to paste."""
+    """scripts/bench_transformers.py on the GPU (bf16 target, drafter on CUDA): prints the table to paste; every
+    output is target-only's (or parts at a bf16 near tie of the target's own logits)."""
     import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
@@ -340,4 +353,7 @@ def test_benchmark_beside_transformers_mtp(tmp_path, capsys):
         print()
         for r in out["results"]:
             print(r)
-    assert all(r["identical_to_target"] for r in out["results"]), out["results"]
+    model = hf_pair("embedded", torch.bfloat16)[0]
+    ref = out["outputs"]["target only"]
+    for name, toks in out["outputs"].items():
+        assert same_or_near_tie(model, ref, toks), name
