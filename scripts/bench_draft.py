@@ -16,8 +16,8 @@ draft step: GPU µs = event time / k, wall µs = wall / k, host µs = max(wall -
 Floor µs = (weight_bytes_per_step + KV bytes read) / D2D copy bandwidth (read + write, median of 10 1-GiB
 copies in this process); "% of floor" = step / floor (100% = at the floor). Torch peers (bf16, batch 1):
 eager and under torch.cuda.CUDAGraph, same cold-L2 timing; their floor counts their bf16 bytes.
-Batch > 1 runs Qwen3-Next's propose_batch (graphed per batch bucket, like propose); DeepSeek families and
-GLM-5 have no batched propose.
+Batch > 1 runs propose_batch (every family; graphed per batch bucket, like propose); the floor of a batch
+counts the dense weights once, the distinct experts the step really selected (printed) and every sequence's KV.
 
 Families: deepseek_v4, deepseek_v3, qwen3_next, glm5. GLM-5 runs here unsharded on one GPU (mtp_cupy.bench.glm5
 REAL dims and random weights; the step's KV bytes are every indexer key row plus the

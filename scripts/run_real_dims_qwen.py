@@ -18,7 +18,6 @@ import mtp_cupy
 from mtp_cupy.bench import copy_bandwidth
 from mtp_cupy.bench import qwen3_next as dims
 from mtp_cupy.bench.cli import Parser, device_flags, nonneg_int, positive_int, run_main
-from mtp_cupy.cache.paged import PagedKvCache
 from mtp_cupy.models.qwen3_next import Qwen3NextMtpProposer
 from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.weights.config import Qwen3NextConfig
@@ -66,8 +65,8 @@ def main() -> None:
     p.add_argument("--mtp-vocab-size", type=nonneg_int, default=0, help="LM-head rows scored (0 = the full vocab)")
     device_flags(p)
     a = p.parse_args()
-    if max(a.batch) > 32:
-        p.error(f"--batch {max(a.batch)}: propose_batch takes at most 32 sequences")
+    if max(a.batch) > 64:
+        p.error(f"--batch {max(a.batch)}: propose_batch takes at most 64 sequences")
     gpu = mtp_cupy.device(a.device)
     cfg = Qwen3NextConfig.from_dict(dims.TINY if a.tiny else dims.REAL)
     bw = copy_bandwidth(gpu)
@@ -81,8 +80,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prop = Qwen3NextMtpProposer(gpu, cfg, dims.random_weights(gpu, cfg, a.seed), max_seq_len=max_seq,
                                     quantization=q, max_drafts=a.drafts, max_batch=max(a.batch),
-                                    mtp_vocab_size=a.mtp_vocab_size,
-                                    kv_blocks=PagedKvCache.blocks_for(max_seq) * max(a.batch))
+                                    mtp_vocab_size=a.mtp_vocab_size)
         print(f"# {q}: built and quantised in {time.perf_counter() - t0:.1f} s")
         for B, ms, wbytes in time_widths(prop, sorted(a.batch), a.ctx, a.drafts, a.iters, a.seed):
             floor = 1e3 * wbytes / bw if bw else float("nan")

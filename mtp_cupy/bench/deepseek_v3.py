@@ -47,10 +47,10 @@ def phases(prop) -> dict:
     return {
         "front (embed, norms, eh_proj, ln)": lambda: (prop.front.forward(b.ids, prop.carry, b.x, 1),
                                                       prop.norm("input_layernorm", b.x, b.xn, 1)),
-        "MLA (absorbed decode)": lambda: prop.mla.forward(b.xn, b.tmp, 1, b.mtp_meta, b.mtp_meta_capacity),
+        "MLA (absorbed decode)": lambda: prop.mla.forward(b.xn, b.tmp, 1, prop.meta, prop.meta_stride),
         "residual + post-attn norm (fused)": lambda: prop.norm.add("post_attention_layernorm", b.x, b.tmp, b.xn, 1),
         "MoE (router, 8 + shared)": lambda: prop.moe.forward(b.xn, b.tmp, m=1),
         "residual + shared_head.norm (fused)": lambda: prop.norm.add("shared_head.norm", b.x, b.tmp, b.xn, 1),
         "LM head": lambda: ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
-        "argmax": lambda: prop._pick(0, b.logits, None, False),
+        "argmax": lambda: prop._pick(0, 1, b.logits, False, False),
     }

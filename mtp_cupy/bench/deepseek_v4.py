@@ -42,7 +42,7 @@ def random_weights(gpu, cfg, seed: int) -> DeepseekV4MtpWeights:
 def phases(prop) -> dict:
     """The parts of one V4 draft step, each a callable re-running it on the newest row (slab staged)."""
     gpu, b = prop.gpu, prop.bufs
-    ids, meta, cap = b.ids, b.mtp_meta, b.mtp_meta_capacity
+    ids, meta, cap = b.ids, prop.meta, prop.meta_stride
     return {
         "front (embed, norms, e/h_proj)": lambda: prop._front(ids, prop.carry, 1, True),
         "mHC attn pre + post": lambda: (prop.mhc.pre("attn", b.X, b.x, 1), prop.mhc.post("attn", b.f, b.X, 1)),
@@ -51,5 +51,5 @@ def phases(prop) -> dict:
         "MoE": lambda: prop.moe.forward(b.xn, b.f, m=1, token_ids=ids),
         "hc_head + norm": lambda: (prop.mhc.head(b.X, b.x, 1), prop.norm("norm", b.x, b.xn, 1)),
         "LM head": lambda: ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
-        "argmax": lambda: prop._pick(0, b.logits, None, False),
+        "argmax": lambda: prop._pick(0, 1, b.logits, False, False),
     }

@@ -47,8 +47,7 @@ def measure_ours(o: Drafter, timer: EventTimer, k: int, B: int, iters: int, note
         p.cuda_graphs = True
         for _ in range(3):
             fn()
-        captured = bool(p.graph_safe) and any(key[0] == k if B == 1 else key[:3] == ("batch", k, p._bucket(B))
-                                              for key in p._graphs)
+        captured = bool(p.graph_safe) and any(key[:2] == (k, p.bucket(B)) for key in p._graphs)
         if not captured:
             notes.append(f"k={k}: no CUDA graph was captured (graph_safe={p.graph_safe}); graph-on ran eagerly")
         out["graph_on"] = per_step(*timer.time(fn, iters, p.stream), k)
@@ -98,17 +97,17 @@ def _ours(fam: str, gpu, a: DraftBenchConfig, bw: float | None, res: dict) -> di
               f"{o.prefill_s:.2f} s" + (f"; device memory in use {cupy_used_gb():.1f} GiB" if gpu.is_cuda else ""),
               flush=True)
         for B in a.batches:
-            if B > 1 and not o.batched:
-                res["notes"].append(f"batch {B}: {fam} has no batched propose; skipped")
-                continue
-            wb, kvb = o.weight_bytes(B), o.kv_bytes(B)
             for k in a.ks:
                 t0 = time.perf_counter()
                 m = measure_ours(o, timer, k, B, a.iters, res["notes"])
+                # the floor counts the distinct experts the (last) step really selected, not an estimate
+                experts = o.experts_selected(B)
+                wb, kvb = o.weight_bytes(B, experts), o.kv_bytes(B)
                 floor = 1e6 * (wb + kvb) / bw if bw else None
-                rows[(k, B)] = dict(k=k, batch=B, ours=m, weight_bytes=wb, kv_bytes=kvb, floor_us=floor)
-                print(f"#   k={k} batch={B}: ours {fmt(best(m))} µs/step ({time.perf_counter() - t0:.1f} s)",
-                      flush=True)
+                rows[(k, B)] = dict(k=k, batch=B, ours=m, weight_bytes=wb, kv_bytes=kvb, floor_us=floor,
+                                    experts=experts)
+                print(f"#   k={k} batch={B}: ours {fmt(best(m))} µs/step, {experts} distinct experts "
+                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
     except Exception:                 # noqa: BLE001
         res["error"] = traceback.format_exc()
         print(f"# {fam}: FAILED (mtp_cupy side)\n{res['error']}", file=sys.stderr, flush=True)

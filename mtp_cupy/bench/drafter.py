@@ -31,36 +31,32 @@ def real_config(fam: str, tiny: bool = False) -> dict:
 
 def _build(fam: str, gpu, cfgd: dict, seed: int, max_seq: int, kmax: int, bmax: int, qwen_quant: str,
            glm_head_fp8: bool):
-    """(proposer, host hidden shape, batched) of `fam`."""
+    """(proposer, host hidden shape) of `fam`, sized for bmax sequences of max_seq rows."""
+    size = dict(max_seq_len=max_seq, max_drafts=kmax, max_batch=bmax, max_sequences=bmax)
     if fam == "deepseek_v3":
         from ..models.deepseek_v3 import DeepseekV3MtpProposer
         from ..weights.config import DeepseekV3Config
         cfg = DeepseekV3Config.from_dict(cfgd)
-        prop = DeepseekV3MtpProposer(gpu, cfg, deepseek_v3.random_weights(gpu, cfg, seed), max_seq_len=max_seq,
-                                     max_drafts=kmax)
-        return prop, (cfg.hidden_size,), False
+        return DeepseekV3MtpProposer(gpu, cfg, deepseek_v3.random_weights(gpu, cfg, seed), **size), (cfg.hidden_size,)
     if fam == "deepseek_v4":
         from ..models.deepseek_v4 import DeepseekV4MtpProposer
         from ..weights.config import DeepseekV4Config
         cfg = DeepseekV4Config.from_dict(cfgd)
-        prop = DeepseekV4MtpProposer(gpu, cfg, deepseek_v4.random_weights(gpu, cfg, seed), max_seq_len=max_seq,
-                                     max_drafts=kmax, device_hidden="streams")
-        return prop, (cfg.hc_mult, cfg.hidden_size), False
+        prop = DeepseekV4MtpProposer(gpu, cfg, deepseek_v4.random_weights(gpu, cfg, seed), device_hidden="streams",
+                                     **size)
+        return prop, (cfg.hc_mult, cfg.hidden_size)
     if fam == "glm5":
         from ..models.glm5 import Glm5MtpProposer
         from ..weights.config import GlmMoeDsaConfig
         cfg = GlmMoeDsaConfig.from_dict(cfgd)
-        prop = Glm5MtpProposer(gpu, cfg, glm5.random_weights(gpu, cfg, None, seed, "fp8"), max_seq_len=max_seq,
-                               max_drafts=kmax, head_fp8=glm_head_fp8)
-        return prop, (cfg.hidden_size,), False
-    from ..cache.paged import PagedKvCache
+        prop = Glm5MtpProposer(gpu, cfg, glm5.random_weights(gpu, cfg, None, seed, "fp8"), head_fp8=glm_head_fp8,
+                               **size)
+        return prop, (cfg.hidden_size,)
     from ..models.qwen3_next import Qwen3NextMtpProposer
     from ..weights.config import Qwen3NextConfig
     cfg = Qwen3NextConfig.from_dict(cfgd)
-    prop = Qwen3NextMtpProposer(gpu, cfg, qwen3_next.random_weights(gpu, cfg, seed), max_seq_len=max_seq,
-                                quantization=qwen_quant, max_drafts=kmax, max_batch=bmax,
-                                kv_blocks=PagedKvCache.blocks_for(max_seq) * bmax)
-    return prop, (cfg.hidden_size,), True
+    prop = Qwen3NextMtpProposer(gpu, cfg, qwen3_next.random_weights(gpu, cfg, seed), quantization=qwen_quant, **size)
+    return prop, (cfg.hidden_size,)
 
 
 def _formats(fam: str, prop, qwen_quant: str) -> str:
@@ -75,8 +71,7 @@ def _formats(fam: str, prop, qwen_quant: str) -> str:
 
 
 class Drafter:
-    """A family's proposer at real (or tiny) dims with `bmax` prefilled states (one unless it has
-    ``propose_batch``), timed by `call`.
+    """A family's proposer at real (or tiny) dims with `bmax` prefilled states, timed by `call`.
 
     Parameters
     ----------
@@ -99,9 +94,9 @@ class Drafter:
 
     Attributes
     ----------
-    prop, states, cfgd, hshape, batched, formats, build_s, prefill_s, kv_rows, kv_row_bytes, kv_step_bytes
-        The proposer, its states, its config dict, the host hidden shape, whether it batches, a note on its
-        weight formats, build and prefill seconds, KV rows / bytes per row / bytes one step reads.
+    prop, states, cfgd, hshape, formats, build_s, prefill_s, kv_rows, kv_row_bytes, kv_step_bytes
+        The proposer, its states, its config dict, the host hidden shape, a note on its weight formats, build
+        and prefill seconds, KV rows / bytes per row / bytes one step reads.
     """
 
     def __init__(self, fam: str, gpu, ctx: int, kmax: int, bmax: int, tiny: bool = False, seed: int = 0,
@@ -110,8 +105,7 @@ class Drafter:
         max_seq = ctx + kmax + 16
         t0 = time.perf_counter()
         self.cfgd = real_config(fam, tiny)
-        self.prop, self.hshape, self.batched = _build(fam, gpu, self.cfgd, seed, max_seq, kmax, bmax, qwen_quant,
-                                                      glm_head_fp8)
+        self.prop, self.hshape = _build(fam, gpu, self.cfgd, seed, max_seq, kmax, bmax, qwen_quant, glm_head_fp8)
         p = self.prop
         self.formats = _formats(fam, p, qwen_quant)
         gpu.synchronize()
@@ -125,7 +119,7 @@ class Drafter:
         rng = np.random.default_rng(seed)
         V = p.vocab_size
         hs = to_bf16(rng.standard_normal((ctx, *self.hshape), dtype=np.float32))
-        self.states = [p.alloc_state() for _ in range(bmax if self.batched else 1)]
+        self.states = [p.alloc_state() for _ in range(bmax)]
         t0 = time.perf_counter()
         for st in self.states:
             p.prefill(st, rng.integers(0, V, ctx + 1), hs)
@@ -135,7 +129,7 @@ class Drafter:
         self.h = to_bf16(rng.standard_normal((len(self.states), *self.hshape), dtype=np.float32))
 
     def call(self, k: int, B: int):
-        """A callable: propose k drafts for B sequences (``propose_batch`` when B > 1), then after_verify(0)."""
+        """A callable: ``propose_batch`` of k drafts for B sequences (``propose`` when B = 1), then after_verify(0)."""
         p, ctx = self.prop, self.ctx
         if B == 1:
             st, tok, h = self.states[0], self.toks[0], self.h[0]
@@ -147,15 +141,19 @@ class Drafter:
         sts, toks, h = self.states[:B], self.toks[:B], np.ascontiguousarray(self.h[:B])
 
         def run_batch():
-            with self.gpu.using(p.stream):      # propose_batch launches on the current stream
-                p.propose_batch(sts, toks, h, [ctx] * B, k)
-                for st in sts:
-                    p.after_verify(st, 0)
+            p.propose_batch(sts, toks, h, [ctx] * B, k)
+            for st in sts:
+                p.after_verify(st, 0)
         return run_batch
 
-    def weight_bytes(self, B: int) -> int:
-        """Weight bytes one step of B rows reads."""
-        return self.prop.weight_bytes_per_step(B) if self.batched else self.prop.weight_bytes_per_step()
+    def experts_selected(self, B: int) -> int | None:
+        """Distinct routed experts the last step's B real rows chose (None for a dense-FFN head)."""
+        moe = getattr(self.prop, "moe", None) or getattr(self.prop, "ffn", None)
+        return len(moe.selected_experts(B)) if hasattr(moe, "selected_experts") else None
+
+    def weight_bytes(self, B: int, experts: int | None = None) -> int:
+        """Weight bytes one step of B rows reads (with `experts` distinct routed experts when given)."""
+        return self.prop.weight_bytes_per_step(B, experts)
 
     def kv_bytes(self, B: int) -> int:
         """Cache bytes one step of B sequences reads."""

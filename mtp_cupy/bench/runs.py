@@ -57,10 +57,10 @@ def prefill_and_time(gpu, prop, V: int, shape: tuple, ctx: int, drafts: int, ite
 
 
 def stage_row_meta(prop, st, position: int, row: int) -> None:
-    """Put the metadata slab of one step (`position`, cache `row`) into the proposer's ``bufs.mtp_meta``,
-    as the chain does before each step: stage it in the pinned stage, copy slab 0 to the device."""
-    prop._stage_meta(st, position, row, 1)
-    prop.gpu.copy_h2d_async(prop.bufs.mtp_meta, prop._stage[0, :prop._slab_bytes])
+    """Put the metadata slab of one step (`position`, cache `row`) at the proposer's ``meta``, as the chain
+    does before each step: stage it in the pinned stage, copy slab 0 to the device."""
+    prop._stage_slabs([st], [row], [position], 1, 1)
+    prop.gpu.copy_h2d_async(prop.meta, prop._stage[0, :prop.meta_stride])
     prop.gpu.synchronize()
 
 

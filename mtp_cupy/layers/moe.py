@@ -186,14 +186,20 @@ class MoE:
             ops.moe_topk_hash(gpu, self.logits, token_ids, token_ids_stride, self.tid2eid, self.vocab, self.ids,
                               self.w, m, *args, c.hash_score, c.norm_topk_prob, c.routed_scaling, stream=stream)
 
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Bytes one decode step of m rows reads: the router, min(m * top_k, n_experts) distinct experts (as if
-        all were local), the shared expert and its gate."""
+    def selected_experts(self, m: int) -> set[int]:
+        """The distinct experts the last forward's first m rows chose that this rank holds (reads the device)."""
+        ids = self.gpu.read(self.ids, np.int32, m * self.cfg.top_k)
+        return {int(e) for e in ids if int(e) in self.experts}
+
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Bytes one decode step of m rows reads: the router, `experts` distinct experts (default min(m * top_k,
+        n_experts), as if all were local), the shared expert and its gate."""
         g, u, d = next(iter(self.experts.values()))
         per_expert = g.weight_bytes + u.weight_bytes + d.weight_bytes
-        total = self.router.weight_bytes + min(m * self.cfg.top_k, self.cfg.n_experts) * per_expert
+        n = min(m * self.cfg.top_k, self.cfg.n_experts) if experts is None else experts
+        total = self.router.weight_bytes + n * per_expert
         if self.shared is not None:
             total += sum(L.weight_bytes for L in self.shared)
         if self.shared_gate is not None:
             total += self.shared_gate.weight_bytes
-        return total
+        return int(total)

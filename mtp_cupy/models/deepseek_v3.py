@@ -124,11 +124,11 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         self.mla.write_kv(b.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes one draft step reads at least: every projection once, the router, the routed experts
-        m rows touch at most and the shared one, the LM head rows scored."""
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes one draft step of m rows reads at least: every projection once, the router, `experts`
+        distinct routed experts (default: as many as m rows may touch) and the shared one, the head rows."""
         return (self.front.weight_bytes_per_step(m) + self.mla.weight_bytes_per_step(m)
-                + self.moe.weight_bytes_per_step(m) + self.head.weight_bytes)
+                + self.moe.weight_bytes_per_step(m, experts) + self.head.weight_bytes)
 
 
 from_checkpoint = DeepseekV3MtpProposer.from_checkpoint

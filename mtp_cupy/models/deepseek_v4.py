@@ -165,11 +165,12 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         self.attn.write_kv(b.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes one draft step reads at least: every projection once, the mHC maps, the routed experts
-        m rows touch at most plus the shared one, the router, the LM head rows scored."""
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes one draft step of m rows reads at least: every projection once, the mHC maps, `experts`
+        distinct routed experts (default: as many as m rows may touch) plus the shared one, the router, the head."""
         return (self.front.weight_bytes_per_step(m) + self.attn.weight_bytes_per_step(m)
-                + self.mhc.weight_bytes_per_step(m) + self.moe.weight_bytes_per_step(m) + self.head.weight_bytes)
+                + self.mhc.weight_bytes_per_step(m) + self.moe.weight_bytes_per_step(m, experts)
+                + self.head.weight_bytes)
 
 
 from_checkpoint = DeepseekV4MtpProposer.from_checkpoint

@@ -138,15 +138,14 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
         super()._pick(step, W, logits, masked, want_lp, keep)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes this rank reads per draft step, at least: every projection once, the indexer, the
-        router, its share of the routed experts, its shared-expert slice, its head rows."""
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes this rank reads per draft step of m rows, at least: every projection once, the indexer,
+        the router, `experts` distinct routed experts of its own (default: its share of as many as m rows may
+        touch), its shared-expert slice, its head rows."""
         w, cfg = self.w, self.cfg
-        expert = sum(x.weight_bytes for x in next(iter(w.experts.values())))
-        local = min(m * cfg.num_experts_per_tok, cfg.n_routed_experts) * len(w.experts) / cfg.n_routed_experts
-        return int(self.front.weight_bytes_per_step(m) + self.mla.weight_bytes_per_step(m) + w.router.weight_bytes
-                   + local * expert + (sum(x.weight_bytes for x in w.shared) if w.shared else 0)
-                   + self.head.weight_bytes)
-
+        if experts is None:
+            experts = min(m * cfg.num_experts_per_tok, cfg.n_routed_experts) * len(w.experts) / cfg.n_routed_experts
+        return int(self.front.weight_bytes_per_step(m) + self.mla.weight_bytes_per_step(m)
+                   + self.moe.weight_bytes_per_step(m, experts) + self.head.weight_bytes)
 
 from_checkpoint = Glm5MtpProposer.from_checkpoint

@@ -150,18 +150,16 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         self.attn.write_kv(self.bufs.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes one draft step over m sequences must read at least: every projection once, the
-        routed experts m rows are expected to touch (uniform routing), the LM head rows scored."""
-        w = self.w
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes one draft step over m sequences must read at least: every projection once, `experts`
+        distinct routed experts (default: the number m rows are expected to touch under uniform routing),
+        the LM head rows scored."""
         total = self.front.weight_bytes_per_step(m) + self.attn.weight_bytes_per_step(m) + self.lm_head.weight_bytes
-        if w.dense_ffn:
+        if self.w.dense_ffn:
             return total + self.ffn.weight_bytes_per_step(m)
-        E, k = self.cfg.num_experts, self.cfg.num_experts_per_tok
-        per_expert = sum(x.weight_bytes for x in next(iter(w.experts.values())))
-        touched = E * (1 - (1 - k / E) ** m)
-        total += w.router.weight_bytes + w.shared_gate.weight_bytes + sum(x.weight_bytes for x in w.shared)
-        return int(total + touched * per_expert)
-
+        if experts is None:
+            E, k = self.cfg.num_experts, self.cfg.num_experts_per_tok
+            experts = E * (1 - (1 - k / E) ** m)
+        return int(total + self.ffn.weight_bytes_per_step(m, experts))
 
 from_checkpoint = Qwen3NextMtpProposer.from_checkpoint
