@@ -4,7 +4,7 @@ bandwidth and cuBLAS (cupy.matmul) on the same bytes, cold L2.
     python scripts/bench_kernels.py [--quick] [--v0] [--iters N] [--json PATH]
     python scripts/bench_kernels.py --sweep [--iters N] [--json PATH]
 
---v0 adds the previous register-round kernels (*_v0) next to the streaming defaults. --sweep times, per key
+--v0 adds the register-round kernels (*_regs) next to the streaming defaults. --sweep times, per key
 shape, the v0 kernel, the default launch plan and a grid of plans (ks warps per block, ring stages, resident
 warps per SM: ops.gemv.Tune), then rms_norm over thread counts, and prints which configuration wins.
 
@@ -174,20 +174,20 @@ def bench_optional(gpu, timer, rows, notes):
 
 # -- --sweep ------------------------------------------------------------------------------------------------
 # (fmt, n, k, m, streaming kernel to sweep, its v0 kernel or None)
-SWEEP = [("bf16", 7168, 14336, 1, "dense_gemv_bf16", "dense_gemv_bf16_v0"),
-         ("bf16", 129280, 7168, 1, "dense_gemv_bf16", "dense_gemv_bf16_v0"),
-         ("bf16", 151936, 2048, 1, "dense_gemv_bf16", "dense_gemv_bf16_v0"),
-         ("bf16", 4096, 2048, 1, "dense_gemv_bf16", "dense_gemv_bf16_v0"),
-         ("bf16", 7168, 14336, 1, "dense_gemv_bf16_batchm", "dense_gemv_bf16_batchm_v0"),
-         ("bf16", 7168, 14336, 8, "dense_gemv_bf16_batchm", "dense_gemv_bf16_batchm_v0"),
+SWEEP = [("bf16", 7168, 14336, 1, "dense_gemv_bf16", "dense_gemv_bf16_regs"),
+         ("bf16", 129280, 7168, 1, "dense_gemv_bf16", "dense_gemv_bf16_regs"),
+         ("bf16", 151936, 2048, 1, "dense_gemv_bf16", "dense_gemv_bf16_regs"),
+         ("bf16", 4096, 2048, 1, "dense_gemv_bf16", "dense_gemv_bf16_regs"),
+         ("bf16", 7168, 14336, 1, "dense_gemv_bf16_batchm", "dense_gemv_bf16_batchm_regs"),
+         ("bf16", 7168, 14336, 8, "dense_gemv_bf16_batchm", "dense_gemv_bf16_batchm_regs"),
          ("bf16", 7168, 14336, 32, "dense_gemv_bf16_batch32", None),
-         ("fp8_block", 7168, 14336, 1, "w8a16_gemv", "w8a16_gemv_v0"),
-         ("fp8_block", 129280, 7168, 1, "w8a16_gemv", "w8a16_gemv_v0"),
-         ("fp8_block", 7168, 2048, 1, "w8a16_gemv", "w8a16_gemv_v0"),
-         ("fp8_block", 7168, 14336, 8, "w8a16_gemv", "w8a16_gemv_v0"),
-         ("nvfp4", 7168, 14336, 1, "w4a16_gemv", "w4a16_gemv_v0"),
-         ("nvfp4", 129280, 7168, 1, "w4a16_gemv", "w4a16_gemv_v0"),
-         ("nvfp4", 2048, 7168, 1, "w4a16_gemv", "w4a16_gemv_v0")]
+         ("fp8_block", 7168, 14336, 1, "w8a16_gemv", "w8a16_gemv_regs"),
+         ("fp8_block", 129280, 7168, 1, "w8a16_gemv", "w8a16_gemv_regs"),
+         ("fp8_block", 7168, 2048, 1, "w8a16_gemv", "w8a16_gemv_regs"),
+         ("fp8_block", 7168, 14336, 8, "w8a16_gemv", "w8a16_gemv_regs"),
+         ("nvfp4", 7168, 14336, 1, "w4a16_gemv", "w4a16_gemv_regs"),
+         ("nvfp4", 129280, 7168, 1, "w4a16_gemv", "w4a16_gemv_regs"),
+         ("nvfp4", 2048, 7168, 1, "w4a16_gemv", "w4a16_gemv_regs")]
 SWEEP_KS = (1, 2, 4, 8, 16)
 SWEEP_STAGES = (2, 3, 4, 6, 8)
 SWEEP_WPS = (8, 16, 24, 32)
@@ -277,7 +277,7 @@ def sweep(gpu, timer, copy_gbs, top: int) -> dict:
     print(f"\n### rms_norm 1x{d} over threads per block (empty-kernel floor {floor:.2f} µs)\n")
     print("| threads | µs |")
     print("|---|---|")
-    default_t = _threads("rms_norm_vanilla", d)
+    default_t = _threads("rms_norm_w", d)
     for th in RMS_THREADS:
         t = timer.us(lambda: ops.rms_norm(gpu, ptr(x), ptr(w), ptr(yb), 1, d, 1e-6, threads=th))
         out["rms_norm"].append(dict(threads=th, us=t, floor_us=floor))
@@ -290,7 +290,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few shapes only")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    ap.add_argument("--v0", action="store_true", help="also time the previous (*_v0) GEMV kernels")
+    ap.add_argument("--v0", action="store_true", help="also time the register-round (*_regs) GEMV kernels")
     ap.add_argument("--sweep", action="store_true", help="launch-plan sweep of the streaming GEMV kernels")
     ap.add_argument("--top", type=int, default=8, help="--sweep: fastest plans shown per shape")
     a = ap.parse_args()
@@ -315,8 +315,8 @@ def main() -> None:
     for n, k in bf16_shapes:
         bench_linear(gpu, timer, copy_gbs, "bf16", n, k, 1, rows, peers)
         if a.v0:
-            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, 1, rows, peers, raw="dense_gemv_bf16_v0")
-    for fmt, v0 in (("fp8_block", "w8a16_gemv_v0"), ("nvfp4", "w4a16_gemv_v0")):
+            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, 1, rows, peers, raw="dense_gemv_bf16_regs")
+    for fmt, v0 in (("fp8_block", "w8a16_gemv_regs"), ("nvfp4", "w4a16_gemv_regs")):
         for n, k in quant_shapes:
             bench_linear(gpu, timer, copy_gbs, fmt, n, k, 1, rows, peers)
             if a.v0:
@@ -326,7 +326,7 @@ def main() -> None:
         if m == 1:  # the tensor-core kernel at one row, against the FMA kernel `linear` picks
             bench_linear(gpu, timer, copy_gbs, "bf16", n, k, m, rows, peers, raw="dense_gemv_bf16_batchm")
         if a.v0 and m <= 8:
-            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, m, rows, peers, raw="dense_gemv_bf16_batchm_v0")
+            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, m, rows, peers, raw="dense_gemv_bf16_batchm_regs")
     bench_linear(gpu, timer, copy_gbs, "bf16", *PREFILL, rows, peers)
     bench_optional(gpu, timer, rows, notes)
 
