@@ -88,13 +88,17 @@ def _gqa(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml,
 
 
 @twin("paged_attention", "gqa_decode_partial")
-def gqa_decode_partial(dev, *args):
-    _gqa(dev, *args, BF16)
+def gqa_decode_partial(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs, q_heads,
+                       kv_heads, head_dim, scale, kv_scale, splits, min_chunk):
+    _gqa(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs, q_heads, kv_heads,
+         head_dim, scale, kv_scale, splits, min_chunk, BF16)
 
 
 @twin("paged_attention", "gqa_decode_partial_fp8")
-def gqa_decode_partial_fp8(dev, *args):
-    _gqa(dev, *args, FP8)
+def gqa_decode_partial_fp8(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs,
+                           q_heads, kv_heads, head_dim, scale, kv_scale, splits, min_chunk):
+    _gqa(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs, q_heads, kv_heads,
+         head_dim, scale, kv_scale, splits, min_chunk, FP8)
 
 
 @twin("paged_attention", "attn_combine")
