@@ -1,5 +1,6 @@
-"""PagedKvCache: a pool of fixed-size blocks (BLOCK_SIZE = 16 rows each, runtime.slab) on the device, shared by one or more caches
-(e.g. the MLA latent cache and the DSA indexer cache) that use the same block ids.
+"""PagedKvCache: a pool of fixed-size blocks (BLOCK_SIZE = 16 rows each, from runtime.slab) on the device,
+shared by one or more caches (e.g. the MLA latent cache and the DSA indexer cache) that use the same block
+ids.
 
 A row of cache `c` at layer `l` for slot `s = block * block_size + offset` lives at
     base[c] + ((l * num_blocks + block) * block_size + offset) * row_bytes[c]
