@@ -337,7 +337,7 @@ constexpr int WARPS = 8;  // 256 threads per block
 //   plain    RR = 4 weight rows per warp, one pair per pass (a row's own top-k experts are distinct)
 //   grouped  RR = 2 weight rows per warp, up to PG = 4 pairs of the expert per pass (batches)
 // gate/up warps read a gate and an up row per output: RR / 2 outputs, else RR.
-constexpr int PG_MAX = 4;
+constexpr int PG_MAX = 4;    // the grouped shape's PG
 
 __device__ __forceinline__ float swiglu(float g, float u, float limit) {
     if (limit > 0.f) {  // written so that NaN passes through (torch clamp semantics)
@@ -460,7 +460,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_bf16(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_BF16, false, 2, 4>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+    expert_gemv<F_BF16, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -476,7 +476,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_f32(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_F32, false, 2, 4>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+    expert_gemv<F_F32, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -492,7 +492,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_fp8_row(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_FP8_ROW, false, 2, 4>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+    expert_gemv<F_FP8_ROW, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -508,7 +508,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_fp8_block(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_FP8_BLOCK, false, 2, 4>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+    expert_gemv<F_FP8_BLOCK, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -524,7 +524,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_fp8_block_e8m
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_FP8_E8M0, false, 2, 4>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+    expert_gemv<F_FP8_E8M0, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -540,7 +540,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_nvfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_NVFP4, false, 2, 4>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+    expert_gemv<F_NVFP4, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -556,7 +556,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_mxfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_MXFP4, false, 2, 4>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+    expert_gemv<F_MXFP4, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -573,7 +573,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_bf16(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_BF16, true, 2, 4>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+    expert_gemv<F_BF16, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 
@@ -589,7 +589,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_fp8_row(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_FP8_ROW, true, 2, 4>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+    expert_gemv<F_FP8_ROW, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 
@@ -605,7 +605,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_fp8_block(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_FP8_BLOCK, true, 2, 4>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+    expert_gemv<F_FP8_BLOCK, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 
@@ -621,7 +621,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_fp8_block_
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_FP8_E8M0, true, 2, 4>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+    expert_gemv<F_FP8_E8M0, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 
@@ -637,7 +637,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_nvfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_NVFP4, true, 2, 4>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+    expert_gemv<F_NVFP4, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 
@@ -653,7 +653,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_mxfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_MXFP4, true, 2, 4>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+    expert_gemv<F_MXFP4, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 

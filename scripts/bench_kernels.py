@@ -1,11 +1,11 @@
 """GEMV benchmark on one CUDA GPU: achieved read bandwidth per kernel and shape, against the measured D2D copy
 bandwidth and cuBLAS (cupy.matmul) on the same bytes, cold L2.
 
-    python scripts/bench_kernels.py [--quick] [--v0] [--iters N] [--json PATH]
+    python scripts/bench_kernels.py [--quick] [--regs] [--iters N] [--json PATH]
     python scripts/bench_kernels.py --sweep [--iters N] [--json PATH]
 
---v0 adds the previous register-round kernels (*_v0) next to the streaming defaults. --sweep times, per key
-shape, the v0 kernel, the default launch plan and a grid of plans (ks warps per block, ring stages, resident
+--regs adds the register-round kernels (*_regs) next to the streaming defaults. --sweep times, per key
+shape, the register-round kernel, the default launch plan and a grid of plans (ks warps per block, ring stages, resident
 warps per SM: ops.gemv.Tune), then rms_norm over thread counts, and prints which configuration wins.
 
 Each timed launch follows a 256 MB memset that evicts L2 (50 MB on H100/H200); the memset also covers the
@@ -28,7 +28,7 @@ def main() -> None:
     ap.add_argument("--iters", type=positive_int, default=30,
                     help="timed launches per kernel and shape (default 30; 20 with --sweep unless given)")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: none)")
-    ap.add_argument("--v0", action="store_true", help="also time the previous (*_v0) GEMV kernels")
+    ap.add_argument("--regs", action="store_true", help="also time the register-round (*_regs) GEMV kernels")
     ap.add_argument("--sweep", action="store_true", help="launch-plan sweep of the streaming GEMV kernels")
     ap.add_argument("--top", type=positive_int, default=8, help="--sweep: fastest plans shown per shape")
     a = ap.parse_args()
@@ -52,19 +52,19 @@ def main() -> None:
     rows, notes, peers = [], [], {}
     for n, k in bf16_shapes:
         bench_linear(gpu, timer, copy_gbs, "bf16", n, k, 1, rows, peers)
-        if a.v0:
-            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, 1, rows, peers, raw="dense_gemv_bf16_v0")
-    for fmt, v0 in (("fp8_block", "w8a16_gemv_v0"), ("nvfp4", "w4a16_gemv_v0")):
+        if a.regs:
+            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, 1, rows, peers, raw="dense_gemv_bf16_regs")
+    for fmt, regs in (("fp8_block", "w8a16_gemv_regs"), ("nvfp4", "w4a16_gemv_regs")):
         for n, k in quant_shapes:
             bench_linear(gpu, timer, copy_gbs, fmt, n, k, 1, rows, peers)
-            if a.v0:
-                bench_linear(gpu, timer, copy_gbs, fmt, n, k, 1, rows, peers, raw=v0)
+            if a.regs:
+                bench_linear(gpu, timer, copy_gbs, fmt, n, k, 1, rows, peers, raw=regs)
     for n, k, m in batch:
         bench_linear(gpu, timer, copy_gbs, "bf16", n, k, m, rows, peers)
         if m == 1:  # the tensor-core kernel at one row, against the FMA kernel `linear` picks
             bench_linear(gpu, timer, copy_gbs, "bf16", n, k, m, rows, peers, raw="dense_gemv_bf16_batchm")
-        if a.v0 and m <= 8:
-            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, m, rows, peers, raw="dense_gemv_bf16_batchm_v0")
+        if a.regs and m <= 8:
+            bench_linear(gpu, timer, copy_gbs, "bf16", n, k, m, rows, peers, raw="dense_gemv_bf16_batchm_regs")
     bench_linear(gpu, timer, copy_gbs, "bf16", *PREFILL, rows, peers)
     bench_optional(gpu, timer, rows, notes)
 

@@ -95,8 +95,8 @@ def test_linear_vs_float64(dev, rng, fmt, m, out_dtype):
 
 @pytest.mark.parametrize("name, m", [("dense_gemv_bf16", 3), ("dense_gemv_bf16_batchm", 8),
                                      ("dense_gemv_bf16_batch32", 32), ("dense_gemm_bf16", 45),
-                                     ("dense_gemm_bf16", 1), ("dense_gemv_bf16_v0", 2),
-                                     ("dense_gemv_bf16_batchm_v0", 5)])
+                                     ("dense_gemm_bf16", 1), ("dense_gemv_bf16_regs", 2),
+                                     ("dense_gemv_bf16_batchm_regs", 5)])
 def test_dense_kernels(dev, rng, name, m):
     """Each bf16 kernel on its own, whatever `linear` would pick for m."""
     n, k = int(rng.integers(100, 300)), int(rng.integers(1, 80)) * 8
@@ -112,13 +112,13 @@ def test_dense_kernels(dev, rng, name, m):
 STREAM = [("bf16", "dense_gemv_bf16", 3), ("bf16", "dense_gemv_bf16_batchm", 8),
           ("bf16", "dense_gemv_bf16_batch32", 32), ("fp8_row", "gemv_fp8w", 8), ("fp8_block", "w8a16_gemv", 8),
           ("fp8_block_e8m0", "w8a16_gemv_e8m0", 8), ("nvfp4", "w4a16_gemv", 8), ("mxfp4", "w4a16_gemv_mx", 8),
-          ("fp8_block", "w8a16_gemv_v0", 8), ("nvfp4", "w4a16_gemv_v0", 8)]
+          ("fp8_block", "w8a16_gemv_regs", 8), ("nvfp4", "w4a16_gemv_regs", 8)]
 TUNES = [Tune(ks=1, stages=1, blocks=1), Tune(ks=2, stages=2, blocks=2), Tune(ks=3, stages=8, blocks=3),
          Tune(ks=5, stages=3, blocks=1), Tune(ks=8, stages=4), Tune(stages=6, warps_per_sm=1)]
 
 
 def raw_gemv(dev, name, fmt, bufs, scale2, x, y, m, n, k, xs, ys, out_dtype, tune=None):
-    kw = {} if tune is None or name.endswith("_v0") else {"tune": tune}
+    kw = {} if tune is None or name.endswith("_regs") else {"tune": tune}
     fn = getattr(ops, name)
     if fmt == "bf16":
         fn(dev, bufs[0].ptr, x, y, m, n, k, xs, ys, out_dtype, **kw)
@@ -205,8 +205,8 @@ REAL_PLANS = [("bf16", "dense_gemv_bf16", 7168, 14336, 1, Tune(ks=16, stages=8))
               ("bf16", "dense_gemv_bf16_batchm", 7168, 14336, 8, Tune(ks=8, stages=6)),
               ("fp8_block", "w8a16_gemv", 2048, 7168, 8, Tune(ks=7, stages=3, blocks=50)),
               ("nvfp4", "w4a16_gemv", 7168, 2048, 1, Tune(ks=2, stages=8, warps_per_sm=4)),
-              ("fp8_block", "w8a16_gemv_v0", 7168, 2048, 8, None), ("nvfp4", "w4a16_gemv_v0", 2048, 7168, 1, None),
-              ("bf16", "dense_gemv_bf16_v0", 7168, 2048, 1, None)]
+              ("fp8_block", "w8a16_gemv_regs", 7168, 2048, 8, None), ("nvfp4", "w4a16_gemv_regs", 2048, 7168, 1, None),
+              ("bf16", "dense_gemv_bf16_regs", 7168, 2048, 1, None)]
 
 
 def run_raw(dev, fmt, name, n, k, m, arrays, scale2, x, tune):

@@ -1,11 +1,14 @@
 """Launchers for cuda_src/gemv.cu. `linear` picks the kernel from the weight format and the row count.
 
-Streaming kernels (the defaults, see the head of gemv.cu): blocks of (32, ks) threads, a persistent grid of
-`blocks` blocks that walk the row tiles, and a ring of `stages` pipeline stages per warp in dynamic shared
-memory. `plan_gemv` picks (ks, blocks, stages) per shape: enough resident warps (WARPS_PER_SM), whole tiles
-per block and whole k units per warp (fp32 summation order depends on ks, nothing else does). `Tune`
-overrides any of it (scripts/bench_kernels.py --sweep). The *_v0 kernels are the previous register-round
-kernels, launched as before: blocks of 8 warps shaped (32, ks, 8 // ks)."""
+Two kinds of kernel (see the head of gemv.cu), named by how they read the weights:
+- streaming ring kernels (unsuffixed names): blocks of (32, ks) threads, a persistent grid of `blocks` blocks
+  that walk the row tiles, and a ring of `stages` cp.async pipeline stages per warp in dynamic shared memory.
+  `plan_gemv` picks (ks, blocks, stages) per shape: enough resident warps (WARPS_PER_SM), whole tiles per
+  block and whole k units per warp (fp32 summation order depends on ks, nothing else does). `Tune` overrides
+  any of it (scripts/bench_kernels.py --sweep).
+- register-round kernels (`*_regs`): no shared-memory pipeline, each lane loads rounds of weight chunks
+  straight into registers; blocks of 8 warps shaped (32, ks, 8 // ks). `linear` uses dense_gemv_bf16_regs
+  for bf16 m = 1 and w4a16_gemv_regs for NVFP4 (faster there); the other two are for benchmarks."""
 from __future__ import annotations
 
 import functools
@@ -18,10 +21,10 @@ from ._util import launch, need
 
 __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32",
            "dense_gemm_bf16", "gemv_fp8w", "w8a16_gemv", "w8a16_gemv_e8m0", "w4a16_gemv", "w4a16_gemv_mx",
-           "dense_gemv_bf16_v0", "dense_gemv_bf16_batchm_v0", "w8a16_gemv_v0", "w4a16_gemv_v0",
+           "dense_gemv_bf16_regs", "dense_gemv_bf16_batchm_regs", "w8a16_gemv_regs", "w4a16_gemv_regs",
            "Tune", "Plan", "plan_gemv"]
 
-WARPS = 8  # v0 kernels: warps per block
+WARPS = 8  # register-round kernels: warps per block
 QUANT_MAX_M = 8  # x rows per pass of the quantised kernels; `linear` loops for more
 
 STAGES = 4              # ring stages per warp (S - 1 in flight while one is consumed)
@@ -36,14 +39,14 @@ REGS_PER_SM = 65536
 @dataclass(frozen=True)
 class _Geom:
     kchunk: int           # k per 16-byte weight chunk: K must be a multiple (whole chunks, aligned rows)
-    tile_rows: int        # weight rows per tile (streaming) / per warp (v0)
-    unit_chunks: int      # chunks per row in one pipeline stage (streaming) / one warp k-step (v0)
+    tile_rows: int        # weight rows per tile (streaming) / per warp (register rounds)
+    unit_chunks: int      # chunks per row in one pipeline stage (streaming) / one warp k-step (register rounds)
     max_m: int
     scale_align: int = 1  # bytes per scale load
     red_floats: int = 0   # streaming: reduction-area floats per warp and buffer (ks > 1)
     max_ks: int = 16      # streaming: warps per block (the kernel's launch bound / 32)
     regs: int = 96        # register estimate where the backend cannot say
-    stream: bool = True   # False: a v0 kernel
+    stream: bool = True   # False: a register-round kernel
     row_grid: bool = False  # one x row per grid.y (the FMA kernels)
     stages: int = STAGES    # default ring depth and resident warps wanted per SM (Tune overrides both)
     wps: int = WARPS_PER_SM
@@ -59,7 +62,7 @@ def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: 
 _SHALLOW = dict(stages=2, wps=32)
 
 
-def _v0(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1, row_grid=False) -> _Geom:
+def _regs(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1, row_grid=False) -> _Geom:
     return _Geom(kchunk, tile_rows, step_chunks, max_m, scale_align, stream=False, row_grid=row_grid)
 
 
@@ -71,10 +74,10 @@ _GEOM = {"dense_gemv_bf16": _Geom(8, 2, 64, 65535, red_floats=2, max_ks=16, regs
          "w8a16_gemv_e8m0": _mma(16, 1, 1, QUANT_MAX_M, regs=64, **_SHALLOW),
          "w4a16_gemv": _mma(32, 1, 1, QUANT_MAX_M, 2, regs=80),  # two e4m3 scales per 32-code chunk
          "w4a16_gemv_mx": _mma(32, 1, 1, QUANT_MAX_M, regs=80),
-         "dense_gemv_bf16_v0": _v0(8, 2, 32, 65535, row_grid=True),
-         "dense_gemv_bf16_batchm_v0": _v0(8, 16, 4, 8),
-         "w8a16_gemv_v0": _v0(16, 16, 4, QUANT_MAX_M, 4),
-         "w4a16_gemv_v0": _v0(32, 16, 4, QUANT_MAX_M, 2)}
+         "dense_gemv_bf16_regs": _regs(8, 2, 32, 65535, row_grid=True),
+         "dense_gemv_bf16_batchm_regs": _regs(8, 16, 4, 8),
+         "w8a16_gemv_regs": _regs(16, 16, 4, QUANT_MAX_M, 4),
+         "w4a16_gemv_regs": _regs(32, 16, 4, QUANT_MAX_M, 2)}
 GEMM_TILE = 128
 GEMM_SMEM = 4 * (128 + 128) * 40 * 2  # dense_gemm_bf16: GS ring stages of x and W tiles (gemv.cu)
 
@@ -250,22 +253,26 @@ def w4a16_gemv_mx(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="b
           stream, tune)
 
 
-# The previous kernels (register rounds, no shared-memory pipeline), for side-by-side benchmarks.
-def dense_gemv_bf16_v0(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "dense_gemv_bf16_v0", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+# Register-round kernels (no shared-memory pipeline): linear()'s bf16 m = 1 and NVFP4 paths, and the other
+# two for side-by-side benchmarks.
+def dense_gemv_bf16_regs(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    """Register-round FMA GEMV, one x row per grid row (linear()'s bf16 m = 1 path)."""
+    _gemv(gpu, "dense_gemv_bf16_regs", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
 
 
-def dense_gemv_bf16_batchm_v0(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "dense_gemv_bf16_batchm_v0", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+def dense_gemv_bf16_batchm_regs(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "dense_gemv_bf16_batchm_regs", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
 
 
-def w8a16_gemv_v0(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "w8a16_gemv_v0", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+def w8a16_gemv_regs(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "w8a16_gemv_regs", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype,
+          stream)
 
 
-def w4a16_gemv_v0(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "w4a16_gemv_v0", [("ptr", w), ("ptr", scale), ("f32", scale2)], x, y, m, n, k, x_stride, y_stride,
-          out_dtype, stream)
+def w4a16_gemv_regs(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    """Register-round NVFP4 (linear()'s NVFP4 kernel); m <= 8."""
+    _gemv(gpu, "w4a16_gemv_regs", [("ptr", w), ("ptr", scale), ("f32", scale2)], x, y, m, n, k, x_stride,
+          y_stride, out_dtype, stream)
 
 
 def dense_gemm_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
@@ -278,10 +285,10 @@ def dense_gemm_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16",
         .arg_u32(y_stride).arg_u32(f32).launch(stream)
 
 
-# Measured on the H200 (BENCHMARKS.md, same run, cold L2): for m=1 bf16 and for NVFP4 the first-generation
+# Measured on the H200 (BENCHMARKS.md, same run, cold L2): for m=1 bf16 and for NVFP4 the register-round
 # kernels beat the streaming ones (7168x14336 bf16 59.7 vs 67.9 us, 129280x7168 nvfp4 208.5 vs 242.1 us);
 # the streaming ones win for fp8 and the batched bf16 paths. linear() takes the winner of each.
-_BF16_BY_M = ((1, dense_gemv_bf16_v0), (8, dense_gemv_bf16_batchm), (32, dense_gemv_bf16_batch32))
+_BF16_BY_M = ((1, dense_gemv_bf16_regs), (8, dense_gemv_bf16_batchm), (32, dense_gemv_bf16_batch32))
 _QUANT = {"fp8_row": gemv_fp8w, "fp8_block": w8a16_gemv, "fp8_block_e8m0": w8a16_gemv_e8m0,
           "mxfp4": w4a16_gemv_mx}
 
@@ -305,6 +312,6 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         if W.fmt == "bf16":
             dense_gemv_bf16_batchm(gpu, W.weight, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
         elif W.fmt == "nvfp4":
-            w4a16_gemv_v0(gpu, W.weight, W.scale, W.scale2, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
+            w4a16_gemv_regs(gpu, W.weight, W.scale, W.scale2, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
         else:
             _QUANT[W.fmt](gpu, W.weight, W.scale, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)

@@ -10,6 +10,7 @@ import math
 import weakref
 
 from ..runtime.ptr import NULL, DevicePtr
+from ..runtime.slab import TABLE_OFFSET
 from ._util import launch, need
 
 __all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes"]
@@ -73,8 +74,8 @@ def _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, dv, splits, stream):
 
 
 def _check_common(name: str, meta, meta_stride: int, num_seqs: int, scale: float) -> None:
-    need(meta_stride >= 256 and meta_stride % 4 == 0,
-         f"{name}: meta_stride {meta_stride} must be >= 256 and 4-aligned")
+    need(meta_stride >= TABLE_OFFSET and meta_stride % 4 == 0,
+         f"{name}: meta_stride {meta_stride} must be >= {TABLE_OFFSET} and 4-aligned")
     need(0 <= num_seqs <= 65535, f"{name}: num_seqs {num_seqs} out of range")
     need(int(meta) % 4 == 0, f"{name}: metadata must be 4-byte aligned")
     need(math.isfinite(scale), f"{name}: scale {scale} is not finite")
