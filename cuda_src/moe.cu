@@ -456,7 +456,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_bf16(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_bf16(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_bf16(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
@@ -472,7 +472,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_f32(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_f32(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_f32(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
@@ -488,7 +488,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_row(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_fp8_row(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_row(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
@@ -504,7 +504,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_fp8_block(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_block(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
@@ -520,7 +520,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block_e8m0(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_fp8_block_e8m0(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_block_e8m0(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
@@ -536,7 +536,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_nvfp4(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_nvfp4(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_nvfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
@@ -552,7 +552,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_mxfp4(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gemv_grouped_mxfp4(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_mxfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
@@ -569,7 +569,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_bf16(
                                     x_slot_stride, h, N, K, limit);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_bf16(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_bf16(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
@@ -585,7 +585,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_row(
                                     x_slot_stride, h, N, K, limit);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_fp8_row(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_row(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
@@ -601,7 +601,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block(
                                     x_slot_stride, h, N, K, limit);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_fp8_block(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_block(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
@@ -617,7 +617,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block_e8m0(
                                     x_slot_stride, h, N, K, limit);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_fp8_block_e8m0(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_block_e8m0(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
@@ -633,7 +633,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_nvfp4(
                                     x_slot_stride, h, N, K, limit);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_nvfp4(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_nvfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
@@ -649,7 +649,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_mxfp4(
                                     x_slot_stride, h, N, K, limit);
 }
 
-extern "C" __global__ __launch_bounds__(256) void moe_gate_up_grouped_mxfp4(
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_mxfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
