@@ -687,6 +687,44 @@ extern "C" __global__ __launch_bounds__(512) void w4a16_gemv_mx(
     mma_stream<MXFP4, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
+// M <= 32 in one pass over W for every quantised format (4 x tiles of 8 rows). A row's sum runs over the
+// same units in the same order as in the M <= 8 kernel of its format when launched with the same KS, so
+// linear() keeps a row's arithmetic whatever the batch it runs in.
+extern "C" __global__ __launch_bounds__(512) void gemv_fp8w_batch32(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_ROW, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_batch32(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_BLOCK, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_e8m0_batch32(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_BLOCK_E8M0, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_batch32(
+    const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
+    u32 y_stride, u32 out_f32)
+{
+    mma_stream<NVFP4, 4, 1>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_mx_batch32(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<MXFP4, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
 // Register-round tensor-core kernels (block (32, KS, 8 / KS)); w4a16_gemv_regs is linear()'s NVFP4 kernel.
 extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batchm_regs(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)

@@ -63,14 +63,14 @@ def make_weight(rng, fmt, n, k):
     return (packed, s), 1.0, lambda: E2M1[codes] * np.repeat(np.ldexp(1.0, s.astype(int) - 127), 32, 1)
 
 
-def run_linear(dev, fmt, n, k, m, arrays, scale2, x, out_dtype, xs, ys):
+def run_linear(dev, fmt, n, k, m, arrays, scale2, x, out_dtype, xs, ys, invariant=False):
     bufs = [up(dev, a) for a in arrays]
     W = Linear(fmt, n, k, bufs[0].ptr, bufs[1].ptr if len(bufs) > 1 else NULL, scale2, owners=bufs)
     xp = np.zeros((m, xs), x.dtype)
     xp[:, :k] = x
     xb = up(dev, xp)
     y = out(dev, out_dtype, (m, ys))
-    ops.linear(dev, xb.ptr, W, y.ptr, m, out_dtype=out_dtype, x_stride=xs, y_stride=ys)
+    ops.linear(dev, xb.ptr, W, y.ptr, m, out_dtype=out_dtype, x_stride=xs, y_stride=ys, invariant=invariant)
     return get(dev, y, out_dtype, (m, ys))
 
 
@@ -91,6 +91,36 @@ def test_linear_vs_float64(dev, rng, fmt, m, out_dtype):
     x = bf16_bits(rng, (m, k), exp=126)
     got = run_linear(dev, fmt, n, k, m, arrays, scale2, x, out_dtype, xs, ys)
     check(got, x.astype(np.float64) @ wd().T, out_dtype, n, f"{fmt} m={m} n={n} k={k}")
+
+
+@pytest.mark.parametrize("m", [1, 9, 33, 64])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_batch_invariant(dev, rng, fmt, m):
+    """invariant=True: correct against float64 at every width (one 8-row pass, 32-row passes), and each row's
+    result bit-identical to that row computed alone, whoever its neighbours are."""
+    n, k = int(rng.integers(1, 120)) * 2 + 1, int(rng.integers(1, 12)) * 32
+    xs, ys = k + 8, n + 1
+    arrays, scale2, wd = make_weight(rng, fmt, n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    got = run_linear(dev, fmt, n, k, m, arrays, scale2, x, "f32", xs, ys, invariant=True)
+    check(got, x.astype(np.float64) @ wd().T, "f32", n, f"{fmt} m={m} invariant")
+    for r in {0, m // 2, m - 1}:
+        alone = run_linear(dev, fmt, n, k, 1, arrays, scale2, x[r:r + 1], "f32", xs, ys, invariant=True)
+        assert np.array_equal(alone[0, :n], got[r, :n]), f"{fmt} m={m}: row {r} depends on its neighbours"
+
+
+def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
+    """A shape whose 8-row plan splits k 16 ways, which the 32-row bf16 kernel cannot hold: invariant calls run
+    8-row passes, still correct and still the same per row."""
+    from mtp_cupy.ops.gemv import plan_gemv
+    n, k = 512, 1024
+    assert plan_gemv(dev, "dense_gemv_bf16_batchm", n, k).ks == 16
+    arrays, scale2, wd = make_weight(rng, "bf16", n, k)
+    x = bf16_bits(rng, (20, k), exp=126)
+    got = run_linear(dev, "bf16", n, k, 20, arrays, scale2, x, "f32", k, n, invariant=True)
+    check(got, x.astype(np.float64) @ wd().T, "f32", n, "bf16 512x1024 m=20 invariant")
+    alone = run_linear(dev, "bf16", n, k, 1, arrays, scale2, x[13:14], "f32", k, n, invariant=True)
+    assert np.array_equal(alone[0], got[13])
 
 
 @pytest.mark.parametrize("name, m", [("dense_gemv_bf16", 3), ("dense_gemv_bf16_batchm", 8),

@@ -90,8 +90,8 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
     def _attention(self, w: MlaWeights, rope: MlaRope, kv, rows: int):
         B = self.options.max_batch
         self.indexer = DsaIndexer(self.gpu, self.w.indexer, self.idx_dims, rope, kv, self.max_seq_len,
-                                  self.cfg.q_lora_rank, max_rows=B, max_kv_rows=rows)
-        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=B, max_kv_rows=rows)
+                                  self.cfg.q_lora_rank, max_rows=B, max_kv_rows=rows, invariant=self.inv)
+        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=B, max_kv_rows=rows, invariant=self.inv)
 
     def _head(self):
         self.xchg = ShardedArgmax(self.gpu, self.comm, self.head_v0, self.head_n, self.options.head_exchange,
@@ -113,7 +113,7 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
         """bf16 logits of this rank's vocab slice [m, head_n] into hlog (the pick widens them when f32 ones
         are wanted)."""
         self._block(ids, hidden, m, meta, meta_stride, self.bufs.carry)
-        ops.linear(self.gpu, self.bufs.carry, self.head, self.bufs.hlog, m)
+        ops.linear(self.gpu, self.bufs.carry, self.head, self.bufs.hlog, m, invariant=self.inv)
 
     def _full_logits(self, logits: DevicePtr, W: int) -> None:
         """f32 [W, vocab] at `logits`: each row's slice gathered with the other ranks' (sharded), widened."""

@@ -26,6 +26,8 @@ class ProposerOptions:
     drafter_context: bool = opt(True, "the drafter attends over its own KV of every earlier position, so a "
                                       "propose must follow the newest row without a hole; False: it attends "
                                       "over whatever rows it holds and holes are allowed")
+    batch_invariant: bool = opt(True, "a sequence drafts the same (bit for bit) whatever batch it is in: kernels and "
+                                      "splits chosen as for one row; False takes the fastest kernel per batch size")
     cuda_graphs: bool | None = opt(None, "replay each draft chain as a CUDA graph (default: on when the device is CUDA)")
     progress: bool | None = opt(None, "show a weight-loading bar (default: for checkpoints over 256 MB)")
 
@@ -36,6 +38,7 @@ class ProposerOptions:
             self._int("max_sequences", 1, 1 << 20)
         self._int("max_prefill_rows", 1, 1 << 16)
         self._bool("drafter_context")
+        self._bool("batch_invariant")
         for name in ("cuda_graphs", "progress"):
             if getattr(self, name) is not None:
                 self._bool(name)

@@ -107,3 +107,9 @@ def w4a16_gemv_mx(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32):
 
 twin("gemv", "w8a16_gemv_regs")(w8a16_gemv)  # register-round kernels: same math
 twin("gemv", "w4a16_gemv_regs")(w4a16_gemv)
+# M <= 32 variants of the quantised kernels: the same per-row math
+twin("gemv", "gemv_fp8w_batch32")(gemv_fp8w)
+twin("gemv", "w8a16_gemv_batch32")(w8a16_gemv)
+twin("gemv", "w8a16_gemv_e8m0_batch32")(w8a16_gemv_e8m0)
+twin("gemv", "w4a16_gemv_batch32")(w4a16_gemv)
+twin("gemv", "w4a16_gemv_mx_batch32")(w4a16_gemv_mx)
