@@ -29,6 +29,10 @@ def mla_peer(c: dict, ctx: int, kmax: int, device: str, seed: int, glm: bool) ->
     N = {n: r.norm(D) for n in ("enorm", "hnorm", "ln1", "ln2", "final")}
     N.update(q_a=r.norm(QL), kv_a=r.norm(C))
     bias = r.f32(E)
+    if glm:                                          # weights before the per-sequence state (cache, hidden)
+        nh, hd, topk = c["index_n_heads"], c["index_head_dim"], c["index_topk"]
+        W.update(wq_b=r(nh * hd, QL), wk=r(hd, D), wp=r(nh, D))
+        N.update(k_norm=r.norm(hd), k_bias=r(hd, std=0.1))
     cache = r(ctx + kmax, C + dr, std=1.0)           # latent rows [c (C) | k_pe (dr)]
     rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
     cos, sin = rope_table(ctx + kmax, dr, rp.get("rope_theta", c.get("rope_theta", 1e4)), device)
@@ -41,9 +45,6 @@ def mla_peer(c: dict, ctx: int, kmax: int, device: str, seed: int, glm: bool) ->
     tensors = dict(W=W, w13=w13, w2=w2, cache=cache)
     kvb = (ctx + 1) * (C + dr) * 2
     if glm:
-        nh, hd, topk = c["index_n_heads"], c["index_head_dim"], c["index_topk"]
-        W.update(wq_b=r(nh * hd, QL), wk=r(hd, D), wp=r(nh, D))
-        N.update(k_norm=r.norm(hd), k_bias=r(hd, std=0.1))
         kcache = tensors["kcache"] = r(ctx + kmax, hd, std=1.0)     # indexer key rows [k_pe (dr) | rest]
         iscale = nh ** -0.5 * hd ** -0.5
         kvb = (ctx + 1) * hd * 2 + min(topk, ctx + 1) * (C + dr) * 2         # indexer keys + selected latents
