@@ -25,14 +25,19 @@ def plot_k(res: dict) -> int | None:
 
 
 def series(res: dict, k: int) -> dict:
-    """{label: ([batch], [µs per step])} of one family's rows at `k` (`LINES`' labels; empty lines left out).
+    """The lines of one family's panel: its rows at `k`, by batch width.
 
     Parameters
     ----------
     res : dict
-        `draft_bench.run_family`'s result (or the same read back from --json).
+        One family's result: `draft_bench.run_family`'s, or the same read back from --json.
     k : int
         Drafts per propose.
+
+    Returns
+    -------
+    dict
+        {label: ([batch], [µs per step])}, `LINES`' labels; a line with no measured point is left out.
     """
     rows = sorted((r for r in res.get("rows", []) if r["k"] == k), key=lambda r: r["batch"])
     out = {}
