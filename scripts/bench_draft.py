@@ -8,7 +8,7 @@ and a plain-torch bf16 peer of the same step.
     python scripts/bench_draft.py --family glm5 --ctx 4096 --ks 1,3    # GLM-5, one GPU: sparse (top-2048) MLA
     python scripts/bench_draft.py --family all --device ref --tiny --torch-cpu   # CPU smoke run of this code
     python scripts/bench_draft.py --family all --ks 1,3 --batches 1,2,4,8,16,32,64 --json b.json --plot b.png
-    python scripts/bench_draft.py --from-json b.json --plot b.png --plot-k 1       # re-print and re-plot, no run
+    python scripts/bench_draft.py --from-json v4.json v3.json --plot b.png --plot-k 1   # re-print, re-plot, no run
 
 Per family and k (drafts per propose): prefill --ctx drafter rows; warm up (propose + after_verify(0) three
 times: eager, CUDA-graph capture, replay); then --iters timed calls, each after a 256 MB memset on the
@@ -66,8 +66,9 @@ def parse_args():
                    "panel per family (needs matplotlib; skipped with a note without it)")
     p.add_argument("--plot-k", type=positive_int, default=None,
                    help="the k the plot shows (default: the largest k measured)")
-    p.add_argument("--from-json", default=None, metavar="PATH",
-                   help="measure nothing: re-print the tables of a saved --json file (and --plot them)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="measure nothing: re-print the tables of saved --json files, one run or one per family "
+                   "(and --plot them together; the header is the first file's)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch peers")
     p.add_argument("--torch-moe", choices=list(MOE_PATHS), default="auto",
                    help="the torch peers' routed-expert path: grouped (torch._grouped_mm, each distinct expert "
@@ -96,13 +97,17 @@ def parse_args():
 
 
 def replay(a) -> int:
-    """--from-json: the tables (and --plot) of a saved run."""
-    with open(a.from_json) as f:
-        saved = json.load(f)
-    for res in saved["families"]:
-        print("\n" + table(res, saved["header"]) + "\n")
+    """--from-json: the tables (and --plot) of saved runs, each table with its own run's header."""
+    fams, header = [], None
+    for path in a.from_json:
+        with open(path) as f:
+            saved = json.load(f)
+        header = header or saved["header"]
+        for res in saved["families"]:
+            print("\n" + table(res, saved["header"]) + "\n")
+            fams.append(res)
     if a.plot:
-        print(f"# {plot(saved['families'], saved['header'], a.plot, a.plot_k)}")
+        print(f"# {plot(fams, header, a.plot, a.plot_k)}")
     return 0
 
 

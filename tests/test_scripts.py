@@ -115,8 +115,8 @@ def test_bench_draft_tiny_ref(tmp_path):
     for B in (1, 3):                 # a table row per (batch, k): "| B | k | ours ..."
         assert text.count(f"\n| {B} | 1 | ") == 4 and text.count(f"\n| {B} | 2 | ") == 4, text
     assert ("# wrote" in text and png.stat().st_size > 10_000) if mpl else "--plot skipped: matplotlib" in text
-    again = ok(run("bench_draft.py", "--from-json", str(out)))
-    assert again.count("\n| 3 | 2 | ") == 4 and "# bench_draft" not in again
+    again = ok(run("bench_draft.py", "--from-json", str(out), str(out)))
+    assert again.count("\n| 3 | 2 | ") == 8 and "# bench_draft" not in again
 
 
 def have_grouped_mm() -> bool:
