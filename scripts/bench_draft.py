@@ -7,6 +7,8 @@ and a plain-torch bf16 peer of the same step.
     python scripts/bench_draft.py --family all --quick                 # ctx 1024, ks 1,3, iters 10
     python scripts/bench_draft.py --family glm5 --ctx 4096 --ks 1,3    # GLM-5, one GPU: sparse (top-2048) MLA
     python scripts/bench_draft.py --family all --device ref --tiny --torch-cpu   # CPU smoke run of this code
+    python scripts/bench_draft.py --family all --ks 1,3 --batches 1,2,4,8,16,32,64 --json b.json --plot b.png
+    python scripts/bench_draft.py --from-json v4.json v3.json --plot b.png --plot-k 1   # re-print, re-plot, no run
 
 Per family and k (drafts per propose): prefill --ctx drafter rows; warm up (propose + after_verify(0) three
 times: eager, CUDA-graph capture, replay); then --iters timed calls, each after a 256 MB memset on the
@@ -14,10 +16,16 @@ proposer's stream (cold L2), with CUDA events on `prop.stream` around `propose(s
 after_verify(st, 0)` and the wall clock around the same; again with `prop.cuda_graphs = False`. Reported per
 draft step: GPU µs = event time / k, wall µs = wall / k, host µs = max(wall - GPU, 0) / k (medians).
 Floor µs = (weight_bytes_per_step + KV bytes read) / D2D copy bandwidth (read + write, median of 10 1-GiB
-copies in this process); "% of floor" = step / floor (100% = at the floor). Torch peers (bf16, batch 1):
-eager and under torch.cuda.CUDAGraph, same cold-L2 timing; their floor counts their bf16 bytes.
+copies in this process); "% of floor" = step / floor (100% = at the floor).
 Batch > 1 runs propose_batch (every family; graphed per batch bucket, like propose); the floor of a batch
 counts the dense weights once, the distinct experts the step really selected (printed) and every sequence's KV.
+Torch peers (bf16) run at every batch width too, built one width at a time after ours is freed, eager and under
+torch.cuda.CUDAGraph, same cold-L2 timing: B sequences with their own caches, the projections one matmul over
+the B rows, attention batched, the routed experts through torch._grouped_mm over the (row, expert) pairs sorted
+by expert (each distinct expert read once; --torch-moe auto picks it for B > 1 when it runs on the device, and
+falls back to gathering each row's experts, rows sharing an expert re-reading it, when it does not or fails at
+capture; the table's notes say which ran). Their floor counts their own bf16 bytes and distinct experts.
+--plot writes µs per step against the batch width, a panel per family (needs matplotlib).
 
 Families: deepseek_v4, deepseek_v3, qwen3_next, glm5. GLM-5 runs here unsharded on one GPU (mtp_cupy.bench.glm5
 REAL dims and random weights; the step's KV bytes are every indexer key row plus the
@@ -36,7 +44,9 @@ from mtp_cupy.bench import copy_bandwidth, device_name, free_device_memory, torc
 from mtp_cupy.bench.cli import Parser, device_flags, int_list, positive_int, run_main
 from mtp_cupy.bench.draft_bench import DraftBenchConfig, run_family
 from mtp_cupy.bench.draft_table import fmt, table
+from mtp_cupy.bench.draft_plot import plot
 from mtp_cupy.bench.drafter import FAMILIES, TITLES
+from mtp_cupy.testing.torch_peers import MOE_PATHS
 
 
 def parse_args():
@@ -47,11 +57,23 @@ def parse_args():
     p.add_argument("--ks", type=int_list, default=None,
                    help="drafts per propose, comma list (default 1,2,3,4; 1,3 with --quick or --tiny)")
     p.add_argument("--batches", type=int_list, default="1",
-                   help="batch widths 1..32, comma list; > 1 only for Qwen3-Next's propose_batch")
+                   help="batch widths (sequences drafted together) 1..64, comma list; every family and its torch "
+                   "peer run each")
     p.add_argument("--iters", type=positive_int, default=None,
                    help="timed calls per point (default 20; 10 with --quick, 2 with --tiny)")
     p.add_argument("--json", default=None, help="write every number to this file (default: none)")
+    p.add_argument("--plot", default=None, help="write a PNG of µs per draft step against the batch width, a "
+                   "panel per family (needs matplotlib; skipped with a note without it)")
+    p.add_argument("--plot-k", type=positive_int, default=None,
+                   help="the k the plot shows (default: the largest k measured)")
+    p.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                   help="measure nothing: re-print the tables of saved --json files, one run or one per family "
+                   "(and --plot them together; the header is the first file's)")
     p.add_argument("--no-torch", action="store_true", help="skip the torch peers")
+    p.add_argument("--torch-moe", choices=list(MOE_PATHS), default="auto",
+                   help="the torch peers' routed-expert path: grouped (torch._grouped_mm, each distinct expert "
+                   "once), gather (each row's experts copied out), or auto (gather at batch 1, else grouped where "
+                   "it runs)")
     p.add_argument("--quick", action="store_true", help="ctx 1024, ks 1,3, iters 10 (unless given)")
     p.add_argument("--qwen-quant", choices=["bf16", "fp8", "nvfp4"], default="bf16",
                    help="Qwen3-Next projection format (the released checkpoint is bf16)")
@@ -69,17 +91,34 @@ def parse_args():
     for key, v in dflt.items():
         if getattr(a, key) is None:
             setattr(a, key, v)
-    if max(a.batches) > 32:
-        p.error(f"--batches {max(a.batches)}: batch widths go up to 32")
+    if max(a.batches) > 64:
+        p.error(f"--batches {max(a.batches)}: batch widths go up to 64")
     return a
+
+
+def replay(a) -> int:
+    """--from-json: the tables (and --plot) of saved runs, each table with its own run's header."""
+    fams, header = [], None
+    for path in a.from_json:
+        with open(path) as f:
+            saved = json.load(f)
+        header = header or saved["header"]
+        for res in saved["families"]:
+            print("\n" + table(res, saved["header"]) + "\n")
+            fams.append(res)
+    if a.plot:
+        print(f"# {plot(fams, header, a.plot, a.plot_k)}")
+    return 0
 
 
 def main() -> int:
     a = parse_args()
+    if a.from_json:
+        return replay(a)
     fams = FAMILIES if a.family == "all" else (a.family,)
     cfg = DraftBenchConfig(ctx=a.ctx, ks=a.ks, batches=a.batches, iters=a.iters, seed=a.seed, tiny=a.tiny,
                            qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, no_torch=a.no_torch,
-                           torch_cpu=a.torch_cpu)
+                           torch_cpu=a.torch_cpu, torch_moe=a.torch_moe)
     t_start = time.perf_counter()
     gpu = mtp_cupy.device(a.device)
     bw = copy_bandwidth(gpu)
@@ -87,7 +126,8 @@ def main() -> int:
     tstat = (False, "--no-torch") if a.no_torch else torch_status()
     header = dict(device=name, date=datetime.datetime.now().isoformat(timespec="seconds"),
                   copy_gbs=bw / 1e9 if bw else None, iters=a.iters, ctx=a.ctx, ks=a.ks, batches=a.batches,
-                  torch=tstat[1], argv=sys.argv[1:], qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, tiny=a.tiny)
+                  torch=tstat[1], argv=sys.argv[1:], qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, tiny=a.tiny,
+                  torch_moe=a.torch_moe)
     print(f"# bench_draft: {name}; {header['date']}; copy bandwidth {fmt(header['copy_gbs'], 0)} GB/s; "
           f"families {', '.join(fams)}; ctx {a.ctx}; ks {a.ks}; batches {a.batches}; iters {a.iters}; "
           f"torch: {tstat[1]}", flush=True)
@@ -112,6 +152,8 @@ def main() -> int:
         with open(a.json, "w") as f:
             json.dump(dict(header=header, total_s=total, families=results), f, indent=1, default=str)
         print(f"# wrote {a.json}")
+    if a.plot:
+        print(f"# {plot(results, header, a.plot, a.plot_k)}")
     return 1 if any(r.get("error") for r in results) else 0
 
 

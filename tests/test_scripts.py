@@ -86,19 +86,74 @@ def test_mtp_error_is_one_line(tmp_path):
 
 # -- NumPy-device smoke runs --------------------------------------------------------------------------------
 def test_bench_draft_tiny_ref(tmp_path):
-    out = tmp_path / "b.json"
-    args = ["--family", "all", "--device", "ref", "--tiny", "--ks", "1,2", "--iters", "1", "--json", str(out)]
-    torch_cpu = have("torch")
+    """Every family at batch 1 and 3, ours and (with torch) the torch peer at both widths, in the table, the JSON,
+    the plot (with matplotlib) and a --from-json re-print."""
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    args = ["--family", "all", "--device", "ref", "--tiny", "--ks", "1,2", "--batches", "1,3", "--iters", "1",
+            "--json", str(out), "--plot", str(png)]
+    torch_cpu, mpl = have("torch"), have("matplotlib")
     text = ok(run("bench_draft.py", *args, *(["--torch-cpu"] if torch_cpu else ["--no-torch"])))
     res = json.loads(out.read_text())
     assert [f["family"] for f in res["families"]] == ["deepseek_v4", "deepseek_v3", "qwen3_next", "glm5"]
     for f in res["families"]:
         assert f["error"] is None and f["torch_error"] is None, f
         assert f"### {f['title']} ({f['family']}), ctx 32" in text
-        assert [(r["k"], r["batch"]) for r in f["rows"]] == [(1, 1), (2, 1)]
+        assert [(r["k"], r["batch"]) for r in f["rows"]] == [(1, 1), (2, 1), (1, 3), (2, 3)]
         for r in f["rows"]:
             assert r["weight_bytes"] > 0 and r["kv_bytes"] > 0 and r["ours"]["graph_off"]["wall_us"] > 0
-            assert (r["torch"]["eager"]["wall_us"] > 0) if torch_cpu else r["torch"] is None
+            assert r["experts"] >= 1
+            if not torch_cpu:
+                assert r["torch"] is None
+                continue
+            t = r["torch"]
+            assert t["eager"]["wall_us"] > 0 and t["graph"] is None and t["kv_bytes"] > 0
+            assert t["moe_path"] == ("gather" if r["batch"] == 1 else "grouped" if have_grouped_mm() else "gather")
+            assert 1 <= t["experts"] <= r["batch"] * 8 and t["weight_bytes"] > 0
+        if torch_cpu:
+            assert [p["batch"] for p in f["torch_peers"]] == [1, 3]
+            assert "- torch MoE path gather at batch 1" in text
+    for B in (1, 3):                 # a table row per (batch, k): "| B | k | ours ..."
+        assert text.count(f"\n| {B} | 1 | ") == 4 and text.count(f"\n| {B} | 2 | ") == 4, text
+    assert ("# wrote" in text and png.stat().st_size > 10_000) if mpl else "--plot skipped: matplotlib" in text
+    again = ok(run("bench_draft.py", "--from-json", str(out), str(out)))
+    assert again.count("\n| 3 | 2 | ") == 8 and "# bench_draft" not in again
+
+
+def have_grouped_mm() -> bool:
+    from mtp_cupy.testing.torch_peers import grouped_mm_works
+    return grouped_mm_works("cpu")[0]
+
+
+@pytest.mark.parametrize("moe", ["grouped", "gather"])
+def test_batched_torch_peer_equals_one_row_peers(moe):
+    """A peer of B sequences drafts, row for row, what B one-row peers with the same weights and inputs draft:
+    the same ids at every step of a chain, the carried hidden close (the batching is checked, not only timed)."""
+    torch = pytest.importorskip("torch")
+    from mtp_cupy.bench.drafter import real_config
+    from mtp_cupy.testing.torch_peers import PEERS
+    if moe == "grouped" and not have_grouped_mm():
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    B, ctx, k = 3, 24, 3
+    for fam, build in PEERS.items():
+        cfg = real_config(fam, tiny=True)
+        peer = build(cfg, ctx, k, "cpu", 0, batch=B, moe=moe)
+        start = {n: t.clone() for n, t in peer.state.items()}     # the chain writes the caches
+        peer.chain(k)
+        assert peer.moe_path == moe and peer.batch == B and peer.experts_selected() >= cfg.get(
+            "num_experts_per_tok")
+        ids = torch.stack(peer.out["ids"], 1)                    # [B, k]
+        assert len(set(map(tuple, ids.tolist()))) == B, (fam, ids)  # the rows really differ
+        for b in range(B):
+            one = build(cfg, ctx, k, "cpu", 0)
+            for n, t in start.items():
+                one.state[n].copy_(t[b:b + 1])
+            one.chain(k)
+            assert torch.stack(one.out["ids"], 1)[0].tolist() == ids[b].tolist(), (fam, b)
+            torch.testing.assert_close(one.out["h"][0].float(), peer.out["h"][b].float(), rtol=1e-2, atol=1e-3)
+        one = build(cfg, ctx, k, "cpu", 0)
+        assert peer.dense_bytes == one.dense_bytes + (B - 1) * 2 * cfg["hidden_size"]
+        assert peer.kv_bytes == B * one.kv_bytes and one.weight_bytes == one.weight_bytes_for(
+            cfg.get("num_experts_per_tok"))
 
 
 @pytest.mark.parametrize("script", ["run_real_dims_v3.py", "run_real_dims_v4.py"])

@@ -1,6 +1,6 @@
 """The draft-step benchmark of one family (scripts/bench_draft.py): the mtp_cupy proposer with CUDA graphs on
-and off, then the plain-torch peer eager and graphed, every call timed cold-L2 by `EventTimer`; per draft
-step medians next to the weight-bytes floor."""
+and off, then the plain-torch peer eager and graphed, both at every batch width, every call timed cold-L2 by
+`EventTimer`; per draft step medians next to the bytes floor (the distinct experts each side's step selected)."""
 from __future__ import annotations
 
 import sys
@@ -28,6 +28,7 @@ class DraftBenchConfig:
     glm_head_fp8: bool = False
     no_torch: bool = False
     torch_cpu: bool = False
+    torch_moe: str = "auto"
 
 
 def per_step(gpu_us, wall_us, k: int) -> dict:
@@ -61,23 +62,68 @@ def measure_ours(o: Drafter, timer: EventTimer, k: int, B: int, iters: int, note
     return out
 
 
-def measure_torch(peer, timer: EventTimer, k: int, iters: int, cuda: bool, notes: list) -> dict:
-    """The torch peer's k-step chain eager and (CUDA) under torch.cuda.CUDAGraph, per draft step."""
-    out = {"eager": None, "graph": None}
-    fn = lambda: peer.chain(k)        # noqa: E731
-    for _ in range(3):
-        fn()
-    out["eager"] = per_step(*timer.time(fn, iters), k)
-    if not cuda:
-        return out
+def _graph(peer, k: int, notes: list):
+    """``peer.chain(k)`` captured as a CUDA graph, or None (the failure noted)."""
     try:
-        g = torch_graph(peer.chain, k)
+        return torch_graph(peer.chain, k)
     except Exception as e:           # noqa: BLE001
-        notes.append(f"torch k={k}: CUDA graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        notes.append(f"torch batch={peer.batch} k={k} ({peer.moe_path} MoE): CUDA graph capture failed: "
+                     f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
         free_device_memory()
-        return out
-    g.replay()
-    out["graph"] = per_step(*timer.time(g.replay, iters), k)
+        return None
+
+
+def _eager(peer, timer: EventTimer, k: int, iters: int, notes: list) -> dict:
+    """Warm up and time the peer's chain eagerly; a failing grouped MoE falls back to the gather path."""
+    fn = lambda: peer.chain(k)        # noqa: E731
+    try:
+        for _ in range(3):
+            fn()
+    except Exception as e:           # noqa: BLE001
+        if peer.moe_path != "grouped":
+            raise
+        peer.moe.use_gather(f"torch._grouped_mm failed eagerly ({type(e).__name__}); gathered instead")
+        notes.append(f"torch batch={peer.batch} k={k}: {peer.moe.reason}")
+        for _ in range(3):
+            fn()
+    return per_step(*timer.time(fn, iters), k)
+
+
+def measure_torch(peer, timer: EventTimer, k: int, iters: int, cuda: bool, notes: list) -> dict:
+    """The torch peer's k-step chain eager and (CUDA) under torch.cuda.CUDAGraph, per draft step.
+
+    Parameters
+    ----------
+    peer : TorchPeer
+        A peer of B sequences (`mtp_cupy.testing.torch_peers.PEERS`).
+    timer : EventTimer
+        The cold-L2 timer of the peer's device.
+    k : int
+        Steps per chain.
+    iters : int
+        Timed calls per mode.
+    cuda : bool
+        Also capture and time a CUDA graph.
+    notes : list of str
+        Failures and fallbacks go here.
+
+    Returns
+    -------
+    dict
+        "eager", "graph" (`per_step` results or None), "moe_path" (what ran: a grouped MoE failing eagerly or at
+        capture re-runs both modes gathered), "experts" (distinct experts of the last step, read after timing).
+    """
+    out = {"eager": _eager(peer, timer, k, iters, notes), "graph": None}
+    g = _graph(peer, k, notes) if cuda else None
+    if cuda and g is None and peer.moe_path == "grouped":
+        peer.moe.use_gather("torch._grouped_mm failed at capture; gathered instead")
+        notes.append(f"torch batch={peer.batch} k={k}: re-timed eager and graph on the gather path")
+        out["eager"] = _eager(peer, timer, k, iters, notes)
+        g = _graph(peer, k, notes)
+    if g is not None:
+        g.replay()
+        out["graph"] = per_step(*timer.time(g.replay, iters), k)
+    out.update(moe_path=peer.moe_path, experts=peer.experts_selected())
     del g
     return out
 
@@ -125,41 +171,56 @@ def _ours(fam: str, gpu, a: DraftBenchConfig, bw: float | None, res: dict) -> di
     return rows
 
 
-def _torch(fam: str, a: DraftBenchConfig, tstat: tuple[bool, str], res: dict) -> dict:
-    """The torch side of `run_family`: {k: measure_torch result}, batch 1 only; failures go to res."""
-    tres = {}
-    if a.no_torch:
-        res["notes"].append("torch peer skipped (--no-torch)")
-    elif not (tstat[0] or a.torch_cpu):
-        res["notes"].append(f"torch peer skipped: {tstat[1]}")
-    elif 1 not in a.batches:
-        res["notes"].append("torch peer runs batch 1 only; --batches has no 1")
-    else:
-        peer = timer = None
-        cuda = tstat[0]
+def _torch_rows(peer, timer: EventTimer, a: DraftBenchConfig, cuda: bool, bw: float | None, notes: list) -> dict:
+    """{(k, B): measure_torch result plus the bytes and floor of the experts really selected} of one peer."""
+    out = {}
+    for k in a.ks:
+        t0 = time.perf_counter()
+        t = out[(k, peer.batch)] = measure_torch(peer, timer, k, a.iters, cuda, notes)
+        n = t["experts"] if t["experts"] is not None else peer.moe.expected_distinct()
+        t.update(weight_bytes=peer.weight_bytes_for(n), kv_bytes=peer.kv_bytes)
+        t["floor_us"] = 1e6 * (t["weight_bytes"] + t["kv_bytes"]) / bw if bw else None
+        print(f"#   k={k} batch={peer.batch}: torch eager {fmt(best_t(t, 'eager'))}, graph "
+              f"{fmt(best_t(t, 'graph'))} µs/step, {t['experts']} distinct experts ({t['moe_path']} MoE; "
+              f"{time.perf_counter() - t0:.1f} s)", flush=True)
+    return out
+
+
+def _torch(fam: str, a: DraftBenchConfig, tstat: tuple[bool, str], bw: float | None, res: dict) -> dict:
+    """The torch side of `run_family`: {(k, batch): torch row}, one peer per batch width, built after the last is
+    freed; a width that fails goes to res["torch_error"] and the next one still runs."""
+    tres, cuda = {}, tstat[0]
+    if a.no_torch or not (cuda or a.torch_cpu):
+        res["notes"].append("torch peer skipped (--no-torch)" if a.no_torch else f"torch peer skipped: {tstat[1]}")
+        return tres
+    dev = "cuda" if cuda else "cpu"
+    res.update(torch_device=dev, torch_peers=[])
+    timer = EventTimer.torch(dev)
+    for B in a.batches:
+        peer = None
         try:
             t0 = time.perf_counter()
-            dev = "cuda" if cuda else "cpu"
-            peer = PEERS[fam](real_config(fam, a.tiny), a.ctx, max(a.ks), dev, a.seed)
-            timer = EventTimer.torch(dev)
-            res.update(torch_build_s=time.perf_counter() - t0, torch_bytes=peer.bytes_per_step,
-                       torch_weight_bytes=peer.weight_bytes, torch_kv_bytes=peer.kv_bytes, torch_device=dev)
-            print(f"# {fam}: torch peer ({dev}) built in {res['torch_build_s']:.1f} s", flush=True)
-            for k in a.ks:
-                tres[k] = measure_torch(peer, timer, k, a.iters, cuda, res["notes"])
-                print(f"#   k={k}: torch eager {fmt(best_t(tres[k], 'eager'))}, graph "
-                      f"{fmt(best_t(tres[k], 'graph'))} µs/step", flush=True)
+            peer = PEERS[fam](real_config(fam, a.tiny), a.ctx, max(a.ks), dev, a.seed, batch=B, moe=a.torch_moe)
+            info = dict(batch=B, build_s=time.perf_counter() - t0, moe_path=peer.moe_path, moe_reason=peer.moe.reason,
+                        dense_bytes=peer.dense_bytes, expert_bytes=peer.moe.expert_bytes, kv_bytes=peer.kv_bytes)
+            res["torch_peers"].append(info)
+            print(f"# {fam}: torch peer ({dev}, batch {B}, {peer.moe_path} MoE) built in {info['build_s']:.1f} s",
+                  flush=True)
+            tres.update(_torch_rows(peer, timer, a, cuda, bw, res["notes"]))
+            info.update(moe_path=peer.moe_path, moe_reason=peer.moe.reason)    # after a fallback: what ran last
         except Exception:             # noqa: BLE001
-            res["torch_error"] = traceback.format_exc()
-            print(f"# {fam}: torch peer FAILED\n{res['torch_error']}", file=sys.stderr, flush=True)
+            err = f"batch {B}: " + traceback.format_exc()
+            res["torch_error"] = (res["torch_error"] + "\n" if res.get("torch_error") else "") + err
+            print(f"# {fam}: torch peer FAILED at {err}", file=sys.stderr, flush=True)
         finally:
-            peer = timer = None
+            peer = None
             free_device_memory()
+    timer.close()
     return tres
 
 
 def run_family(fam: str, gpu, a: DraftBenchConfig, bw: float | None, tstat: tuple[bool, str]) -> dict:
-    """Benchmark one family: ours (every k and batch), then the torch peer (batch 1) after ours is freed.
+    """Benchmark one family: ours (every k and batch), then the torch peer (every k and batch) after ours is freed.
 
     Parameters
     ----------
@@ -177,16 +238,17 @@ def run_family(fam: str, gpu, a: DraftBenchConfig, bw: float | None, tstat: tupl
     Returns
     -------
     dict
-        The family's result (rows per (k, batch), notes, errors, bytes); `draft_table.table` prints it.
+        The family's result (rows per (k, batch), each with "ours" and "torch", notes, errors, bytes, the torch
+        peers built, "torch_peers"); `draft_table.table` prints it.
     """
     res = dict(family=fam, title=TITLES[fam], ctx=a.ctx, ks=a.ks, batches=a.batches, rows=[], notes=[],
                error=None, torch_error=None)
     rows = _ours(fam, gpu, a, bw, res)
-    tres = _torch(fam, a, tstat, res)
-    res["torch_floor_us"] = 1e6 * res["torch_bytes"] / bw if bw and "torch_bytes" in res else None
-    for k in tres:                   # torch numbers survive a failed mtp_cupy side
-        rows.setdefault((k, 1), dict(k=k, batch=1, ours={}, weight_bytes=None, kv_bytes=None, floor_us=None))
-    for (k, B), r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        r["torch"] = tres.get(k) if B == 1 else None
+    tres = _torch(fam, a, tstat, bw, res)
+    for kb in tres:                  # torch numbers survive a failed mtp_cupy side
+        rows.setdefault(kb, dict(k=kb[0], batch=kb[1], ours={}, weight_bytes=None, kv_bytes=None, floor_us=None,
+                                 experts=None))
+    for kb, r in sorted(rows.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        r["torch"] = tres.get(kb)
         res["rows"].append(r)
     return res

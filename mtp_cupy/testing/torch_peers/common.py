@@ -1,31 +1,79 @@
-"""What the torch peers share: the built-peer record, device-side random tensors, and the step's pieces (RMSNorm,
-RoPE tables and rotations, SwiGLU, routed and dense FFNs, noaux_tc routing). torch is imported inside each
-function."""
+"""What the torch peers share: the built-peer record (and its k-step chain), device-side random tensors, and the
+step's pieces (RMSNorm, RoPE tables and rotations, SwiGLU, one row's gathered experts, dense FFNs, batched
+noaux_tc routing). torch is imported inside each function."""
 from __future__ import annotations
 
 
 class TorchPeer:
-    """A built peer.
+    """A built peer: one draft step for B sequences at once, each with its own cache, token and hidden.
 
     Parameters
     ----------
-    chain : callable
-        ``chain(k)`` runs k chained draft steps from the peer's static inputs (token, hidden) on the device
-        and returns the last draft id (a device tensor).
-    weight_bytes : int
-        bf16 weight bytes one step reads once (dense weights, top_k experts, one embedding row).
+    step : callable
+        ``step(tok, h, pos)``: one draft step of the B rows at position `pos` (ids [B], carried hidden [B, ...])
+        -> (draft ids [B] on the device, carried hidden); writes each sequence's cache row `pos`.
+    ctx : int
+        Cache rows before the chain; step i of a chain runs at position ctx + i.
+    dense_bytes : int
+        bf16 weight bytes one step reads whatever the routing: the dense weights once, B embedding rows.
+    moe : RoutedMoE
+        The routed experts (`moe.RoutedMoE`): the path, one expert's bytes, what the newest step selected.
     kv_bytes : int
-        Cache bytes one step reads.
+        Cache bytes one step reads, all B sequences.
     tensors : dict
-        The peer's tensors (kept alive with it).
+        The weights (kept alive with the peer).
+    state : dict
+        Per-sequence tensors, leading dim B: "tok" [B], "h" [B, ...] and the caches.
+
+    Attributes
+    ----------
+    out : dict
+        After `chain`: "ids", every step's draft ids (device tensors [B]), and "h", the carried hidden.
     """
 
-    def __init__(self, chain, weight_bytes: int, kv_bytes: int, tensors: dict):
-        self.chain, self.weight_bytes, self.kv_bytes, self.tensors = chain, weight_bytes, kv_bytes, tensors
+    def __init__(self, step, ctx: int, dense_bytes: int, moe, kv_bytes: int, tensors: dict, state: dict):
+        self.step, self.ctx, self.dense_bytes, self.moe, self.kv_bytes = step, ctx, dense_bytes, moe, kv_bytes
+        self.tensors, self.state, self.out = tensors, state, {}
+
+    def chain(self, k: int):
+        """Run k chained draft steps from the static token and hidden; return the last draft ids [B]."""
+        tok, h, ids = self.state["tok"], self.state["h"], []
+        for i in range(k):
+            tok, h = self.step(tok, h, self.ctx + i)
+            ids.append(tok)
+        self.out = dict(ids=ids, h=h)
+        return tok
+
+    @property
+    def batch(self) -> int:
+        return int(self.state["tok"].shape[0])
+
+    @property
+    def moe_path(self) -> str:
+        return self.moe.path
+
+    def weight_bytes_for(self, experts: int) -> int:
+        """bf16 weight bytes of one step that reads `experts` distinct routed experts."""
+        return self.dense_bytes + experts * self.moe.expert_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weight bytes of one step with the expected distinct experts (`RoutedMoE.expected_distinct`)."""
+        return self.weight_bytes_for(self.moe.expected_distinct())
+
+    def experts_selected(self) -> int | None:
+        """Distinct experts the newest step selected (read back from the device; None before a chain)."""
+        return self.moe.distinct()
 
     @property
     def bytes_per_step(self) -> int:
         return self.weight_bytes + self.kv_bytes
+
+
+def first_tokens(batch: int, vocab: int, device: str):
+    """The B sequences' input tokens: 0 for the first (the batch-1 peer's), distinct ids for the rest."""
+    import torch
+    return (torch.arange(batch, device=device) * 7919) % vocab
 
 
 class Rand:
@@ -93,7 +141,8 @@ def swiglu(gu, limit: float | None):
 
 
 def routed(xn, w13, w2, w, limit: float | None = None):
-    """sum_k w_k E_k(xn); w13 [K, 2I, D] and w2 [K, D, I] are the gathered experts, w [K] f32. [1, D] f32."""
+    """sum_k w_k E_k(xn) of one row xn [1, D]; w13 [K, 2I, D] and w2 [K, D, I] are its gathered experts, w [K]
+    f32. [1, D] f32."""
     import torch
     a = swiglu(torch.matmul(w13, xn.reshape(-1, 1))[..., 0], limit)           # [K, I]
     y = torch.matmul(w2, a[..., None])[..., 0]                                 # [K, D]
@@ -107,13 +156,13 @@ def dense_ffn(xn, w13, w2, limit: float | None = None):
 
 
 def noaux_topk(z, bias, G: int, TG: int, K: int, rsf: float):
-    """noaux_tc routing (A.5) of router logits z [1, E]: sigmoid, + bias for the pick only, top TG of G groups
-    (by their top-2 sum), top K in those; weights = the unbiased sigmoids, normalized, * rsf. (idx, w f32)."""
+    """noaux_tc routing (A.5) of router logits z [B, E]: sigmoid, + bias for the pick only, top TG of G groups
+    (by their top-2 sum), top K in those; weights = the unbiased sigmoids, normalized, * rsf. (idx, w f32) [B, K]."""
     import torch
-    s = z.float()[0].sigmoid()                                                 # [E]
-    sb = (s + bias).view(G, -1)
-    keep = sb.topk(2, -1).values.sum(-1).topk(TG).indices
-    gmask = torch.full((G, 1), float("-inf"), device=s.device).index_fill_(0, keep, 0.0)
-    idx = (sb + gmask).flatten().topk(K).indices
-    w = s[idx]
-    return idx, w / w.sum() * rsf
+    s = z.float().sigmoid()                                                    # [B, E]
+    sb = (s + bias).view(len(s), G, -1)
+    keep = sb.topk(2, -1).values.sum(-1).topk(TG, -1).indices                 # [B, TG]
+    gmask = torch.full((len(s), G, 1), float("-inf"), device=s.device).scatter_(1, keep[..., None], 0.0)
+    idx = (sb + gmask).flatten(1).topk(K, -1).indices
+    w = s.gather(1, idx)
+    return idx, w / w.sum(-1, keepdim=True) * rsf
