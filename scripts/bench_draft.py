@@ -83,6 +83,8 @@ def parse_args():
     p.add_argument("--tiny", action="store_true", help="tiny dims (smoke run; default ctx 32, ks 1,3, iters 2)")
     p.add_argument("--torch-cpu", action="store_true", help="run the torch peers on the CPU when torch has no CUDA "
                    "(smoke run of the peer code; use with --tiny)")
+    p.add_argument("--no-batch-invariant", action="store_true", help="build the proposers with batch_invariant=False "
+                   "(the fastest kernel per batch width; a sequence's drafts may then depend on its batch)")
     a = p.parse_args()
     quick = dict(ctx=1024, ks=[1, 3], iters=10)
     tiny = dict(ctx=32, ks=[1, 3], iters=2)
@@ -118,7 +120,7 @@ def main() -> int:
     fams = FAMILIES if a.family == "all" else (a.family,)
     cfg = DraftBenchConfig(ctx=a.ctx, ks=a.ks, batches=a.batches, iters=a.iters, seed=a.seed, tiny=a.tiny,
                            qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, no_torch=a.no_torch,
-                           torch_cpu=a.torch_cpu, torch_moe=a.torch_moe)
+                           torch_cpu=a.torch_cpu, torch_moe=a.torch_moe, batch_invariant=not a.no_batch_invariant)
     t_start = time.perf_counter()
     gpu = mtp_cupy.device(a.device)
     bw = copy_bandwidth(gpu)

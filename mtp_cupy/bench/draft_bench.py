@@ -29,6 +29,7 @@ class DraftBenchConfig:
     no_torch: bool = False
     torch_cpu: bool = False
     torch_moe: str = "auto"
+    batch_invariant: bool = True
 
 
 def per_step(gpu_us, wall_us, k: int) -> dict:
@@ -135,6 +136,7 @@ def _ours(fam: str, gpu, a: DraftBenchConfig, bw: float | None, res: dict) -> di
     try:
         timer = EventTimer.for_device(gpu)
         o = Drafter(fam, gpu, a.ctx, kmax, bmax, tiny=a.tiny, seed=a.seed, qwen_quant=a.qwen_quant,
+                    batch_invariant=a.batch_invariant,
                     glm_head_fp8=a.glm_head_fp8)
         res.update(build_s=o.build_s, prefill_s=o.prefill_s, formats=o.formats, kv_rows=o.kv_rows,
                    kv_row_bytes=o.kv_row_bytes,

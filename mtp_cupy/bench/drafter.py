@@ -30,9 +30,10 @@ def real_config(fam: str, tiny: bool = False) -> dict:
 
 
 def _build(fam: str, gpu, cfgd: dict, seed: int, max_seq: int, kmax: int, bmax: int, qwen_quant: str,
-           glm_head_fp8: bool):
+           glm_head_fp8: bool, batch_invariant: bool = True):
     """(proposer, host hidden shape) of `fam`, sized for bmax sequences of max_seq rows."""
-    size = dict(max_seq_len=max_seq, max_drafts=kmax, max_batch=bmax, max_sequences=bmax)
+    size = dict(max_seq_len=max_seq, max_drafts=kmax, max_batch=bmax, max_sequences=bmax,
+                batch_invariant=batch_invariant)
     if fam == "deepseek_v3":
         from ..models.deepseek_v3 import DeepseekV3MtpProposer
         from ..weights.config import DeepseekV3Config
@@ -100,12 +101,14 @@ class Drafter:
     """
 
     def __init__(self, fam: str, gpu, ctx: int, kmax: int, bmax: int, tiny: bool = False, seed: int = 0,
+                 batch_invariant: bool = True,
                  qwen_quant: str = "bf16", glm_head_fp8: bool = False):
         self.fam, self.gpu, self.ctx = fam, gpu, ctx
         max_seq = ctx + kmax + 16
         t0 = time.perf_counter()
         self.cfgd = real_config(fam, tiny)
-        self.prop, self.hshape = _build(fam, gpu, self.cfgd, seed, max_seq, kmax, bmax, qwen_quant, glm_head_fp8)
+        self.prop, self.hshape = _build(fam, gpu, self.cfgd, seed, max_seq, kmax, bmax, qwen_quant, glm_head_fp8,
+                                        batch_invariant)
         p = self.prop
         self.formats = _formats(fam, p, qwen_quant)
         gpu.synchronize()
