@@ -42,6 +42,29 @@ def mpi_world():
     return MPI.COMM_WORLD
 
 
+def find_mpiexec(what: str = "several ranks") -> str:
+    """The mpiexec that launches this Python's ranks: the one installed beside it (the mpich wheel puts it in
+    the environment's bin/), else mpiexec or mpirun on PATH. CommError, one line saying what to install, when
+    mpi4py, its MPI library or an mpiexec is missing. Does not initialise MPI in this process."""
+    import importlib.util
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+    if importlib.util.find_spec("mpi4py") is None:
+        raise CommError(f"{what} needs MPI, and mpi4py is not installed; {MPI_HINT}")
+    beside = Path(sys.executable).parent / "mpiexec"
+    exe = str(beside) if beside.is_file() else shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        raise CommError(f"{what} needs MPI, and there is no mpiexec beside {sys.executable} or on PATH; {MPI_HINT}")
+    probe = subprocess.run([sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False; "
+                            "from mpi4py import MPI"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        why = (probe.stderr.strip().splitlines() or ["unknown error"])[-1]
+        raise CommError(f"{what} needs MPI, and mpi4py cannot load an MPI library ({why}); {MPI_HINT}")
+    return exe
+
+
 def check_timeout(seconds) -> float:
     """`collective_timeout_s` as a float > 0 (math.inf: no deadline); ConfigError otherwise."""
     try:
