@@ -41,18 +41,19 @@ def plan(args, path) -> tuple[list[int], int, int]:
     return prompt, k, max_len
 
 
-def cpu_note(spec, layers: int, base) -> str:
+def cpu_note(spec, base) -> str:
     """Why drafting does not pay on the NumPy device, with this run's own times."""
     m = spec.metrics
     step = 1e3 * spec.extra["draft_seconds"] / m.num_draft_tokens
     verify = 1e3 * spec.extra["verify_seconds"] / m.num_drafts
     rows = 1 + m.num_draft_tokens / m.num_drafts
-    decode = f", a 1-row decode step {1e3 * base.seconds / len(base.tokens):.1f} ms" if base else ""
-    return (f"note: drafting does not pay on the NumPy device: its cost grows with the rows a pass computes (the "
-            f"kernel twins run row by row in Python; a {rows:.0f}-row verify pass took {verify:.1f} ms{decode}) and "
-            f"a draft step ({step:.1f} ms) is a large part of a decode step of this {layers}-layer model. On a GPU "
-            "a pass costs the weight bytes it reads, so verifying k+1 rows costs about one decode step and a draft "
-            "step a small part of it.")
+    decode = ""
+    if base is not None and len(base.tokens) > 1:
+        decode = f" against {1e3 * base.extra['decode_seconds'] / (len(base.tokens) - 1):.1f} ms for a 1-row decode"
+    return (f"note: on the NumPy device drafting costs more than it saves: a pass costs per row it computes (the "
+            f"kernel twins run row by row in Python), {verify:.1f} ms for a {rows:.1f}-row verify{decode}, and "
+            f"each draft step {step:.1f} ms. On a GPU a pass costs the weight bytes it reads: verifying k+1 rows "
+            "costs about one decode step, and a draft step a small part of one.")
 
 
 def run_generate(args) -> int:
@@ -86,8 +87,8 @@ def run_generate(args) -> int:
         print(f"target only: {base.tokens_per_s:.1f} tokens/s; speedup {spec.tokens_per_s / base.tokens_per_s:.2f}x; "
               f"output {same} to target-only" + (" (greedy)" if args.temperature <= 0 else " (sampled)"),
               file=sys.stderr)
-    if not gpu.is_cuda and m.num_drafts:
-        print(cpu_note(spec, target.cfg.num_hidden_layers, base), file=sys.stderr)
+    if not gpu.is_cuda and m.num_drafts and (base is None or spec.tokens_per_s < base.tokens_per_s):
+        print(cpu_note(spec, base), file=sys.stderr)
     if args.metrics_json:
         rec = dict(m.as_vllm(), mean_acceptance_length=m.mean_acceptance_length,
                    acceptance_rate_per_pos=m.acceptance_rate_per_pos(), tokens_per_s=spec.tokens_per_s,

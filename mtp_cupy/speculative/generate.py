@@ -86,7 +86,8 @@ def generate_target_only(target, prompt, max_new_tokens: int, temperature: float
     Returns
     -------
     GenerateResult
-        `tokens` (max_new_tokens ids), `seconds`, `tokens_per_s`, `target_passes`.
+        `tokens` (max_new_tokens ids), `seconds`, `tokens_per_s`, `target_passes` and `extra`
+        {"prompt_seconds", "decode_seconds"}: the prompt's pass, and the 1-row decode passes after it.
 
     Raises
     ------
@@ -99,12 +100,15 @@ def generate_target_only(target, prompt, max_new_tokens: int, temperature: float
         t0 = time.perf_counter()
         lg, _ = target.forward(seq, prompt)
         out = [_pick(lg[-1], temperature, rng)]
+        t1 = time.perf_counter()
         while len(out) < max_new_tokens:
             lg, _ = target.forward(seq, [out[-1]])
             out.append(_pick(lg[-1], temperature, rng))
             if progress:
                 progress.update(1)
-        return GenerateResult(out, time.perf_counter() - t0, target_passes=len(out))
+        t2 = time.perf_counter()
+        return GenerateResult(out, t2 - t0, target_passes=len(out), extra={"prompt_seconds": t1 - t0,
+                                                                            "decode_seconds": t2 - t1})
     finally:
         target.free(seq)
 
