@@ -160,3 +160,124 @@ def test_propose_without_catch_up_is_an_input_error():
     assert catch_up(prop, st, toks, hid, 11) >= 1
     assert len(prop.propose(st, toks[12], hid[11], 11, 3).tokens) == 3
     assert catch_up(prop, st, toks, hid, 11) == 0
+
+
+# -- the NCCL communicator's deadline logic, on stand-ins for cupy and MPI (no GPU here; the real NCCL path
+#    needs `mpirun -n 2` on two GPUs: tests/mpi with CUDA) ---------------------------------------------------------
+class _FakeNccl:
+    NCCL_BFLOAT16, NCCL_FLOAT32, NCCL_INT32, NCCL_UINT8, NCCL_FLOAT16, NCCL_INT64 = range(6)
+    NCCL_SUM, NCCL_MAX = 0, 1
+
+    class NcclError(RuntimeError):
+        pass
+
+    def __init__(self, state):
+        self.state = state
+        fake = self
+
+        class Comm:
+            def __init__(self, world, uid, rank):
+                assert len(uid) == 128 and all(isinstance(x, int) for x in uid)
+                fake.state["comm"] = self
+
+            def allReduce(self, *a):
+                fake.state["calls"].append(("allReduce", a))
+
+            def allGather(self, *a):
+                fake.state["calls"].append(("allGather", a))
+
+            def check_async_error(self):
+                if fake.state["error"]:
+                    raise fake.NcclError("NCCL_ERROR_SYSTEM_ERROR: remote process exited")
+
+            def abort(self):
+                fake.state["aborted"] = True
+        self.NcclCommunicator = Comm
+
+    @staticmethod
+    def get_unique_id():
+        return tuple(range(-64, 64))
+
+
+def _fake_nccl_comm(monkeypatch, timeout):
+    import types
+    from mtp_cupy.runtime.comm import NcclCommunicator
+    state = {"calls": [], "error": False, "aborted": False, "done": True, "capturing": False}
+    nccl = _FakeNccl(state)
+    cupy, cuda = types.ModuleType("cupy"), types.ModuleType("cupy.cuda")
+    cupy.cuda, cuda.nccl = cuda, nccl
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", cuda)
+
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self, stream):
+            pass
+
+        @property
+        def done(self):
+            return state["done"]
+    stream = types.SimpleNamespace(ptr=7, is_capturing=lambda: state["capturing"])
+    cp = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: stream, Event=Event))
+    gpu = types.SimpleNamespace(cp=cp, is_cuda=True, synchronize=lambda: None)
+    done = types.SimpleNamespace(Test=lambda: True)
+
+    class Mpi:
+        def Dup(self):
+            return self
+
+        def Get_rank(self):
+            return 0
+
+        def Get_size(self):
+            return 2
+
+        def Ibcast(self, buf, root):
+            buf[:] = nccl.get_unique_id()
+            return done
+
+        def Ibarrier(self):
+            return done
+    return NcclCommunicator(gpu, Mpi(), collective_timeout_s=timeout), state
+
+
+def test_nccl_deadline_logic_on_stand_ins(monkeypatch):
+    import time
+    comm, state = _fake_nccl_comm(monkeypatch, 0.3)
+    comm.all_reduce(0x1000, 8, "bf16", "sum")                  # completes: waited for, returns
+    assert state["calls"][-1] == ("allReduce", (0x1000, 0x1000, 8, 0, 0, 7))
+    state["done"], state["capturing"] = False, True            # being captured into a graph: not waited for
+    comm.all_gather(0x1000, 0x2000, 8, "bf16")
+    assert state["calls"][-1][0] == "allGather" and not state["aborted"]
+    state["capturing"] = False                                 # eager and never completes: deadline, abort
+    t0 = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match=r"rank 0 of 2: all_reduce of 8 bf16 did not complete within "
+                                                r"collective_timeout_s=0.3 s.*aborted and unusable"):
+        comm.all_reduce(0x1000, 8, "bf16", "sum")
+    assert 0.3 <= time.monotonic() - t0 < 3 and state["aborted"]
+    n = len(state["calls"])
+    with pytest.raises(CollectiveTimeout, match="unusable after all_reduce of 8 bf16 timed out"):
+        comm.barrier()
+    with pytest.raises(CollectiveTimeout):
+        comm.all_gather(0x1000, 0x2000, 8, "bf16")
+    assert len(state["calls"]) == n                            # nothing reached NCCL after the abort
+
+
+def test_nccl_async_error_aborts(monkeypatch):
+    comm, state = _fake_nccl_comm(monkeypatch, 60)
+    state["done"], state["error"] = False, True
+    with pytest.raises(CommError, match="NCCL reported .*remote process exited.*aborted") as e:
+        comm.all_reduce(0x1000, 8, "bf16", "sum")
+    assert not isinstance(e.value, CollectiveTimeout) and state["aborted"]
+    with pytest.raises(CommError, match="unusable after all_reduce of 8 bf16 failed") as e:
+        comm.all_reduce(0x1000, 8, "bf16", "sum")
+    assert not isinstance(e.value, CollectiveTimeout)
+
+
+def test_nccl_without_deadline_stays_asynchronous(monkeypatch):
+    comm, state = _fake_nccl_comm(monkeypatch, float("inf"))
+    state["done"] = False                                      # never completes, yet the call returns at once
+    comm.all_reduce(0x1000, 8, "bf16", "sum")
+    assert state["calls"][-1][0] == "allReduce" and not state["aborted"]

@@ -81,7 +81,8 @@ class Communicator:
     rank: int
     world: int
     collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
-    _failed: str | None = None     # why this communicator is unusable, once a call has timed out
+    _failed: str | None = None     # why this communicator is unusable, once a call has timed out or failed
+    _timed_out = False
 
     def all_reduce(self, ptr, count: int, dtype: str = "bf16", op: str = "sum", stream=None) -> None:
         """In place: every rank's `count` elements at `ptr` become the element-wise reduction over the ranks.
@@ -98,8 +99,9 @@ class Communicator:
 
     def _usable(self, what: str) -> None:
         if self._failed is not None:
-            raise CollectiveTimeout(f"rank {self.rank}: {what} refused: this communicator is unusable after "
-                                    f"{self._failed}; make a new one (every rank)")
+            err = CollectiveTimeout if self._timed_out else CommError
+            raise err(f"rank {self.rank}: {what} refused: this communicator is unusable after {self._failed}; "
+                      "make a new one (every rank)")
 
     def _check(self, dtype: str, op: str = "sum", what: str = "collective") -> None:
         self._usable(what)
@@ -119,7 +121,7 @@ class Communicator:
             if time.monotonic() > deadline:
                 if on_timeout is not None:
                     on_timeout()
-                self._failed = f"{what} timed out after {self.collective_timeout_s:g} s"
+                self._failed, self._timed_out = f"{what} timed out after {self.collective_timeout_s:g} s", True
                 raise CollectiveTimeout(
                     f"rank {self.rank} of {self.world}: {what} did not complete within collective_timeout_s="
                     f"{self.collective_timeout_s:g} s (another rank is hung, dead or never made the call); the "
@@ -192,7 +194,9 @@ class NcclCommunicator(Communicator):
     """NCCL on GPU `rank`. Eager calls are waited for on the host against the deadline (an event on the
     stream, polled with NCCL's async error); on expiry or an NCCL error the communicator is aborted
     (ncclCommAbort, which ends its kernels) and the call raises. Calls made while the stream is being
-    captured into a CUDA graph are not waited for: a replayed graph runs without a deadline."""
+    captured into a CUDA graph are not waited for: a replayed graph runs without a deadline. Waiting makes an
+    eager collective synchronous with the host; collective_timeout_s=math.inf keeps it asynchronous (and
+    without a deadline). `barrier` synchronizes the device first, which has no deadline either."""
 
     def __init__(self, gpu: Backend, mpi_comm=None, collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S):
         from cupy.cuda import nccl
@@ -200,7 +204,7 @@ class NcclCommunicator(Communicator):
         self.collective_timeout_s = check_timeout(collective_timeout_s)
         self.mpi = _own_mpi(mpi_comm)
         self.rank, self.world = self.mpi.Get_rank(), self.mpi.Get_size()
-        uid = np.zeros(_NCCL_ID_BYTES, dtype=np.int8)
+        uid = np.zeros(_NCCL_ID_BYTES, dtype=np.int16)   # cupy gives the id's chars as ints, signed or not
         if self.rank == 0:
             uid[:] = nccl.get_unique_id()
         self._mpi_wait(self.mpi.Ibcast(uid, root=0), "the NCCL unique id broadcast", uid)
@@ -220,7 +224,7 @@ class NcclCommunicator(Communicator):
             pass
 
     def _wait(self, stream, what: str) -> None:
-        if stream.is_capturing():
+        if math.isinf(self.collective_timeout_s) or stream.is_capturing():   # no deadline: stay asynchronous
             return
         done = self.gpu.cp.cuda.Event(disable_timing=True)
         done.record(stream)
