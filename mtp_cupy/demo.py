@@ -33,6 +33,10 @@ def _check_args(args) -> None:
     fam = of_checkpoint(checkpoint_dir(args.checkpoint)) if args.checkpoint else family(args.family)
     if args.ranks > 1 and not fam.shardable:
         raise InputError(f"--ranks {args.ranks} applies to glm5 (the vocab-sharded head), not {fam.name}")
+    if args.ranks > 1 and args.device == "cuda":
+        from .runtime.cupy_backend import cuda_available
+        if not cuda_available():   # said once here, not once per rank
+            raise InputError("--device cuda asked for, but no CUDA device is available (is cupy installed?)")
     if args.prompt_len - 1 + args.num_drafts > args.max_seq_len:
         raise InputError(f"--prompt-len {args.prompt_len} and --num-drafts {args.num_drafts} do not fit in "
                          f"--max-seq-len {args.max_seq_len} (the first propose needs positions up to "

@@ -62,6 +62,14 @@ def test_ranks_without_mpiexec_or_libmpi(monkeypatch, tmp_path):
         comm_mod.find_mpiexec("--ranks 2")
 
 
+def test_ranks_on_a_missing_gpu_is_said_once(home):
+    from mtp_cupy.runtime.cupy_backend import cuda_available
+    if cuda_available():
+        pytest.skip("CUDA is present")
+    pytest.importorskip("mpi4py")
+    assert "no CUDA device" in one_line_error(home, "demo", "--family", "glm5", "--ranks", "2", "--device", "cuda")
+
+
 def test_single_rank_runs_without_mpi4py(home):
     rc, out, err = run(home, "demo", "--family", "deepseek_v3", "--cycles", "2", "--device", "ref", code=NO_MPI)
     assert rc == 0, err
