@@ -74,6 +74,22 @@ class ProposerOptions:
         return cls(**{**start, **given})
 
     @classmethod
+    def doc_entries(cls, skip=()) -> dict[str, str]:
+        """numpydoc entries ("name : type, default x" and the help, indented for a Parameters section)."""
+        import textwrap
+        out = {}
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            tp = str(f.type).replace(" | None", "")
+            head = f"        {f.name} : {tp}, " + ("optional" if f.default is None else f"default {f.default!r}")
+            text = f.metadata.get("help", "")
+            body = textwrap.fill(text[:1].upper() + text[1:], 108, initial_indent=" " * 12,
+                                 subsequent_indent=" " * 12)
+            out[f.name] = head + "\n" + (body + "\n" if body.strip() else "")
+        return out
+
+    @classmethod
     def help(cls) -> str:
         """One line per option: name, default and what it does (docstrings and `--help`)."""
         out = []
