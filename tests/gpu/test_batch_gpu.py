@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round
+from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round, watch_ties
 
 pytestmark = pytest.mark.gpu
 BATCHES = [1, 2, 5, 16, 33, 64]
@@ -28,18 +28,27 @@ def load(fam, gpu, **kw):
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("B", BATCHES)
 def test_cuda_batch_matches_ref_device(fam, B, rng):
+    """Each sequence's chain, CUDA against the NumPy device, until a step where the NumPy device saw a
+    selection near-tie (routing, or GLM-5's indexer top-k: the devices may then choose differently) or the
+    drafts part at an unclear top-1. Every sequence's first draft is compared unless it starts at a tie."""
     cu, rf = load(fam, mtp_cupy.device("cuda")), load(fam, mtp_cupy.device("ref"))
     lens = [int(n) for n in rng.integers(2, 40, B)]
     sc, sr = prefill_alike(rng, (cu, rf), lens)
     toks, hs = [int(t) for t in rng.integers(0, cu.vocab_size, B)], hidden(rng, cu, B)
+    margins = watch_ties(rf)
     gc = cu.propose_batch(sc, toks, hs, lens, 3, return_logits=True)
     gr = rf.propose_batch(sr, toks, hs, lens, 3, return_logits=True)
+    compared = 0
     for s in range(B):
         for i in range(3):
+            if margins[i][s] < (1e-2 if i == 0 else 3e-2):
+                break
             assert rel(gc[s].logits[i], gr[s].logits[i]) <= (1e-2 if i == 0 else 3e-2), (s, i)
+            compared += 1
             if gc[s].tokens[i] != gr[s].tokens[i]:
                 assert not clear(gr[s].logits[i]), (s, i)
                 break
+    assert compared >= max(1, B // 2), f"only {compared} drafts compared for {B} sequences"
 
 
 @pytest.mark.parametrize("fam", FAMILIES)
