@@ -447,7 +447,8 @@ __device__ void expert_gemv(const u64* tab_a, const u64* tab_b, const i32* ids, 
 }
 
 // y f32 [n_pairs, N] = W[ids[q]] x_q: down projections, the shared expert's down, an f32 router.
-// *_grouped: the batched shape (several pairs of an expert per pass), the same per-pair arithmetic.
+// *_grouped (FP8 formats, ops/moe.py GROUPED_FORMATS): the batched shape (several pairs of an expert per pass),
+// the same per-pair arithmetic.
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_bf16(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
@@ -456,27 +457,11 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_bf16(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_bf16(
-    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
-    u32 x_slot_stride, float* y, u32 N, u32 K)
-{
-    expert_gemv<F_BF16, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
-                                     y, N, K, 0.f);
-}
-
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_f32(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
     expert_gemv<F_F32, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
-                                     y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_f32(
-    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
-    u32 x_slot_stride, float* y, u32 N, u32 K)
-{
-    expert_gemv<F_F32, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -536,27 +521,11 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_nvfp4(
                                      y, N, K, 0.f);
 }
 
-extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_nvfp4(
-    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
-    u32 x_slot_stride, float* y, u32 N, u32 K)
-{
-    expert_gemv<F_NVFP4, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
-                                     y, N, K, 0.f);
-}
-
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_mxfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
     expert_gemv<F_MXFP4, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
-                                     y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_mxfp4(
-    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
-    u32 x_slot_stride, float* y, u32 N, u32 K)
-{
-    expert_gemv<F_MXFP4, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
 
@@ -566,14 +535,6 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_bf16(
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     expert_gemv<F_BF16, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
-                                    x_slot_stride, h, N, K, limit);
-}
-
-extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_bf16(
-    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    expert_gemv<F_BF16, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 
@@ -633,27 +594,11 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_nvfp4(
                                     x_slot_stride, h, N, K, limit);
 }
 
-extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_nvfp4(
-    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    expert_gemv<F_NVFP4, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
-                                    x_slot_stride, h, N, K, limit);
-}
-
 extern "C" __global__ __launch_bounds__(256) void moe_gate_up_mxfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     expert_gemv<F_MXFP4, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
-                                    x_slot_stride, h, N, K, limit);
-}
-
-extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_mxfp4(
-    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    expert_gemv<F_MXFP4, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
 

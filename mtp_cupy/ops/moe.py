@@ -55,10 +55,17 @@ def _check_gemv(name: str, fmt: str, n_pairs: int, n_slots: int, n_experts: int,
          f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
 
 
+# Formats whose batched calls take the grouped shape. H200, k = 3, ctx 2048 (BENCHMARKS.md): FP8 experts gain
+# (DeepSeek-V3 B = 64: 10.4 vs 11.6 ms per step), BF16 and FP4 ones lose (Qwen3-Next BF16 B = 32: 1.90 vs
+# 1.26 ms; DeepSeek-V4 MXFP4 B = 32: 4.18 vs 3.12 ms): their grouped kernels run short of resident warps.
+GROUPED_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0")
+
+
 def _expert_launch(gpu, kind: str, fmt: str, n: int, k: int, outputs_per_warp: int, n_pairs: int, n_slots: int,
                    invariant: bool):
     """The launch of `kind` ("moe_gemv" / "moe_gate_up"): its grouped shape when several rows share the call
-    (several pairs of an expert per pass over its weights, half the outputs per warp), else the plain one.
+    and the format gains from it (several pairs of an expert per pass over its weights, half the outputs per
+    warp), else the plain one.
     Block (32, ks, 8 / ks): ks warps split K when the row tiles alone (n / outputs_per_warp per pair) would
     leave the GPU short of warps, keeping >= 2 chunks per lane. ks is chosen as for the plain shape and
     the pairs of one row (n_slots = top_k) when batch-invariant, so a pair's sum order is the same in
@@ -68,7 +75,7 @@ def _expert_launch(gpu, kind: str, fmt: str, n: int, k: int, outputs_per_warp: i
     ks = 1
     while ks < WARPS and tiles * ks < TARGET_WARPS and chunks >= 64 * 2 * ks:
         ks *= 2
-    grouped = n_pairs > n_slots
+    grouped = n_pairs > n_slots and fmt in GROUPED_FORMATS
     opw = outputs_per_warp // 2 if grouped else outputs_per_warp
     groups = WARPS // ks
     name = f"{kind}_{'grouped_' if grouped else ''}{fmt}"
