@@ -5,10 +5,11 @@
 // included),
 //     I[s, j] = scale * sum_h w[s, h] * relu(q[s, h, :] . k_j)
 // q bf16 [num_seqs, heads, head_dim] (RoPE applied), w f32 [num_seqs, heads] (weights_proj output),
-// k_j the bf16 indexer-cache row of j (slot table[j / 16] * 16 + j % 16), scale = heads^-0.5 * head_dim^-0.5
-// (relu commutes with a positive scale). grid (row blocks, num_seqs): q and w of the sequence are staged
-// in shared memory as f32; each warp scores whole rows, lane l holding elements [l*E, l*E + E) of the row
-// (E = head_dim / 32), one warp reduction per head. Scores land in f32 [num_seqs, score_stride].
+// k_j the bf16 indexer-cache row of j (slot kv_slot(table, j) = table[j / 16] * 16 + j % 16, meta.cuh),
+// scale = heads^-0.5 * head_dim^-0.5 (relu commutes with a positive scale). grid (row blocks, num_seqs): q
+// and w of the sequence are staged in shared memory as f32; each warp scores whole rows, lane l holding
+// elements [l*E, l*E + E) of the row (E = head_dim / 32), one warp reduction per head. Scores land in f32
+// [num_seqs, score_stride].
 //
 // `dsa_topk`: the min(k, seq_len) largest scores of each sequence, ties to the lower row, written as
 // ascending row indices (i32) into sel[s, 0:k'] and -1 into sel[s, k':sel_stride]. One block per sequence:
@@ -16,16 +17,12 @@
 // the k-th largest key T and how many rows equal to T are taken; a stable block-wide compaction then keeps
 // every row with key > T and the first `rem` rows with key == T, in row order. Deterministic.
 #include "common.cuh"
+#include "meta.cuh"
 
 #define SCORE_WARPS 8
 #define TOPK_THREADS 512
 #define TOPK_WARPS (TOPK_THREADS / 32)
 
-__device__ __forceinline__ const i32* slab_table(const u8* meta, u32 meta_stride, u32 s, i32* seq_len) {
-    const u8* slab = meta + (u64)s * meta_stride;
-    *seq_len = *(const i32*)(slab + 16);
-    return (const i32*)(slab + 256);
-}
 
 // q . k over this lane's E elements; q from shared memory as float / float2 / float4 vectors (consecutive
 // lanes read consecutive vectors: no bank conflicts).
@@ -55,7 +52,7 @@ __device__ __forceinline__ void score_rows(const float* qs, const float* ws, con
                                            i32 seq_len, u32 heads, float scale, float* out) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, hd = 32u * E;
     for (i32 j = blockIdx.x * SCORE_WARPS + warp; j < seq_len; j += gridDim.x * SCORE_WARPS) {
-        const u64 slot = (u64)table[j >> 4] * 16u + (u32)(j & 15);
+        const u64 slot = kv_slot(table, j);
         const u16* row = cache + slot * hd + lane * E;
         float k[E];
 #pragma unroll
@@ -77,8 +74,9 @@ extern "C" __global__ __launch_bounds__(SCORE_WARPS * 32) void dsa_index_scores(
     float* smem = reinterpret_cast<float*>(smem_v);
     const u32 s = blockIdx.y;
     if (s >= num_seqs) return;
-    i32 seq_len;
-    const i32* table = slab_table(meta, meta_stride, s, &seq_len);
+    const u8* slab = meta_slab(meta, meta_stride, s);
+    i32 seq_len = slab_seq_len(slab);
+    const i32* table = slab_table(slab);
     if (seq_len > (i32)score_stride) seq_len = (i32)score_stride;
     if ((i32)(blockIdx.x * SCORE_WARPS) >= seq_len) return;  // no rows for this block: skip the staging
     float* qs = smem;
@@ -167,8 +165,7 @@ extern "C" __global__ __launch_bounds__(TOPK_THREADS) void dsa_topk(
     __shared__ u32 red[2 * TOPK_WARPS];
     const u32 s = blockIdx.x;
     if (s >= num_seqs) return;
-    i32 seq_len;
-    slab_table(meta, meta_stride, s, &seq_len);
+    const i32 seq_len = slab_seq_len(meta_slab(meta, meta_stride, s));
     const u32 n = (u32)min(max(seq_len, 0), (i32)score_stride);
     const float* x = scores + (u64)s * score_stride;
     i32* out = sel + (u64)s * sel_stride;

@@ -2,7 +2,8 @@
 // Shared argument tail of every kernel: (x, y, M, N, K, x_stride, y_stride, out_f32): x bf16 rows
 // x + m*x_stride; y rows y + m*y_stride, bf16 or (out_f32 != 0) f32. fp32 accumulation, no atomics.
 //
-// Streaming GEMV kernels (the defaults). Geometry is set by ops/gemv.py; results do not depend on it
+// Streaming ring kernels (the unsuffixed names; linear() uses them for every path but bf16 m = 1 and
+// NVFP4). Geometry is set by ops/gemv.py; results do not depend on it
 // beyond fp32 summation order:
 //   grid.x blocks of (32, KS) threads, a persistent grid: block b owns the row tiles b, b + gridDim.x, ...
 //   Its KS warps split every tile's k range, which is cut into units of one pipeline stage each; warp ks
@@ -13,7 +14,11 @@
 //   KS > 1: per tile the warps meet once (__syncthreads) and add their partials in slice order, through a
 //   double-buffered reduction area after the rings.
 // x is tiny next to W and re-read by every warp, so it goes through L1 (__ldg): no limit on K.
-// Kernels named *_v0 are the previous register-round kernels, kept for side-by-side benchmarks.
+//
+// Register-round kernels (*_regs): no shared-memory pipeline. Each lane loads a round of 16-byte weight
+// chunks straight into registers (all loads of a round in flight, then the math), block (32, KS, 8 / KS).
+// linear() uses dense_gemv_bf16_regs for bf16 m = 1 and w4a16_gemv_regs for NVFP4, where they measured
+// faster (BENCHMARKS.md); the other two are kept for side-by-side benchmarks.
 #include "common.cuh"
 
 extern __shared__ __align__(16) uint4 g_dsm[];  // dynamic shared memory of the streaming kernels
@@ -83,7 +88,7 @@ __device__ __forceinline__ u32 word(const uint4& v, int i) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// dense_gemv_bf16_v0 (the previous m = 1 kernel): one x row per blockIdx.y, block (32, KS, 8 / KS), warp
+// dense_gemv_bf16_regs (the m = 1 bf16 default): one x row per blockIdx.y, block (32, KS, 8 / KS), warp
 // per 2 rows, lane l reads 16-byte chunks l, l+32*KS, ... of its k-slice in register rounds: each warp load
 // is 512 contiguous bytes of one row; the KS partial sums meet in shared memory in slice order.
 
@@ -112,7 +117,7 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
     return acc;
 }
 
-extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_v0(
+extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_regs(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
     __shared__ float red[8][G_ROWS];
@@ -246,7 +251,7 @@ extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16(
 
 // ---------------------------------------------------------------------------------------------
 // Tensor-core GEMV (mma.sync m16n8k16, bf16 in, fp32 accumulate) for M > 1 and every quantised
-// format; mma_stream is the default, mma_gemv the previous register-round version (the _v0 kernels).
+// format; mma_stream is the streaming version, mma_regs the register-round one (the *_regs kernels).
 // A = 16 weight rows, B = up to 8 x rows per n-tile. At step s lane (g, t) holds the 16-byte
 // chunk 4s+t of weight rows g and g+8 and, as B, the same k range of x row g (+8 per n-tile): a dot
 // product does not care which k sits in which fragment slot, as long as A and B agree. Weights are
@@ -355,7 +360,7 @@ __device__ __forceinline__ void mma_round(uint4 (&wv)[U][RT][2], u32 (&sv)[U][RT
 }
 
 template <int F, int MT, int RT, int U>
-__device__ __forceinline__ void mma_gemv(const u8* W, const void* S, float scale2, const u16* x, void* y,
+__device__ __forceinline__ void mma_regs(const u8* W, const void* S, float scale2, const u16* x, void* y,
                                          u32 M, u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
 {
     constexpr int KC = kchunk<F>(), NM = KC / 4;  // k per lane chunk; k16 mmas per chunk pair
@@ -576,7 +581,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
                             sc[h][0] = fp4_scale<F>(sv[s][r][h], 0);
                             if (F == NVFP4) sc[h][1] = fp4_scale<F>(sv[s][r][h], 1);
                         }
-                    // a fresh accumulator per step, as in mma_gemv
+                    // a fresh accumulator per step, as in mma_regs
                     float tmp[MT][4] = {};
 #pragma unroll
                     for (int mi = 0; mi < NM; ++mi) {
@@ -682,25 +687,63 @@ extern "C" __global__ __launch_bounds__(512) void w4a16_gemv_mx(
     mma_stream<MXFP4, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// The previous register-round kernels (block (32, KS, 8 / KS)), for side-by-side benchmarks.
-extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batchm_v0(
-    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
-{
-    mma_gemv<BF16, 1, 1, 4>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
-}
-
-extern "C" __global__ __launch_bounds__(256) void w8a16_gemv_v0(
+// M <= 32 in one pass over W for every quantised format (4 x tiles of 8 rows). A row's sum runs over the
+// same units in the same order as in the M <= 8 kernel of its format when launched with the same KS, so
+// linear() keeps a row's arithmetic whatever the batch it runs in.
+extern "C" __global__ __launch_bounds__(512) void gemv_fp8w_batch32(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
-    mma_gemv<FP8_BLOCK, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+    mma_stream<FP8_ROW, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_v0(
+extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_batch32(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_BLOCK, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_e8m0_batch32(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<FP8_BLOCK_E8M0, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_batch32(
     const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
     u32 y_stride, u32 out_f32)
 {
-    mma_gemv<NVFP4, 1, 1, 4>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
+    mma_stream<NVFP4, 4, 1>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_mx_batch32(
+    const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_stream<MXFP4, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+// Register-round tensor-core kernels (block (32, KS, 8 / KS)); w4a16_gemv_regs is linear()'s NVFP4 kernel.
+extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batchm_regs(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    mma_regs<BF16, 1, 1, 4>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(256) void w8a16_gemv_regs(
+    const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
+    u32 out_f32)
+{
+    mma_regs<FP8_BLOCK, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
+}
+
+extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_regs(
+    const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
+    u32 y_stride, u32 out_f32)
+{
+    mma_regs<NVFP4, 1, 1, 4>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 // Writes new K/V rows into a paged cache.
 //
 // Row r of src (bf16, element r * src_stride) goes to columns [col_offset, col_offset + width) of cache
-// row slots[r] (a cache row holds cache_row_width elements; slot = block * 16 + offset, read as i64 at
-// slots + r * slot_stride bytes, straight out of the metadata slab). A negative slot skips the row (a
+// row slots[r] (a cache row holds cache_row_width elements; slot = block * KV_BLOCK_SIZE + offset, read as i64
+// at slots + r * slot_stride bytes, straight out of the metadata slabs: slots = meta + SLAB_SLOT_OFFSET,
+// slot_stride = meta_stride, see meta.cuh). A negative slot skips the row (a
 // padded or already-cached token). Several launches fill one row in pieces: MLA writes the latent at
 // column 0 and the rotated k_pe at 512. One block per row.
 #include "common.cuh"

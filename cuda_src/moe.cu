@@ -12,8 +12,10 @@
 // its pairs get zeros. Tables are built once; no weight is copied.
 //
 // Read-once. The block of pair q works only if q is the first pair that chose its expert; it then runs
-// every later pair of that expert too, right after, so an expert chosen by several rows is streamed
-// from HBM once per step (the repeats hit L2).
+// every pair of that expert, up to PG pairs per pass over the weight tile (each 16-byte weight chunk is
+// loaded once and dotted with every pair's x), so an expert chosen by up to PG rows is streamed from HBM
+// once per step. A pair's sum runs over the same chunks in the same order whichever pairs share its pass,
+// so its result does not depend on the other rows of the batch.
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------------
@@ -287,11 +289,11 @@ __device__ __forceinline__ void load_x(const u16* x, u32 k0, u32 (&xw)[NW]) {
     }
 }
 
-// acc[r] += W_row_r . x over chunks c0, c0 + step, ... of K. The R weight rows are loaded together (R
-// 16-byte loads in flight per lane) and each x chunk is loaded once for all R rows.
-template <int F, int R>
+// acc[j][r] += W_row_r . x_j over chunks c0, c0 + step, ... of K, for the np <= P inputs x_j. The R weight
+// rows are loaded together (R 16-byte loads in flight per lane) once per chunk for all np inputs.
+template <int F, int R, int P>
 __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* const (&srow)[R], u32 K,
-                                         const u16* x, float (&acc)[R], u32 c0, u32 step) {
+                                         const u16* const (&xs)[P], u32 np, float (&acc)[P][R], u32 c0, u32 step) {
     using T = Fmt<F>;
     constexpr int PAIRS = T::EPC / 2, PPG = PAIRS / T::G;
     const u32 nc = K / T::EPC;
@@ -304,30 +306,38 @@ __device__ __forceinline__ void dot_rows(const u8* const (&wrow)[R], const u8* c
             w[r][0] = v.x, w[r][1] = v.y, w[r][2] = v.z, w[r][3] = v.w;
             T::scales(srow[r], c, s[r]);
         }
-        u32 xw[PAIRS];
-        load_x(x, c * T::EPC, xw);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
+        for (int j = 0; j < P; ++j) {
+            if ((u32)j >= np) break;
+            u32 xw[PAIRS];
+            load_x(xs[j], c * T::EPC, xw);
 #pragma unroll
-            for (int g = 0; g < T::G; ++g) {
-                float part = 0.f;
+            for (int r = 0; r < R; ++r) {
 #pragma unroll
-                for (int p = g * PPG; p < (g + 1) * PPG; ++p) {
-                    const float2 wv = T::pair(w[r], p), xv = bf16_pair(xw[p]);
-                    part = fmaf(wv.x, xv.x, part);
-                    part = fmaf(wv.y, xv.y, part);
+                for (int g = 0; g < T::G; ++g) {
+                    float part = 0.f;
+#pragma unroll
+                    for (int p = g * PPG; p < (g + 1) * PPG; ++p) {
+                        const float2 wv = T::pair(w[r], p), xv = bf16_pair(xw[p]);
+                        part = fmaf(wv.x, xv.x, part);
+                        part = fmaf(wv.y, xv.y, part);
+                    }
+                    if constexpr (F == F_FP8_BLOCK || F == F_FP8_E8M0 || F == F_NVFP4 || F == F_MXFP4)
+                        acc[j][r] = fmaf(part, s[r][g], acc[j][r]);
+                    else
+                        acc[j][r] += part;
                 }
-                if constexpr (F == F_FP8_BLOCK || F == F_FP8_E8M0 || F == F_NVFP4 || F == F_MXFP4)
-                    acc[r] = fmaf(part, s[r][g], acc[r]);
-                else
-                    acc[r] += part;
             }
         }
     }
 }
 
 constexpr int WARPS = 8;  // 256 threads per block
-constexpr int R = 4;      // weight rows per warp: gate/up -> 2 outputs (a gate and an up row each), else 4
+// Two shapes of the same arithmetic (a pair's sum runs over the same chunks in the same order in both):
+//   plain    RR = 4 weight rows per warp, one pair per pass (a row's own top-k experts are distinct)
+//   grouped  RR = 2 weight rows per warp, up to PG = 4 pairs of the expert per pass (batches)
+// gate/up warps read a gate and an up row per output: RR / 2 outputs, else RR.
+constexpr int PG_MAX = 4;    // the grouped shape's PG
 
 __device__ __forceinline__ float swiglu(float g, float u, float limit) {
     if (limit > 0.f) {  // written so that NaN passes through (torch clamp semantics)
@@ -341,15 +351,14 @@ __device__ __forceinline__ float swiglu(float g, float u, float limit) {
 // j * 32 + c, step 32 * ks) and add their partials in a fixed order, so few-tile launches (a shared
 // expert, small experts) still fill the GPU. Grid (ceil(N / (row groups * outputs per warp)), n_pairs).
 // GU: tab_a = gate, tab_b = up, out = bf16 h [n_pairs, N] = swiglu(gate x, up x); else out = f32 y
-// [n_pairs, N] = W x (tab_b unused). The pairs that share an expert run one after another in the same
-// block, so the repeats of a weight tile are L2 hits.
-template <int F, bool GU>
+// [n_pairs, N] = W x (tab_b unused). The block of an expert's first pair runs all of its pairs, PG per pass.
+template <int F, bool GU, int R, int PG>
 __device__ void expert_gemv(const u64* tab_a, const u64* tab_b, const i32* ids, u32 n_pairs, u32 n_slots,
                             u32 n_experts, const u16* x, u32 x_row_stride, u32 x_slot_stride, void* out,
                             u32 N, u32 K, float limit) {
     using T = Fmt<F>;
-    constexpr u32 OUT = GU ? 2 : R;
-    __shared__ float part[WARPS][R];
+    constexpr u32 OUT = GU ? R / 2 : R;
+    __shared__ float part[WARPS][PG][R];
     const u32 lane = threadIdx.x, ks = threadIdx.y, KS = blockDim.y, p = blockIdx.y;
     const u32 wid = threadIdx.z * KS + ks;
     const u32 n0 = (blockIdx.x * blockDim.z + threadIdx.z) * OUT;
@@ -361,8 +370,8 @@ __device__ void expert_gemv(const u64* tab_a, const u64* tab_b, const i32* ids, 
     float rf[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const u64* t = GU && r >= 2 ? tab_b : tab_a;
-        const u32 n = min(n0 + (GU ? (r & 1) : r), N - 1);  // rows past N repeat the last (not stored)
+        const u64* t = GU && r >= (int)OUT ? tab_b : tab_a;
+        const u32 n = min(n0 + (GU ? r % OUT : r), N - 1);  // rows past N repeat the last (not stored)
         wrow[r] = srow[r] = nullptr, rf[r] = 1.f;
         if (valid) {
             const u8 *W = (const u8*)t[3 * e], *S = (const u8*)t[3 * e + 1];
@@ -371,6 +380,55 @@ __device__ void expert_gemv(const u64* tab_a, const u64* tab_b, const i32* ids, 
             rf[r] = T::rfac(S, n, __uint_as_float((u32)t[3 * e + 2]));
         }
     }
+    u32 grp[PG];        // pending pairs of this expert (uniform over the block)
+    u32 ng = 0;
+    auto run = [&]() {  // one pass over the weight tile for the ng pending pairs
+        float acc[PG][R] = {};
+        const u16* xs[PG];
+#pragma unroll
+        for (int j = 0; j < PG; ++j) {
+            const u32 q = grp[(u32)j < ng ? j : 0];
+            xs[j] = x + (u64)(q / n_slots) * x_row_stride + (u64)(q % n_slots) * x_slot_stride;
+        }
+        if (valid) dot_rows<F, R, PG>(wrow, srow, K, xs, ng, acc, ks * 32 + lane, 32 * KS);
+#pragma unroll
+        for (int j = 0; j < PG; ++j)
+#pragma unroll
+            for (int r = 0; r < R; ++r) acc[j][r] = warp_sum(acc[j][r]);
+        if (KS > 1) {
+            if (lane == 0)
+#pragma unroll
+                for (int j = 0; j < PG; ++j)
+#pragma unroll
+                    for (int r = 0; r < R; ++r) part[wid][j][r] = acc[j][r];
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < PG; ++j)
+#pragma unroll
+                for (int r = 0; r < R; ++r) {
+                    acc[j][r] = part[wid - ks][j][r];
+                    for (u32 i = 1; i < KS; ++i) acc[j][r] += part[wid - ks + i][j][r];
+                }
+            __syncthreads();  // `part` is reused by the next pass
+        }
+        if (lane == 0 && ks == 0 && n0 < N) {
+#pragma unroll
+            for (int j = 0; j < PG; ++j) {
+                if ((u32)j >= ng) break;
+                const u64 o = (u64)grp[j] * N + n0;
+#pragma unroll
+                for (u32 i = 0; i < OUT; ++i) {
+                    if (n0 + i >= N) break;
+                    if constexpr (GU)
+                        ((__nv_bfloat16*)out)[o + i] =
+                            f2bf(swiglu(acc[j][i] * rf[i], acc[j][OUT + i] * rf[OUT + i], limit));
+                    else
+                        ((float*)out)[o + i] = acc[j][i] * rf[i];
+                }
+            }
+        }
+        ng = 0;
+    };
     for (u32 q0 = 0; q0 < n_pairs; q0 += 32) {
         u32 hit = __ballot_sync(0xffffffffu, q0 + lane < n_pairs && ids[q0 + lane] == e);
         if (q0 <= p) {
@@ -379,94 +437,96 @@ __device__ void expert_gemv(const u64* tab_a, const u64* tab_b, const i32* ids, 
             hit &= ~before;
         }
         for (; hit; hit &= hit - 1) {  // uniform over the block
-            const u32 q = q0 + __ffs(hit) - 1;
-            float acc[R] = {};
-            const u16* xq = x + (u64)(q / n_slots) * x_row_stride + (u64)(q % n_slots) * x_slot_stride;
-            if (valid) dot_rows<F, R>(wrow, srow, K, xq, acc, ks * 32 + lane, 32 * KS);
 #pragma unroll
-            for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-            if (KS > 1) {
-                if (lane == 0)
-#pragma unroll
-                    for (int r = 0; r < R; ++r) part[wid][r] = acc[r];
-                __syncthreads();
-#pragma unroll
-                for (int r = 0; r < R; ++r) {
-                    acc[r] = part[wid - ks][r];
-                    for (u32 j = 1; j < KS; ++j) acc[r] += part[wid - ks + j][r];
-                }
-                __syncthreads();  // `part` is reused by the next pair
-            }
-            if (lane == 0 && ks == 0 && n0 < N) {
-                const u64 o = (u64)q * N + n0;
-#pragma unroll
-                for (u32 j = 0; j < OUT; ++j) {
-                    if (n0 + j >= N) break;
-                    if constexpr (GU)
-                        ((__nv_bfloat16*)out)[o + j] = f2bf(swiglu(acc[j] * rf[j], acc[2 + j] * rf[2 + j], limit));
-                    else
-                        ((float*)out)[o + j] = acc[j] * rf[j];
-                }
-            }
+            for (int j = 0; j < PG; ++j)
+                if ((u32)j == ng) grp[j] = q0 + __ffs(hit) - 1;
+            if (++ng == PG) run();
         }
     }
+    if (ng) run();
 }
 
 // y f32 [n_pairs, N] = W[ids[q]] x_q: down projections, the shared expert's down, an f32 router.
+// *_grouped (FP8 formats, ops/moe.py GROUPED_FORMATS): the batched shape (several pairs of an expert per pass),
+// the same per-pair arithmetic.
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_bf16(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_BF16, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
-                               0.f);
+    expert_gemv<F_BF16, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_f32(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_F32, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
-                              0.f);
+    expert_gemv<F_F32, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_row(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_FP8_ROW, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N,
-                                  K, 0.f);
+    expert_gemv<F_FP8_ROW, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_row(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_FP8_ROW, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_FP8_BLOCK, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y,
-                                    N, K, 0.f);
+    expert_gemv<F_FP8_BLOCK, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_block(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_FP8_BLOCK, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block_e8m0(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_FP8_E8M0, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N,
-                                   K, 0.f);
+    expert_gemv<F_FP8_E8M0, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_block_e8m0(
+    const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
+    u32 x_slot_stride, float* y, u32 N, u32 K)
+{
+    expert_gemv<F_FP8_E8M0, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_nvfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_NVFP4, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
-                                0.f);
+    expert_gemv<F_NVFP4, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gemv_mxfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
-    expert_gemv<F_MXFP4, false>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, y, N, K,
-                                0.f);
+    expert_gemv<F_MXFP4, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
+                                     y, N, K, 0.f);
 }
 
 // h bf16 [n_pairs, N] = swiglu(Wg[ids[q]] x_q, Wu[ids[q]] x_q), clamped when limit > 0.
@@ -474,48 +534,72 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_bf16(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_BF16, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h, N,
-                              K, limit);
+    expert_gemv<F_BF16, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_row(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_FP8_ROW, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h,
-                                 N, K, limit);
+    expert_gemv<F_FP8_ROW, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_row(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_FP8_ROW, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_FP8_BLOCK, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
-                                   h, N, K, limit);
+    expert_gemv<F_FP8_BLOCK, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_block(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_FP8_BLOCK, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block_e8m0(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_FP8_E8M0, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h,
-                                  N, K, limit);
+    expert_gemv<F_FP8_E8M0, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_block_e8m0(
+    const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_gemv<F_FP8_E8M0, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gate_up_nvfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_NVFP4, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h, N,
-                               K, limit);
+    expert_gemv<F_NVFP4, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
 }
 
 extern "C" __global__ __launch_bounds__(256) void moe_gate_up_mxfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
-    expert_gemv<F_MXFP4, true>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, h, N,
-                               K, limit);
+    expert_gemv<F_MXFP4, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
+                                    x_slot_stride, h, N, K, limit);
 }
 
 // ---------------------------------------------------------------------------------------------------

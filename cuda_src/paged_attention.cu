@@ -12,12 +12,14 @@
 // Chunking: a sequence attends n positions (dense: its last min(seq_len, window) rows, or all seq_len when
 // window == 0; DSA: the sel_stride entries of its `sel` row, -1 / out-of-range entries masked).
 // Split c covers positions [c*chunk, min(n, (c+1)*chunk)) with chunk = roundup32(max(min_chunk, ceil(n/splits))).
-// A row r of a sequence lives at slot table[r / 16] * 16 + r % 16 (metadata slab: seq_len i32 @16, table @256).
+// A row r of a sequence lives at slot kv_slot(table, r) = table[r / 16] * 16 + r % 16, seq_len and the table
+// read from its metadata slab (meta.cuh).
 //
 // The math runs on bf16 tensor cores (mma.sync m16n8k16, f32 accumulation): S = Q K^T, with the head dim
 // split over four warps per 16 heads (Q fragments stay in registers) and summed in a fixed order; the
 // probabilities P are split into bf16 hi + lo parts for P V, so P keeps ~16 mantissa bits.
 #include "common.cuh"
+#include "meta.cuh"
 
 #define TILE 32          // cache rows per shared-memory tile
 #define HEADS 32         // query heads per block (two groups of 16 = the mma M dimension)
@@ -63,10 +65,10 @@ struct SeqSpan { i32 seq_len, lo, n; const i32* table; };
 
 __device__ __forceinline__ SeqSpan seq_span(const u8* meta, u32 meta_stride, u32 s, u32 window, bool dsa,
                                             u32 sel_stride) {
-    const u8* slab = meta + (u64)s * meta_stride;
+    const u8* slab = meta_slab(meta, meta_stride, s);
     SeqSpan r;
-    r.seq_len = *(const i32*)(slab + 16);
-    r.table = (const i32*)(slab + 256);
+    r.seq_len = slab_seq_len(slab);
+    r.table = slab_table(slab);
     r.lo = (window > 0 && r.seq_len > (i32)window) ? r.seq_len - (i32)window : 0;
     r.n = dsa ? (i32)sel_stride : max(r.seq_len - r.lo, 0);
     return r;
@@ -129,7 +131,7 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
         }
         if (sub == 0) rowok[buf * TILE + row] = r >= 0;
         u64 off = 0;
-        if (r >= 0) off = ((u64)sp.table[r >> 4] * 16 + (r & 15)) * a.row_bytes + a.col_bytes;
+        if (r >= 0) off = kv_slot(sp.table, r) * a.row_bytes + a.col_bytes;
         const u32 nb = r >= 0 ? 16 : 0;
         const u32 kch = a.dk * esz / 16, vch = a.dv * esz / 16;
         for (u32 i = sub; i < kch; i += 8) {

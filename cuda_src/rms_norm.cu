@@ -1,5 +1,7 @@
 // Row norms over bf16: RMSNorm (plain w, Qwen's 1 + w, no weight), the same fused behind a residual add,
 // per-head RMSNorm over a strided [rows, heads, dim] tensor, and LayerNorm with bias (the DSA indexer k_norm).
+// Every kernel's name ends with its weight convention: `_w` multiplies by w (DeepSeek / GLM; a NULL w means
+// no weight), `_1pw` by 1 + w (Qwen3-Next's zero-centred norm weights), `_w_bias` by w then adds b.
 //
 // One block normalises one row (grid-stride over rows). The row is read once into registers and written
 // once: thread t holds the 16-byte vectors t, t + blockDim.x, ... (at most MAXV of them), so a block of
@@ -119,15 +121,15 @@ __device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloa
 }
 
 // DeepSeek / GLM: y = w * x * rms(x) over contiguous rows of `dim` (w NULL: no weight).
-extern "C" __global__ __launch_bounds__(1024) void rms_norm_vanilla(
+extern "C" __global__ __launch_bounds__(1024) void rms_norm_w(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
         rms_row(x + (u64)r * dim, nullptr, w, y + (u64)r * dim, dim, eps, false, red, p);
 }
 
-// Qwen3-Next: y = (1 + w) * x * rms(x).
-extern "C" __global__ __launch_bounds__(1024) void rms_norm(
+// Qwen3-Next: y = (1 + w) * x * rms(x) (w NULL: no weight).
+extern "C" __global__ __launch_bounds__(1024) void rms_norm_1pw(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
@@ -135,13 +137,13 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm(
 }
 
 // The residual add of a decoder layer fused with the norm after it, bit-identical to bf16_residual_add
-// then rms_norm_vanilla / rms_norm at the same block size: x = bf16(x + res) is written back to x (the
+// then rms_norm_w / rms_norm_1pw at the same block size: x = bf16(x + res) is written back to x (the
 // residual stream carries on from it) and y = the norm of that rounded row. Contiguous rows of `dim`; w
 // NULL = no weight; res is required. x may not alias y (x must keep the sum), res may alias neither.
 // At most 512 threads (dim <= 16384): x, res and w held in registers need more than 1024 threads allow
 // (64 registers a thread; under a 1024 bound ptxas spills, and with res loaded after w it issued the res
 // loads one after another).
-extern "C" __global__ __launch_bounds__(512) void add_rms_norm_vanilla(
+extern "C" __global__ __launch_bounds__(512) void add_rms_norm_w(
     __nv_bfloat16* x, const __nv_bfloat16* res, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim,
     float eps) {
     __shared__ float red[64];
@@ -150,7 +152,7 @@ extern "C" __global__ __launch_bounds__(512) void add_rms_norm_vanilla(
 }
 
 // Qwen3-Next: x = bf16(x + res), y = (1 + w) * x * rms(x).
-extern "C" __global__ __launch_bounds__(512) void add_rms_norm(
+extern "C" __global__ __launch_bounds__(512) void add_rms_norm_1pw(
     __nv_bfloat16* x, const __nv_bfloat16* res, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim,
     float eps) {
     __shared__ float red[64];
@@ -159,23 +161,38 @@ extern "C" __global__ __launch_bounds__(512) void add_rms_norm(
 }
 
 // Per-head norm of x[r, h, :dim] (element r * x_row_stride + h * x_head_stride + d) into the same place
-// of y; one block per (row, head). Qwen q_norm/k_norm (unit_offset = 1), V4 per-head q scaling (w NULL).
-extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided(
-    const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 heads, u32 dim,
-    u32 x_row_stride, u32 x_head_stride, u32 y_row_stride, u32 y_head_stride, float eps, u32 unit_offset) {
+// of y; one block per (row, head).
+template <bool UNIT_OFFSET>
+__device__ __forceinline__ void rms_norm_heads(const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y,
+                                               u32 rows, u32 heads, u32 dim, u32 x_row_stride, u32 x_head_stride,
+                                               u32 y_row_stride, u32 y_head_stride, float eps) {
     __shared__ float red[64];
     const u64 n = (u64)rows * heads;
     u32 p = 0;
     for (u64 b = blockIdx.x; b < n; b += gridDim.x, ++p) {
         const u64 r = b / heads, h = b % heads;
         rms_row(x + r * x_row_stride + h * x_head_stride, nullptr, w, y + r * y_row_stride + h * y_head_stride,
-                dim, eps, unit_offset != 0u, red, p);
+                dim, eps, UNIT_OFFSET, red, p);
     }
+}
+
+// y = w * x * rms(x) per head: DeepSeek / GLM norms of a strided slice, V4's per-head q scaling (w NULL).
+extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided_w(
+    const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 heads, u32 dim,
+    u32 x_row_stride, u32 x_head_stride, u32 y_row_stride, u32 y_head_stride, float eps) {
+    rms_norm_heads<false>(x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps);
+}
+
+// y = (1 + w) * x * rms(x) per head: Qwen's q_norm / k_norm.
+extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided_1pw(
+    const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 heads, u32 dim,
+    u32 x_row_stride, u32 x_head_stride, u32 y_row_stride, u32 y_head_stride, float eps) {
+    rms_norm_heads<true>(x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps);
 }
 
 // y = ((x - mean) * rstd) * w + b, rstd = 1 / sqrt(var + eps), biased variance (torch LayerNorm).
 // At most 512 threads (dim <= 16384): x, w and b held in registers need more than 1024 threads allow.
-extern "C" __global__ __launch_bounds__(512) void layer_norm_bias(
+extern "C" __global__ __launch_bounds__(512) void layer_norm_w_bias(
     const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, u32 rows,
     u32 dim, float eps) {
     __shared__ float red[64];

@@ -9,9 +9,14 @@
 // pairs: one 8-byte (f32 value, i32 global id) pair per rank, all-gathered as bytes (vLLM / TRT-LLM).
 //
 // The decoders run on the device and write the winner's global id, so the next draft step's embedding
-// gather needs no host round trip. Every kernel takes `rows` sequences at once (grid.x = rows): row r's
-// lanes are lanes + r * 4 * world, its pair pair + 2r; gathered pairs are [world][rows][2], so one
-// all-reduce / extern "C" __global__ void pack_argmax_lanes(const i32* local_id, const float* val, u32 v0, u32 rank, u32 world,
+// gather needs no host round trip. Every kernel takes `rows` sequences at once: row r's lanes are
+// lanes + r * 4 * world, its pair pair + 2r; gathered pairs are [world][rows][2], so one all-reduce or
+// all-gather serves the whole batch. `widen_bf16_f32` turns bf16 logits into the f32 rows a caller reads.
+#include "common.cuh"
+
+__device__ __forceinline__ u16 bf16_bits(float v) { return __bfloat16_as_ushort(f2bf(v)); }
+
+extern "C" __global__ void pack_argmax_lanes(const i32* local_id, const float* val, u32 v0, u32 rank, u32 world,
                                              u16* lanes, u32 rows) {
     const u32 r = blockIdx.x;
     if (r >= rows) return;
@@ -52,15 +57,9 @@ extern "C" __global__ void decode_argmax_pairs(const u32* pairs, u32 world, i32*
     if (r >= rows) return;
     u32 best = 0;
     for (u32 q = 1; q < world; ++q)
-        if (__uint_as_float(pairs[2 * ((u64)q * rows + r)]) > __uint_as_float(pairs[2 * ((u64)best * rows + r)])) best = q;
+        if (__uint_as_float(pairs[2 * ((u64)q * rows + r)]) > __uint_as_float(pairs[2 * ((u64)best * rows + r)]))
+            best = q;
     out_id[r] = (i32)pairs[2 * ((u64)best * rows + r) + 1];
-}
-
-   if (threadIdx.x != 0) return;
-    u32 best = 0;
-    for (u32 r = 1; r < world; ++r)
-        if (__uint_as_float(pairs[2 * r]) > __uint_as_float(pairs[2 * best])) best = r;
-    out_id[0] = (i32)pairs[2 * best + 1];
 }
 
 extern "C" __global__ void widen_bf16_f32(const u16* src, float* dst, u32 n) {

@@ -1,7 +1,9 @@
 """mtp_cupy: MTP speculative-decoding draft heads on raw CUDA kernels (CuPy), with a NumPy device twin.
 
-Importing this package does not import cupy; `device()` finds CUDA lazily."""
-from .errors import CapacityError, CommError, ConfigError, InputError, KernelError, MtpError, WeightError
+Importing this package imports neither cupy nor mpi4py: `device()` finds CUDA lazily, and MPI (the `.[mpi]`
+extra) is needed only to run over several ranks. `mtp_cupy.target` (the target runner) loads on first use."""
+from .errors import (CapacityError, CollectiveTimeout, CommError, ConfigError, InputError, KernelError, MtpError,
+                     WeightError)
 from .models import load_proposer
 from .speculative.generate import generate, generate_target_only
 from .runtime import device
@@ -14,5 +16,17 @@ from pathlib import Path as _Path
 # source (byte-level vocabulary; scripts/train_tiny.py)
 DEFAULT_CHECKPOINT = str(_Path(__file__).parent / "data" / "tiny_v3")
 
-__all__ = ["device", "load_proposer", "generate", "generate_target_only", "DEFAULT_CHECKPOINT", "MtpError", "ConfigError", "WeightError", "InputError", "CapacityError", "KernelError",
-           "CommError"]
+_LAZY = ("target",)
+
+
+def __getattr__(name):
+    """`mtp_cupy.target` without `import mtp_cupy.target` first."""
+    if name in _LAZY:
+        import importlib
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'mtp_cupy' has no attribute {name!r}")
+
+
+__all__ = ["device", "load_proposer", "generate", "generate_target_only", "DEFAULT_CHECKPOINT", "MtpError",
+           "ConfigError", "WeightError", "InputError", "CapacityError", "KernelError", "CommError",
+           "CollectiveTimeout"]

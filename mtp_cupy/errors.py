@@ -34,3 +34,8 @@ class KernelError(MtpError):
 
 class CommError(MtpError):
     """Rank/world mismatch or a communicator that cannot do what was asked."""
+
+
+class CollectiveTimeout(CommError):
+    """A collective that did not complete within the communicator's `collective_timeout_s`: another rank is
+    hung, dead, or never made the call. The communicator is aborted and refuses every later call."""

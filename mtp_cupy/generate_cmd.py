@@ -4,46 +4,96 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from tqdm import tqdm
+
+from .errors import ConfigError, InputError
+
+
+def plan(args, path) -> tuple[list[int], int, int]:
+    """(prompt ids, drafts per step, max_seq_len) for the run, checked against the checkpoint before any weight
+    is read. Drafts are capped to what max_new_tokens can use (the prefill pass gives the first token)."""
+    from .weights.config import DeepseekV3Config, load_config
+    from .weights.info import checkpoint_dir
+    cfg = load_config(checkpoint_dir(path))
+    if not isinstance(cfg, DeepseekV3Config):
+        raise ConfigError(f"{path} is a {cfg.family} checkpoint; generate's target runner reads deepseek_v3 "
+                          "(try: python -m mtp_cupy demo --checkpoint DIR)")
+    if args.metrics_json and not Path(args.metrics_json).resolve().parent.is_dir():
+        raise InputError(f"--metrics-json {args.metrics_json}: directory {Path(args.metrics_json).parent} does "
+                         "not exist")
+    prompt = list(args.prompt.encode())
+    if len(prompt) < 2:
+        raise InputError(f"--prompt {args.prompt!r} is {len(prompt)} byte(s); the drafter needs at least two tokens")
+    if any(t >= cfg.vocab_size for t in prompt):
+        raise InputError(f"--prompt has bytes outside this checkpoint's vocab of {cfg.vocab_size}")
+    k = min(args.num_drafts, max(args.max_new_tokens - 1, 1))
+    if k < args.num_drafts:
+        print(f"note: --max-new-tokens {args.max_new_tokens} leaves room for at most {k} draft(s) per step; "
+              f"drafting {k}, not {args.num_drafts}", file=sys.stderr)
+    max_len = len(prompt) + args.max_new_tokens + k + 2
+    ctx = cfg.max_position_embeddings
+    if max_len > ctx:
+        raise InputError(f"--max-new-tokens {args.max_new_tokens} does not fit the model's context: the prompt's "
+                         f"{len(prompt)} tokens + {args.max_new_tokens} new + {k} drafts (+2) run past "
+                         f"max_position_embeddings {ctx}; at most {ctx - len(prompt) - k - 2} new tokens here")
+    return prompt, k, max_len
+
+
+def cpu_note(spec, base) -> str:
+    """Why drafting does not pay on the NumPy device, with this run's own times."""
+    m = spec.metrics
+    step = 1e3 * spec.extra["draft_seconds"] / m.num_draft_tokens
+    verify = 1e3 * spec.extra["verify_seconds"] / m.num_drafts
+    rows = 1 + m.num_draft_tokens / m.num_drafts
+    decode = ""
+    if base is not None and len(base.tokens) > 1:
+        decode = f" against {1e3 * base.extra['decode_seconds'] / (len(base.tokens) - 1):.1f} ms for a 1-row decode"
+    return (f"note: on the NumPy device drafting costs more than it saves: a pass costs per row it computes (the "
+            f"kernel twins run row by row in Python), {verify:.1f} ms for a {rows:.1f}-row verify{decode}, and "
+            f"each draft step {step:.1f} ms. On a GPU a pass costs the weight bytes it reads: verifying k+1 rows "
+            "costs about one decode step, and a draft step a small part of one.")
 
 
 def run_generate(args) -> int:
     import mtp_cupy
     from .speculative.generate import generate, generate_target_only
     from .target import DeepseekV3Target
-    gpu = mtp_cupy.device(args.device)
     path = args.checkpoint or mtp_cupy.DEFAULT_CHECKPOINT
-    prompt = list(args.prompt.encode())
-    max_len = len(prompt) + args.max_new_tokens + args.num_drafts + 2
+    prompt, k, max_len = plan(args, path)
+    gpu = mtp_cupy.device(args.device)
     target = DeepseekV3Target(gpu, path, max_seq_len=max_len)
-    drafter = mtp_cupy.load_proposer(path, gpu=gpu, max_seq_len=max_len)
+    drafter = mtp_cupy.load_proposer(path, gpu=gpu, max_seq_len=max_len, max_drafts=k)
     print(f"device: {gpu.name}; target {path}: {target.cfg.num_hidden_layers} layers, hidden {target.hidden_size}, "
-          f"vocab {target.vocab_size}; {args.num_drafts} drafts per step", file=sys.stderr)
+          f"vocab {target.vocab_size}; {k} drafts per step", file=sys.stderr)
     if gpu.is_cuda:  # compile and warm up outside the timings
-        generate(target, drafter, prompt, min(8, args.max_new_tokens), args.num_drafts)
+        generate(target, drafter, prompt, min(8, args.max_new_tokens), k)
     base = None
     if not args.no_baseline:
         with tqdm(total=args.max_new_tokens, desc="target only", file=sys.stderr, leave=False) as bar:
             base = generate_target_only(target, prompt, args.max_new_tokens, args.temperature, args.seed, bar)
     with tqdm(total=args.max_new_tokens, desc="speculative", file=sys.stderr, leave=False) as bar:
-        spec = generate(target, drafter, prompt, args.max_new_tokens, args.num_drafts, args.temperature, args.seed, bar)
+        spec = generate(target, drafter, prompt, args.max_new_tokens, k, args.temperature, args.seed, bar)
     m = spec.metrics
     print(args.prompt + bytes(spec.tokens).decode("utf-8", errors="replace"))
     print("---", file=sys.stderr)
     print(f"speculative: {spec.tokens_per_s:.1f} tokens/s, {spec.target_passes} target passes, mean acceptance "
           f"length {m.mean_acceptance_length:.2f}", file=sys.stderr)
-    print("acceptance per position: " + ", ".join(f"{r:.2f}" for r in m.acceptance_rate_per_pos()), file=sys.stderr)
+    print("acceptance per position: " + (", ".join(f"{r:.2f}" for r in m.acceptance_rate_per_pos()) or "none (no "
+          "draft step: one token needs only the prefill pass)"), file=sys.stderr)
     if base is not None:
         same = "identical" if base.tokens == spec.tokens else "DIFFERENT"
         print(f"target only: {base.tokens_per_s:.1f} tokens/s; speedup {spec.tokens_per_s / base.tokens_per_s:.2f}x; "
               f"output {same} to target-only" + (" (greedy)" if args.temperature <= 0 else " (sampled)"),
               file=sys.stderr)
+    if not gpu.is_cuda and m.num_drafts and (base is None or spec.tokens_per_s < base.tokens_per_s):
+        print(cpu_note(spec, base), file=sys.stderr)
     if args.metrics_json:
         rec = dict(m.as_vllm(), mean_acceptance_length=m.mean_acceptance_length,
                    acceptance_rate_per_pos=m.acceptance_rate_per_pos(), tokens_per_s=spec.tokens_per_s,
                    target_only_tokens_per_s=base.tokens_per_s if base else None, device=gpu.name,
-                   num_drafts=args.num_drafts, new_tokens=len(spec.tokens))
+                   num_drafts=k, new_tokens=len(spec.tokens))
         with open(args.metrics_json, "w") as f:
             json.dump(rec, f, indent=1)
     return 0

@@ -1,54 +1,43 @@
 """Acceptance of the embedded MTP drafter on held-out text: prompts cut from the stdlib files the training
 held out, greedy speculative decoding for K = 1..4, mean acceptance length and per-position rates.
 
-    python scripts/acceptance.py [--device ref|cuda] [--prompts 12] [--new-tokens 48] [--json PATH]"""
+    python scripts/acceptance.py [--device ref|cuda] [--prompts 12] [--new-tokens 48] [--json PATH]
+    python scripts/acceptance.py --device ref --prompts 1 --prompt-len 16 --new-tokens 4 --ks 1   # smoke run
+
+Each prompt is decoded target-only and speculatively; the run stops with an error if the two differ (greedy
+speculative decoding must emit exactly the target's own tokens)."""
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).parent))
-sys.path.insert(0, str(Path(__file__).parents[1]))
-import mtp_cupy  # noqa: E402
-from mtp_cupy.speculative.metrics import SpecDecodeMetrics  # noqa: E402
-from mtp_cupy.target import DeepseekV3Target  # noqa: E402
-from stdlib_corpus import stdlib_files  # noqa: E402
-
-
-def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    files = [f.read_bytes() for f in stdlib_files(True)]
-    files = [f for f in files if len(f) > 4 * length]
-    out = []
-    for i in rng.choice(len(files), n, replace=len(files) < n):
-        start = int(rng.integers(0, len(files[i]) - length))
-        out.append(list(files[i][start:start + length]))
-    return out
+import mtp_cupy
+from mtp_cupy.bench.cli import Parser, int_list, positive_int, run_main
+from mtp_cupy.bench.corpus import held_out_prompts
+from mtp_cupy.speculative.metrics import SpecDecodeMetrics
+from mtp_cupy.target import DeepseekV3Target
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "ref"))
-    ap.add_argument("--prompts", type=int, default=12)
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--ks", default="1,2,3,4")
-    ap.add_argument("--json")
+    ap = Parser(__doc__)
+    ap.add_argument("--device", default="auto", choices=("auto", "cuda", "ref"),
+                    help="cuda, the NumPy device (ref), or cuda when there is one (auto)")
+    ap.add_argument("--prompts", type=positive_int, default=12, help="held-out prompts decoded per K")
+    ap.add_argument("--prompt-len", type=positive_int, default=64, help="bytes (tokens) per prompt")
+    ap.add_argument("--new-tokens", type=positive_int, default=48, help="tokens generated per prompt")
+    ap.add_argument("--ks", type=int_list, default="1,2,3,4", help="drafts per step K, comma list")
+    ap.add_argument("--json", help="write the counters per K (vLLM names) to this file (default: none)")
     a = ap.parse_args()
     gpu = mtp_cupy.device(a.device)
     ck = mtp_cupy.DEFAULT_CHECKPOINT
     max_len = a.prompt_len + a.new_tokens + 8
     target = DeepseekV3Target(gpu, ck, max_seq_len=max_len)
     drafter = mtp_cupy.load_proposer(ck, gpu=gpu, max_seq_len=max_len)
-    ps, rows = prompts(a.prompts, a.prompt_len), {}
+    ps, rows = held_out_prompts(a.prompts, a.prompt_len), {}
     print(f"{len(ps)} held-out prompts of {a.prompt_len} bytes, {a.new_tokens} new tokens each; device {gpu.name}")
     print("| K | mean acceptance length | acceptance per position | drafts | accepted |")
     print("|---|---|---|---|---|")
-    for k in (int(x) for x in a.ks.split(",")):
+    for k in a.ks:
         m = SpecDecodeMetrics()
         for p in ps:
             base = mtp_cupy.generate_target_only(target, p, a.new_tokens)
@@ -65,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -18,7 +18,6 @@ transformers' counts come from counting its target forwards (each verifies one d
 SpecDecodeMetrics."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,17 +28,19 @@ sys.path.insert(0, os.path.dirname(_HERE))       # this tree's mtp_cupy
 
 
 def parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from mtp_cupy.bench.cli import Parser, int_list, positive_int
+    ap = Parser(__doc__)
     ap.add_argument("--checkpoint", default=None, help="DeepSeek-V3-layout checkpoint (default: the embedded one)")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the target runs; the drafter runs on cuda, or on the NumPy device for cpu")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="target dtype (default: float32 on CPU, bfloat16 on CUDA)")
-    ap.add_argument("--prompt", default="def main(")
-    ap.add_argument("--max-new-tokens", type=int, default=200)
-    ap.add_argument("--ks", default="1,3", help="mtp_cupy drafts per target forward")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--prompt", default="def main(", help="prompt text (bytes are the embedded model's tokens)")
+    ap.add_argument("--max-new-tokens", type=positive_int, default=200, help="greedy tokens generated per run")
+    ap.add_argument("--ks", type=int_list, default="1,3", help="mtp_cupy drafts per target forward, comma list")
+    ap.add_argument("--repeats", type=positive_int, default=2, help="timed runs per method")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--json", default=None, help="write the results here (default: none)")
     return ap.parse_args(argv)
 
 
@@ -96,7 +97,7 @@ def run(args) -> dict:
     methods = [("target only", None, lambda t, m: model.generate(ids, max_new_tokens=t, do_sample=False)),
                ("transformers use_mtp", None, lambda t, m: model.generate(ids, max_new_tokens=t, do_sample=False,
                                                                           use_mtp=True))]
-    for k in [int(x) for x in args.ks.split(",")]:
+    for k in args.ks:
         methods.append((f"mtp_cupy k={k}", k, lambda t, m, k=k: model.generate(
             ids, max_new_tokens=t, do_sample=False, custom_generate=mtp_generate, drafter=drafter, num_drafts=k,
             spec_metrics=m)))
@@ -154,4 +155,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from mtp_cupy.bench.cli import run_main
+    run_main(lambda: main() and 0)

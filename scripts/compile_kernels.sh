@@ -22,7 +22,7 @@ done
 # NVRTC, the compiler the runtime uses (no host std headers): the same source inlining and options
 PYBIN=${PYBIN:-python3}
 if "$PYBIN" -c "import nvidia" 2>/dev/null; then
-  "$PYBIN" scripts/nvrtc_check.py || fail=1
+  PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PYBIN" scripts/nvrtc_check.py || fail=1   # this tree's mtp_cupy
 else
   echo "NVRTC check skipped: the nvidia-cuda-nvrtc wheel is not installed for $PYBIN"
 fi

@@ -14,35 +14,32 @@ also times the head sweep alone (this rank's BF16 slice vs its FP8 copy) and the
 simulated: each cycle accepts a random number of drafts (the same on every rank)."""
 from __future__ import annotations
 
-import argparse
+import shutil
 import tempfile
 import time
 
 import numpy as np
-from mpi4py import MPI
 
 import mtp_cupy
 from mtp_cupy import ops
-from mtp_cupy.layers.dsa import IndexerWeights
+from mtp_cupy.bench import back_to_back_us
+from mtp_cupy.bench import glm5 as dims
+from mtp_cupy.bench.cli import Parser, device_flags, positive_int, run_main
 from mtp_cupy.models import glm5 as glm_mtp
 from mtp_cupy.runtime.comm import make_communicator
 from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.speculative.vocab_argmax import EXCHANGES, ShardedArgmax
+from mtp_cupy.testing.tiny.glm5 import write_tiny_checkpoint
 from mtp_cupy.weights.config import GlmMoeDsaConfig
-from mtp_cupy.weights.deepseek_v3 import NORMS
-from mtp_cupy.testing.tiny.glm5 import TINY_DIMS, write_tiny_checkpoint
-from mtp_cupy.weights.glm5 import Glm5MtpWeights, Shard
-from mtp_cupy.weights.linear import Linear
-from run_real_dims_v3 import fp8_block
-from run_real_dims_v4 import RandomDevice
+from mtp_cupy.weights.glm5 import Shard
 
-WORLD = MPI.COMM_WORLD
-REAL = dict(model_type="glm_moe_dsa", hidden_size=6144, num_hidden_layers=78, num_attention_heads=64,
-            q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256,
-            index_n_heads=32, index_head_dim=128, index_topk=2048, n_routed_experts=256, num_experts_per_tok=8,
-            n_group=1, topk_group=1, moe_intermediate_size=2048, n_shared_experts=1, vocab_size=154880,
-            rms_norm_eps=1e-5, routed_scaling_factor=2.5, first_k_dense_replace=3,
-            rope_parameters={"rope_type": "default", "rope_theta": 8e6})
+MPI = WORLD = None      # mpi4py, started by main() once the arguments are read
+
+
+def start_mpi() -> None:
+    global MPI, WORLD
+    from mpi4py import MPI
+    WORLD = MPI.COMM_WORLD
 
 
 def tiny_checkpoint() -> str:
@@ -51,53 +48,6 @@ def tiny_checkpoint() -> str:
     path = WORLD.bcast(str(path) if path else None, root=0)
     WORLD.Barrier()
     return path
-
-
-def random_weights(gpu, cfg: GlmMoeDsaConfig, shard: Shard, seed: int, quant: str) -> Glm5MtpWeights:
-    """This rank's shard of a random GLM MTP layer, generated on the device (values about N(0, 1/k))."""
-    r = RandomDevice(gpu, seed + shard.rank)
-    D, V, H, QL = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.q_lora_rank
-    C, dn, dr, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    E, I, nh, hd = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.index_n_heads, cfg.index_head_dim
-    h0, hl = shard.split(H, "heads")
-    e0, el = shard.split(E, "experts")
-    _, sl = shard.split(I * cfg.n_shared_experts, "shared-expert intermediate")
-    v0, vn = shard.vocab(V)
-
-    def bf16(n: int, k: int) -> Linear:
-        return Linear("bf16", n, k, r.bf16(n * k, k ** -0.5))
-
-    def proj(n: int, k: int) -> Linear:
-        return fp8_block(r, n, k) if quant == "fp8" else bf16(n, k)
-
-    norms = {n: r.bf16(D, 0.1, 1.0) for n in NORMS}
-    norms.update(q_a_layernorm=r.bf16(QL, 0.1, 1.0), kv_a_layernorm=r.bf16(C, 0.1, 1.0))
-    indexer = IndexerWeights(proj(nh * hd, QL), proj(hd, D), r.bf16(hd, 0.1, 1.0), r.bf16(hd, 0.1), bf16(nh, D))
-    return Glm5MtpWeights(
-        embed=r.bf16(V * D, 1.0), head=bf16(vn, D), norms=norms, eh_proj=bf16(D, 2 * D), q_a=proj(QL, D),
-        q_b=proj(hl * (dn + dr), QL), kv_a=proj(C + dr, D), w_uk_t=proj(hl * C, dn), kv_b=proj(hl * (dn + dv), C),
-        o_proj=proj(D, hl * dv), router=bf16(E, D), bias=r.f32(E, 0.1),
-        experts={e: (proj(I, D), proj(I, D), proj(D, I)) for e in range(e0, e0 + el)},
-        shared=(proj(sl, D), proj(sl, D), proj(D, sl)), owners=r.owners, indexer=indexer, shard=shard,
-        heads=(h0, hl), head_v0=v0)
-
-
-def timed_us(gpu, fn, iters: int) -> float:
-    """Microseconds per call: CUDA events on the GPU, wall time on the NumPy device."""
-    fn()
-    gpu.synchronize()
-    if gpu.is_cuda:
-        e0, e1 = gpu.new_event(), gpu.new_event()
-        gpu.record(e0)
-        for _ in range(iters):
-            fn()
-        gpu.record(e1)
-        gpu.synchronize()
-        return 1e3 * gpu.elapsed_ms(e0, e1) / iters
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return 1e6 * (time.perf_counter() - t0) / iters
 
 
 def slowest(x: float) -> float:
@@ -136,34 +86,38 @@ def cycles(prop, ctx: int, drafts: int, n: int, seed: int) -> list[float]:
 def parts(prop, comm, iters: int) -> dict[str, float]:
     """Microseconds of the head sweep (BF16 slice, FP8 copy) and of each exchange, alone."""
     gpu, b, w = prop.gpu, prop.bufs, prop.w
-    out = {"head sweep, BF16 slice": timed_us(gpu, lambda: ops.linear(gpu, b.carry, w.head, b.hlog, 1), iters)}
+    out = {"head sweep, BF16 slice": back_to_back_us(gpu, lambda: ops.linear(gpu, b.carry, w.head, b.hlog, 1), iters)}
     if w.head.fmt == "bf16":
         fp8 = ops.quantize_linear(gpu, w.head, "fp8_row")
-        out["head sweep, FP8 slice"] = timed_us(gpu, lambda: ops.linear(gpu, b.carry, fp8, b.hlog, 1), iters)
+        out["head sweep, FP8 slice"] = back_to_back_us(gpu, lambda: ops.linear(gpu, b.carry, fp8, b.hlog, 1), iters)
     if prop.head_sharded:
         for ex in EXCHANGES:
             xa = ShardedArgmax(gpu, comm, prop.head_v0, prop.head_n, ex)
             xa.local(b.hlog)
-            out[f"exchange {ex}"] = timed_us(gpu, lambda: xa.exchange_into(b.ids), iters)
-        out[f"local argmax ({prop.head_n} bf16)"] = timed_us(gpu, lambda: xa.local(b.hlog), iters)
+            out[f"exchange {ex}"] = back_to_back_us(gpu, lambda: xa.exchange_into(b.ids), iters)
+        out[f"local argmax ({prop.head_n} bf16)"] = back_to_back_us(gpu, lambda: xa.local(b.hlog), iters)
     return {k: slowest(v) for k, v in out.items()}
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", help="a glm_moe_dsa checkpoint directory (default: a tiny random one)")
+    p = Parser(__doc__)
+    p.add_argument("--checkpoint", help="a glm_moe_dsa checkpoint directory (default: a tiny random one that "
+                   "rank 0 writes)")
     p.add_argument("--real-dims", action="store_true", help="GLM-5 dims, random weights made on the device")
     p.add_argument("--tiny", action="store_true", help="with --real-dims: tiny dims (a smoke run of that path)")
     p.add_argument("--quant", choices=["fp8", "bf16"], default="fp8", help="--real-dims projection format")
-    p.add_argument("--ctx", type=int, default=64, help="drafter rows prefilled before drafting")
-    p.add_argument("--drafts", type=int, default=3, help="draft steps per propose")
-    p.add_argument("--cycles", type=int, default=5)
-    p.add_argument("--iters", type=int, default=20, help="repetitions of each part timed alone")
+    p.add_argument("--ctx", type=positive_int, default=64, help="drafter rows prefilled before drafting")
+    p.add_argument("--drafts", type=positive_int, default=3, help="draft steps per propose")
+    p.add_argument("--cycles", type=positive_int, default=5, help="propose / verify cycles timed")
+    p.add_argument("--iters", type=positive_int, default=20, help="--real-dims: repetitions of each part timed alone")
     p.add_argument("--head-fp8", action="store_true", help="draft from an FP8 copy of this rank's head slice")
-    p.add_argument("--head-exchange", choices=EXCHANGES, default="digits")
-    p.add_argument("--device", choices=["auto", "cuda", "ref"], default="auto")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--head-exchange", choices=EXCHANGES, default="digits",
+                   help="how the ranks agree on the draft id: digits (one bf16 all-reduce) or pairs (an all-gather)")
+    device_flags(p, "auto", tiny=False)
     a = p.parse_args()
+    if a.checkpoint and a.real_dims:
+        p.error("--checkpoint and --real-dims exclude each other")
+    start_mpi()
     rank, world = WORLD.rank, WORLD.size
     gpu = mtp_cupy.device(a.device, device_id=rank)
     comm = make_communicator(gpu, WORLD) if world > 1 else None
@@ -171,14 +125,18 @@ def main() -> None:
     max_seq = a.ctx + a.drafts * a.cycles + 16
     t0 = time.perf_counter()
     if a.real_dims:
-        cfg = GlmMoeDsaConfig.from_dict({**REAL, **TINY_DIMS} if a.tiny else REAL)
+        cfg = GlmMoeDsaConfig.from_dict(dims.TINY if a.tiny else dims.REAL)
         shard = Shard(rank, world) if world > 1 else Shard()
-        prop = glm_mtp.Glm5MtpProposer(gpu, cfg, random_weights(gpu, cfg, shard, a.seed, a.quant), max_seq_len=max_seq,
-                                      comm=comm, **opts)
+        prop = glm_mtp.Glm5MtpProposer(gpu, cfg, dims.random_weights(gpu, cfg, shard, a.seed, a.quant),
+                                       max_seq_len=max_seq, comm=comm, **opts)
         what = f"GLM-5 {'tiny' if a.tiny else 'real'} dims, random {a.quant} weights"
     else:
         path = a.checkpoint or tiny_checkpoint()
         prop = glm_mtp.from_checkpoint(path, gpu, max_seq_len=max_seq, comm=comm, **opts)
+        if not a.checkpoint:          # the weights are on the device now: drop the tiny checkpoint
+            WORLD.Barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
         cfg, what = prop.cfg, f"checkpoint {path}"
     built = slowest(time.perf_counter() - t0)
     if rank == 0:
@@ -199,4 +157,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

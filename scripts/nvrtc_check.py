@@ -1,6 +1,11 @@
 """Compile every cuda_src module through NVRTC exactly as CupyBackend does (same source inlining, same
 options), without a GPU: NVRTC has no host std headers, so this catches what nvcc lets through.
-Needs the `nvidia-cuda-nvrtc` wheel and the CUDA headers (CUDA_HOME/include, default /usr/local/cuda)."""
+Needs the `nvidia-cuda-nvrtc` wheel and the CUDA headers (CUDA_HOME/include, default /usr/local/cuda).
+
+    python scripts/nvrtc_check.py                   # every module, for compute_90a (H100 / H200)
+    python scripts/nvrtc_check.py --arch compute_80  # another virtual architecture
+
+Prints ok / FAIL per module (and NVRTC's log on a failure or a warning); exits 1 if any module failed."""
 from __future__ import annotations
 
 import ctypes
@@ -9,9 +14,9 @@ import os
 import sys
 import sysconfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from mtp_cupy.runtime.backend import cuda_modules, module_source  # noqa: E402
-from mtp_cupy.runtime.cupy_backend import NVRTC_OPTIONS  # noqa: E402
+from mtp_cupy.bench.cli import Parser, run_main
+from mtp_cupy.runtime.backend import cuda_modules, module_source
+from mtp_cupy.runtime.cupy_backend import NVRTC_OPTIONS
 
 
 def load_nvrtc():
@@ -42,9 +47,12 @@ def compile_one(lib, name: str, src: str, opts: list[str]) -> tuple[bool, str]:
 
 
 def main() -> int:
+    p = Parser(__doc__)
+    p.add_argument("--arch", default="compute_90a", help="NVRTC's -arch (a virtual architecture)")
+    a = p.parse_args()
     lib = load_nvrtc()
     inc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    opts = [*NVRTC_OPTIONS, "-arch=compute_90a", f"-I{inc}"]
+    opts = [*NVRTC_OPTIONS, f"-arch={a.arch}", f"-I{inc}"]
     fail = 0
     for m in cuda_modules():
         ok, log = compile_one(lib, m, module_source(m), opts)
@@ -56,4 +64,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -14,14 +14,11 @@ with CUDA events (cold L2) in the same process, so "sum of kernels" vs "graph st
 kernel time and launch / dependency gaps."""
 from __future__ import annotations
 
-import argparse
 import csv
-import os
-import sys
 from collections import OrderedDict
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [_HERE, os.path.dirname(_HERE)]
+from mtp_cupy.bench.cli import Parser, positive_int, run_main
+from mtp_cupy.bench.drafter import FAMILIES
 
 METRICS = {"gpu__time_duration.sum": "ns", "dram__bytes_read.sum": "read", "dram__bytes_write.sum": "write"}
 
@@ -62,21 +59,22 @@ def summarize(path: str, copy_gbs: float | None, step_us: float | None) -> str:
 
 
 def profile(a) -> None:
+    """One eager propose(k) of a real-dims family between cudaProfilerStart / Stop, after timing its graph
+    replay (cold L2, CUDA events, median of 10)."""
     import cupy as cp
 
-    import bench_common as bc
-    import bench_draft as bd
     import mtp_cupy
+    from mtp_cupy.bench import EventTimer, copy_bandwidth, median
+    from mtp_cupy.bench.drafter import Drafter
     gpu = mtp_cupy.device("cuda")
-    ns = argparse.Namespace(ctx=a.ctx, tiny=False, seed=0, qwen_quant="bf16", glm_head_fp8=False)
-    o = bd.Ours(a.family, gpu, ns, a.k, a.batch)
+    o = Drafter(a.family, gpu, a.ctx, a.k, a.batch)
     p, fn = o.prop, o.call(a.k, a.batch)
-    clock = bc.CupyClock()
+    timer = EventTimer.cupy()
     p.cuda_graphs = True
     for _ in range(3):
         fn()
-    gpu_us, _ = clock.time(fn, p.stream, 10)
-    step = bc.median(gpu_us) / a.k
+    gpu_us, _ = timer.time(fn, 10, p.stream)
+    step = median(gpu_us) / a.k
     p.cuda_graphs = False
     for _ in range(2):
         fn()
@@ -86,25 +84,32 @@ def profile(a) -> None:
     p.stream.synchronize()
     cp.cuda.runtime.profilerStop()
     print(f"# {a.family}: graph step {step:.1f} µs (k={a.k}, batch {a.batch}, ctx {a.ctx}, cold L2, median of 10); "
-          f"copy {bc.copy_bandwidth_cupy() / 1e9:.0f} GB/s", flush=True)
+          f"copy {copy_bandwidth(gpu) / 1e9:.0f} GB/s", flush=True)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--family", default="deepseek_v4", help="a bench_draft.py family")
-    ap.add_argument("--ctx", type=int, default=2048)
-    ap.add_argument("--k", type=int, default=1, help="draft steps in the profiled propose")
-    ap.add_argument("--batch", type=int, default=1, help="sequences (families with propose_batch)")
-    ap.add_argument("--summarize", metavar="CSV", help="print the per-kernel table of an ncu CSV and exit")
-    ap.add_argument("--copy-gbs", type=float, default=None, help="copy bandwidth for the roofline columns")
-    ap.add_argument("--step-us", type=float, default=None, help="graph step time, to show the launch gaps")
+    ap = Parser(__doc__)
+    ap.add_argument("--family", choices=FAMILIES, default="deepseek_v4", help="the family whose step is profiled")
+    ap.add_argument("--ctx", type=positive_int, default=2048, help="drafter rows prefilled before the step")
+    ap.add_argument("--k", type=positive_int, default=1, help="draft steps in the profiled propose")
+    ap.add_argument("--batch", type=positive_int, default=1, help="sequences drafted together (propose_batch, up to 64)")
+    ap.add_argument("--summarize", metavar="CSV", help="print the per-kernel table of an ncu CSV and exit "
+                    "(needs no GPU)")
+    ap.add_argument("--copy-gbs", type=float, default=None,
+                    help="copy bandwidth in GB/s for the roofline columns (default: none, columns show -)")
+    ap.add_argument("--step-us", type=float, default=None,
+                    help="graph step time in µs, to show the launch gaps (default: none)")
     a = ap.parse_args()
     if a.summarize:
-        print(summarize(a.summarize, a.copy_gbs, a.step_us))
+        try:
+            print(summarize(a.summarize, a.copy_gbs, a.step_us))
+        except (OSError, KeyError, ValueError) as e:
+            ap.error(f"--summarize {a.summarize}: not a readable ncu CSV ({type(e).__name__}: {e})")
     else:
+        if a.batch > 64:
+            ap.error(f"--batch {a.batch}: batches go up to 64")
         profile(a)
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -8,18 +8,15 @@ Loss (DeepSeek-V3 report): CE(next token) + lambda * CE(MTP: token after next), 
 the main model's final-normed hidden at i with embed(token i+1): x = eh_proj([enorm(e), hnorm(h)])."""
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).parent))
+from mtp_cupy.bench.cli import Parser, positive_int, run_main
+from mtp_cupy.bench.corpus import stdlib_files
 
 CONFIG = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=256,
               hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4,
@@ -35,29 +32,35 @@ CONFIG = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"],
 
 def corpus(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """stdlib .py bytes; ~5% of files (by name hash) held out."""
-    from stdlib_corpus import stdlib_files
     join = lambda files: np.frombuffer(b"\n".join(f.read_bytes() for f in files), np.uint8)  # noqa: E731
     return join(stdlib_files(False, seed)), join(stdlib_files(True, seed))
 
 
-class Mtp(torch.nn.Module):
-    def __init__(self, model, cfg):
-        super().__init__()
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
-        d = cfg.hidden_size
-        self.layer = model.model.layers[cfg.num_hidden_layers]  # built as an extra layer (MoE), unused by the main forward
-        self.enorm, self.hnorm = DeepseekV3RMSNorm(d, cfg.rms_norm_eps), DeepseekV3RMSNorm(d, cfg.rms_norm_eps)
-        self.head_norm = DeepseekV3RMSNorm(d, cfg.rms_norm_eps)
-        self.eh_proj = torch.nn.Linear(2 * d, d, bias=False)
-        torch.nn.init.normal_(self.eh_proj.weight, std=cfg.initializer_range)
+def make_mtp(model, cfg):
+    """The MTP module (enorm, hnorm, eh_proj, the extra decoder layer, shared_head.norm) around `model`."""
+    import torch
 
-    def forward(self, model, h, next_ids, pos):
-        e = model.model.embed_tokens(next_ids)
-        x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], -1))
-        pe = model.model.rotary_emb(x, pos)
-        mask = torch.full((x.shape[1], x.shape[1]), float("-inf"), device=x.device).triu(1)[None, None]
-        g = self.layer(x, position_embeddings=pe, attention_mask=mask.to(x.dtype), position_ids=pos)
-        return model.lm_head(self.head_norm(g))
+    class Mtp(torch.nn.Module):
+        def __init__(self, model, cfg):
+            super().__init__()
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+            d = cfg.hidden_size
+            # built as an extra layer (MoE), unused by the main forward
+            self.layer = model.model.layers[cfg.num_hidden_layers]
+            self.enorm, self.hnorm = DeepseekV3RMSNorm(d, cfg.rms_norm_eps), DeepseekV3RMSNorm(d, cfg.rms_norm_eps)
+            self.head_norm = DeepseekV3RMSNorm(d, cfg.rms_norm_eps)
+            self.eh_proj = torch.nn.Linear(2 * d, d, bias=False)
+            torch.nn.init.normal_(self.eh_proj.weight, std=cfg.initializer_range)
+
+        def forward(self, model, h, next_ids, pos):
+            e = model.model.embed_tokens(next_ids)
+            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], -1))
+            pe = model.model.rotary_emb(x, pos)
+            mask = torch.full((x.shape[1], x.shape[1]), float("-inf"), device=x.device).triu(1)[None, None]
+            g = self.layer(x, position_embeddings=pe, attention_mask=mask.to(x.dtype), position_ids=pos)
+            return model.lm_head(self.head_norm(g))
+
+    return Mtp(model, cfg)
 
 
 def build(device):
@@ -69,16 +72,19 @@ def build(device):
                                attn_implementation="eager", **keys)
     model = AutoModelForCausalLM.from_config(cfg).to(device)
     model.config.num_hidden_layers = CONFIG["num_hidden_layers"]  # the main forward runs the first N layers
-    return model, Mtp(model, model.config).to(device)
+    return model, make_mtp(model, model.config).to(device)
 
 
 def batches(data: np.ndarray, bs: int, T: int, rng):
+    import torch
     while True:
         idx = rng.integers(0, data.size - T - 2, bs)
         yield torch.from_numpy(np.stack([data[i:i + T + 2] for i in idx]).astype(np.int64))
 
 
 def losses(model, mtp, x):
+    import torch
+    import torch.nn.functional as F
     ids, T = x[:, :-2], x.shape[1] - 2
     pos = torch.arange(T, device=x.device)[None]
     out = model(input_ids=ids, position_ids=pos, output_hidden_states=True)
@@ -89,20 +95,22 @@ def losses(model, mtp, x):
     return main, mtpl, out.logits, ml
 
 
-@torch.no_grad()
 def evaluate(model, mtp, held, T, device, n=64):
-    rng = np.random.default_rng(123)
-    x = next(batches(held, n, T, rng)).to(device)
-    with torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
-        main, mtpl, lg, ml = losses(model, mtp, x)
-    acc = (lg.argmax(-1) == x[:, 1:-1]).float().mean().item()
-    macc = (ml.argmax(-1) == x[:, 2:]).float().mean().item()
-    # the drafter's proposal is accepted when it equals the target's own greedy next-next prediction
-    agree = (ml[:, :-1].argmax(-1) == lg[:, 1:].argmax(-1)).float().mean().item()
-    return dict(loss=main.item(), mtp_loss=mtpl.item(), acc=acc, mtp_acc=macc, mtp_agree=agree)
+    import torch
+    with torch.no_grad():
+        rng = np.random.default_rng(123)
+        x = next(batches(held, n, T, rng)).to(device)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
+            main, mtpl, lg, ml = losses(model, mtp, x)
+        acc = (lg.argmax(-1) == x[:, 1:-1]).float().mean().item()
+        macc = (ml.argmax(-1) == x[:, 2:]).float().mean().item()
+        # the drafter's proposal is accepted when it equals the target's own greedy next-next prediction
+        agree = (ml[:, :-1].argmax(-1) == lg[:, 1:].argmax(-1)).float().mean().item()
+        return dict(loss=main.item(), mtp_loss=mtpl.item(), acc=acc, mtp_acc=macc, mtp_agree=agree)
 
 
 def export(model, mtp, out: Path):
+    import torch
     from safetensors.torch import save_file
     n = CONFIG["num_hidden_layers"]
     sd = {}
@@ -136,16 +144,19 @@ def export(model, mtp, out: Path):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="mtp_cupy/data/tiny_v3")
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--mtp-weight", type=float, default=0.3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--time-limit", type=float, default=0, help="stop (and export) after this many seconds")
+    ap = Parser(__doc__)
+    ap.add_argument("--out", default="mtp_cupy/data/tiny_v3",
+                    help="checkpoint directory written (config.json, model.safetensors, training.json)")
+    ap.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps")
+    ap.add_argument("--batch", type=positive_int, default=64, help="sequences per step")
+    ap.add_argument("--seq", type=positive_int, default=256, help="tokens (bytes) per sequence")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; 100 warm-up steps, cosine)")
+    ap.add_argument("--mtp-weight", type=float, default=0.3, help="lambda: weight of the MTP loss")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
+    ap.add_argument("--time-limit", type=float, default=0,
+                    help="stop (and export) after this many seconds (default 0: no limit)")
     args = ap.parse_args()
+    import torch
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     train, held = corpus()
@@ -202,4 +213,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

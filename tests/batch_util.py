@@ -9,6 +9,7 @@ import numpy as np
 
 from mtp_cupy.families import family
 from mtp_cupy.runtime.dtypes import bf16_round
+from mtp_cupy.runtime.slab import SEQ_LEN_OFFSET
 
 FAMILIES = ["deepseek_v3", "deepseek_v4", "qwen3_next", "glm5"]
 _CKPTS: dict = {}
@@ -55,3 +56,33 @@ def verify_round(rng, props, states, results, streams: bool = False) -> tuple[li
         nxt.append(expect[-1] + 2 if expect else 1)
         toks.append(int(rng.integers(0, V)))
     return nxt, toks
+
+
+def watch_ties(prop) -> list[np.ndarray]:
+    """Record, for every draft step the proposer runs from now on, each row's selection margins on the NumPy
+    device: the routing gap (the last chosen expert's selection key minus the best unchosen one's, from the
+    router logits the step computed) and, for GLM-5, the indexer's top-k gap. A step whose margin is near zero
+    may legitimately choose otherwise on another device. Returns the list the margins [m] are appended to."""
+    moe = getattr(prop, "moe", None) or prop.ffn
+    c, gpu, margins = moe.cfg, prop.gpu, []
+    bias = gpu.read(moe.bias, np.float32, c.n_experts).astype(np.float64) if int(moe.bias) else 0.0
+    fwd = moe.forward
+
+    def forward(x, out, m=1, **kw):
+        fwd(x, out, m=m, **kw)
+        z = gpu.read(moe.logits, np.float32, (m, c.n_experts)).astype(np.float64)
+        key = {"softmax": lambda: z, "sigmoid_grouped": lambda: 1 / (1 + np.exp(-z)) + bias,
+               "sqrtsoftplus": lambda: np.sqrt(np.logaddexp(0, z)) + bias}[c.routing]()
+        srt = -np.sort(-key, axis=1)
+        gap = srt[:, c.top_k - 1] - srt[:, c.top_k]
+        if hasattr(prop, "indexer"):
+            ix = prop.indexer
+            sc = gpu.read(ix.ptr["scores"], np.float32, (m, ix.score_stride)).astype(np.float64)
+            for r in range(m):       # this step's slab says how many rows the sequence holds
+                n = int(gpu.read(prop.meta.offset(r * prop.meta_stride + SEQ_LEN_OFFSET), np.int32, 1)[0])
+                row = np.sort(sc[r, :n])[::-1]
+                if row.size > ix.d.topk:
+                    gap[r] = min(gap[r], row[ix.d.topk - 1] - row[ix.d.topk])
+        margins.append(gap)
+    moe.forward = forward
+    return margins

@@ -63,14 +63,14 @@ def make_weight(rng, fmt, n, k):
     return (packed, s), 1.0, lambda: E2M1[codes] * np.repeat(np.ldexp(1.0, s.astype(int) - 127), 32, 1)
 
 
-def run_linear(dev, fmt, n, k, m, arrays, scale2, x, out_dtype, xs, ys):
+def run_linear(dev, fmt, n, k, m, arrays, scale2, x, out_dtype, xs, ys, invariant=False):
     bufs = [up(dev, a) for a in arrays]
     W = Linear(fmt, n, k, bufs[0].ptr, bufs[1].ptr if len(bufs) > 1 else NULL, scale2, owners=bufs)
     xp = np.zeros((m, xs), x.dtype)
     xp[:, :k] = x
     xb = up(dev, xp)
     y = out(dev, out_dtype, (m, ys))
-    ops.linear(dev, xb.ptr, W, y.ptr, m, out_dtype=out_dtype, x_stride=xs, y_stride=ys)
+    ops.linear(dev, xb.ptr, W, y.ptr, m, out_dtype=out_dtype, x_stride=xs, y_stride=ys, invariant=invariant)
     return get(dev, y, out_dtype, (m, ys))
 
 
@@ -93,10 +93,40 @@ def test_linear_vs_float64(dev, rng, fmt, m, out_dtype):
     check(got, x.astype(np.float64) @ wd().T, out_dtype, n, f"{fmt} m={m} n={n} k={k}")
 
 
+@pytest.mark.parametrize("m", [1, 9, 33, 64])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_linear_batch_invariant(dev, rng, fmt, m):
+    """invariant=True: correct against float64 at every width (one 8-row pass, 32-row passes), and each row's
+    result bit-identical to that row computed alone, whoever its neighbours are."""
+    n, k = int(rng.integers(1, 120)) * 2 + 1, int(rng.integers(1, 12)) * 32
+    xs, ys = k + 8, n + 1
+    arrays, scale2, wd = make_weight(rng, fmt, n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    got = run_linear(dev, fmt, n, k, m, arrays, scale2, x, "f32", xs, ys, invariant=True)
+    check(got, x.astype(np.float64) @ wd().T, "f32", n, f"{fmt} m={m} invariant")
+    for r in {0, m // 2, m - 1}:
+        alone = run_linear(dev, fmt, n, k, 1, arrays, scale2, x[r:r + 1], "f32", xs, ys, invariant=True)
+        assert np.array_equal(alone[0, :n], got[r, :n]), f"{fmt} m={m}: row {r} depends on its neighbours"
+
+
+def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
+    """A shape whose 8-row plan splits k 16 ways, which the 32-row bf16 kernel cannot hold: invariant calls run
+    8-row passes, still correct and still the same per row."""
+    from mtp_cupy.ops.gemv import plan_gemv
+    n, k = 512, 1024
+    assert plan_gemv(dev, "dense_gemv_bf16_batchm", n, k).ks == 16
+    arrays, scale2, wd = make_weight(rng, "bf16", n, k)
+    x = bf16_bits(rng, (20, k), exp=126)
+    got = run_linear(dev, "bf16", n, k, 20, arrays, scale2, x, "f32", k, n, invariant=True)
+    check(got, x.astype(np.float64) @ wd().T, "f32", n, "bf16 512x1024 m=20 invariant")
+    alone = run_linear(dev, "bf16", n, k, 1, arrays, scale2, x[13:14], "f32", k, n, invariant=True)
+    assert np.array_equal(alone[0], got[13])
+
+
 @pytest.mark.parametrize("name, m", [("dense_gemv_bf16", 3), ("dense_gemv_bf16_batchm", 8),
                                      ("dense_gemv_bf16_batch32", 32), ("dense_gemm_bf16", 45),
-                                     ("dense_gemm_bf16", 1), ("dense_gemv_bf16_v0", 2),
-                                     ("dense_gemv_bf16_batchm_v0", 5)])
+                                     ("dense_gemm_bf16", 1), ("dense_gemv_bf16_regs", 2),
+                                     ("dense_gemv_bf16_batchm_regs", 5)])
 def test_dense_kernels(dev, rng, name, m):
     """Each bf16 kernel on its own, whatever `linear` would pick for m."""
     n, k = int(rng.integers(100, 300)), int(rng.integers(1, 80)) * 8
@@ -112,13 +142,13 @@ def test_dense_kernels(dev, rng, name, m):
 STREAM = [("bf16", "dense_gemv_bf16", 3), ("bf16", "dense_gemv_bf16_batchm", 8),
           ("bf16", "dense_gemv_bf16_batch32", 32), ("fp8_row", "gemv_fp8w", 8), ("fp8_block", "w8a16_gemv", 8),
           ("fp8_block_e8m0", "w8a16_gemv_e8m0", 8), ("nvfp4", "w4a16_gemv", 8), ("mxfp4", "w4a16_gemv_mx", 8),
-          ("fp8_block", "w8a16_gemv_v0", 8), ("nvfp4", "w4a16_gemv_v0", 8)]
+          ("fp8_block", "w8a16_gemv_regs", 8), ("nvfp4", "w4a16_gemv_regs", 8)]
 TUNES = [Tune(ks=1, stages=1, blocks=1), Tune(ks=2, stages=2, blocks=2), Tune(ks=3, stages=8, blocks=3),
          Tune(ks=5, stages=3, blocks=1), Tune(ks=8, stages=4), Tune(stages=6, warps_per_sm=1)]
 
 
 def raw_gemv(dev, name, fmt, bufs, scale2, x, y, m, n, k, xs, ys, out_dtype, tune=None):
-    kw = {} if tune is None or name.endswith("_v0") else {"tune": tune}
+    kw = {} if tune is None or name.endswith("_regs") else {"tune": tune}
     fn = getattr(ops, name)
     if fmt == "bf16":
         fn(dev, bufs[0].ptr, x, y, m, n, k, xs, ys, out_dtype, **kw)
@@ -205,8 +235,8 @@ REAL_PLANS = [("bf16", "dense_gemv_bf16", 7168, 14336, 1, Tune(ks=16, stages=8))
               ("bf16", "dense_gemv_bf16_batchm", 7168, 14336, 8, Tune(ks=8, stages=6)),
               ("fp8_block", "w8a16_gemv", 2048, 7168, 8, Tune(ks=7, stages=3, blocks=50)),
               ("nvfp4", "w4a16_gemv", 7168, 2048, 1, Tune(ks=2, stages=8, warps_per_sm=4)),
-              ("fp8_block", "w8a16_gemv_v0", 7168, 2048, 8, None), ("nvfp4", "w4a16_gemv_v0", 2048, 7168, 1, None),
-              ("bf16", "dense_gemv_bf16_v0", 7168, 2048, 1, None)]
+              ("fp8_block", "w8a16_gemv_regs", 7168, 2048, 8, None), ("nvfp4", "w4a16_gemv_regs", 2048, 7168, 1, None),
+              ("bf16", "dense_gemv_bf16_regs", 7168, 2048, 1, None)]
 
 
 def run_raw(dev, fmt, name, n, k, m, arrays, scale2, x, tune):

@@ -1,5 +1,6 @@
-"""PagedKvCache: a pool of fixed-size blocks (16 rows each) on the device, shared by one or more caches
-(e.g. the MLA latent cache and the DSA indexer cache) that use the same block ids.
+"""PagedKvCache: a pool of fixed-size blocks (BLOCK_SIZE = 16 rows each, from runtime.slab) on the device,
+shared by one or more caches (e.g. the MLA latent cache and the DSA indexer cache) that use the same block
+ids.
 
 A row of cache `c` at layer `l` for slot `s = block * block_size + offset` lives at
     base[c] + ((l * num_blocks + block) * block_size + offset) * row_bytes[c]
@@ -14,8 +15,8 @@ from ..errors import CapacityError, ConfigError, InputError
 from ..runtime.backend import Backend
 from ..runtime.dtypes import dtype as _dtype
 from ..runtime.ptr import DevicePtr
-
-BLOCK_SIZE = 16
+from ..runtime.slab import BLOCK_SIZE
+from ..runtime.slab import blocks_for as _blocks_for
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class PagedKvCache:
 
     @staticmethod
     def blocks_for(rows: int, block_size: int = BLOCK_SIZE) -> int:
-        return (rows + block_size - 1) // block_size
+        return _blocks_for(rows, block_size)
 
     # -- pool ------------------------------------------------------------------------------------
     @property

@@ -64,7 +64,7 @@ class DsaIndexer:
 
     def __init__(self, gpu: Backend, w: IndexerWeights, dims: IndexerDims, rope: MlaRope, kv: PagedKvCache,
                  max_seq_len: int, q_lora: int, cache: str = INDEX_CACHE, layer: int = 0, max_rows: int = 1,
-                 max_kv_rows: int = 512):
+                 max_kv_rows: int = 512, invariant: bool = False):
         nh, hd = dims.heads, dims.head_dim
         D = w.wk.k
         for name, lin, n, k in (("wq_b", w.wq_b, nh * hd, q_lora), ("wk", w.wk, hd, D),
@@ -79,6 +79,7 @@ class DsaIndexer:
         if spec is None or spec.row_width != hd or spec.dtype != "bf16":
             raise ConfigError(f"indexer cache {cache!r} must hold bf16 rows of {hd}")
         self.gpu, self.w, self.d, self.rope, self.kv, self.cache, self.layer = gpu, w, dims, rope, kv, cache, layer
+        self.inv = bool(invariant)
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
         self.score_stride, self.sel_stride = int(max_seq_len), dims.topk
         self._inv_freq = gpu.upload(np.asarray(rope.inv_freq, np.float32))
@@ -102,7 +103,7 @@ class DsaIndexer:
             raise ConfigError(f"indexer sized for {self.max_kv_rows} cache rows per call, got {m}")
         gpu, d, k = self.gpu, self.d, self.ptr["k"]
         hd = d.head_dim
-        ops.linear(gpu, xn, self.w.wk, k, m, stream=stream)
+        ops.linear(gpu, xn, self.w.wk, k, m, stream=stream, invariant=self.inv)
         ops.layer_norm_bias(gpu, k, self.w.k_norm, self.w.k_norm_bias, k, m, hd, K_NORM_EPS, stream=stream)
         ops.rope(gpu, k, pos, pos_stride, m, 1, hd, d.rope, 0, hd, hd, self._inv_freq.ptr, d.interleaved,
                  self.rope.mscale, stream=stream)
@@ -118,10 +119,10 @@ class DsaIndexer:
         gpu, d, p = self.gpu, self.d, self.ptr
         nh, hd = d.heads, d.head_dim
         self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
-        ops.linear(gpu, qr, self.w.wq_b, p["q"], m, stream=stream)
+        ops.linear(gpu, qr, self.w.wq_b, p["q"], m, stream=stream, invariant=self.inv)
         ops.rope(gpu, p["q"], meta, meta_stride, m, nh, hd, d.rope, 0, nh * hd, hd, self._inv_freq.ptr,
                  d.interleaved, self.rope.mscale, stream=stream)
-        ops.linear(gpu, xn, self.w.weights_proj, p["w"], m, out_dtype="f32", stream=stream)
+        ops.linear(gpu, xn, self.w.weights_proj, p["w"], m, out_dtype="f32", stream=stream, invariant=self.inv)
         cache = self.kv.base(self.cache, self.layer)
         ops.dsa_index_scores(gpu, p["q"], p["w"], cache, meta, meta_stride, p["scores"], m, nh, hd,
                              self.score_stride, d.score_scale, stream=stream)
@@ -136,10 +137,11 @@ class DsaMlaAttention(MlaAttention):
 
     def __init__(self, gpu: Backend, w: MlaWeights, dims: MlaDims, rope: MlaRope, kv: PagedKvCache,
                  indexer: DsaIndexer, cache: str = "latent", layer: int = 0, max_rows: int = 1,
-                 max_kv_rows: int = 512):
+                 max_kv_rows: int = 512, invariant: bool = False):
         if w.q_a is None:
             raise ConfigError("DSA needs the q LoRA (its normed latent is the indexer's query input)")
-        super().__init__(gpu, w, dims, rope, kv, cache=cache, layer=layer, max_rows=max_rows, max_kv_rows=max_kv_rows)
+        super().__init__(gpu, w, dims, rope, kv, cache=cache, layer=layer, max_rows=max_rows, max_kv_rows=max_kv_rows,
+                         invariant=invariant)
         self.indexer = indexer
 
     def weight_bytes_per_step(self, m: int = 1) -> int:

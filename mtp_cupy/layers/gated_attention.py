@@ -50,7 +50,7 @@ class GatedAttentionDims:
 
 class GatedAttention:
     def __init__(self, gpu: Backend, w: GatedAttentionWeights, dims: GatedAttentionDims, kv: PagedKvCache,
-                 max_rows: int = 32, max_kv_rows: int = 512):
+                 max_rows: int = 32, max_kv_rows: int = 512, invariant: bool = False):
         H, KV, hd = dims.heads, dims.kv_heads, dims.head_dim
         if H % KV:
             raise ConfigError(f"{H} query heads do not group over {KV} kv heads")
@@ -60,7 +60,7 @@ class GatedAttention:
                 raise ConfigError(f"{name} has {lin.n} output rows; {n} expected")
         if w.o_proj.k != H * hd:
             raise ConfigError(f"o_proj takes {w.o_proj.k} inputs; {H * hd} expected")
-        self.gpu, self.kv, self.w, self.d = gpu, kv, w, dims
+        self.gpu, self.kv, self.w, self.d, self.inv = gpu, kv, w, dims, bool(invariant)
         self.H, self.KV, self.hd, self.rot, self.eps = H, KV, hd, dims.rot_dim, float(dims.eps)
         self.kv_dtype, self.kv_scale = dims.kv_dtype, float(dims.kv_scale)
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
@@ -81,8 +81,8 @@ class GatedAttention:
             raise ConfigError(f"attention sized for {self.max_kv_rows} K/V rows, got {m}")
         gpu, KV, hd = self.gpu, self.KV, self.hd
         k, v, w = self._ptr["k"], self._ptr["v"], KV * hd
-        ops.linear(gpu, xn, self.w.k_proj, k, m, stream=stream)
-        ops.linear(gpu, xn, self.w.v_proj, v, m, stream=stream)
+        ops.linear(gpu, xn, self.w.k_proj, k, m, stream=stream, invariant=self.inv)
+        ops.linear(gpu, xn, self.w.v_proj, v, m, stream=stream, invariant=self.inv)
         ops.rms_norm_strided(gpu, k, self.w.k_norm, k, m, KV, hd, w, hd, w, hd, self.eps, unit_offset=True,
                              stream=stream)
         ops.rope(gpu, k, pos, pos_stride, m, KV, hd, self.rot, 0, w, hd, self._inv_freq.ptr, interleaved=False,
@@ -99,13 +99,13 @@ class GatedAttention:
             raise ConfigError(f"attention sized for {self.max_rows} rows, got {m}")
         gpu, H, KV, hd = self.gpu, self.H, self.KV, self.hd
         qg, q, o = self._ptr["qg"], self._ptr["q"], self._ptr["o"]
-        ops.linear(gpu, xn, self.w.q_proj, qg, m, stream=stream)
+        ops.linear(gpu, xn, self.w.q_proj, qg, m, stream=stream, invariant=self.inv)
         ops.rms_norm_strided(gpu, qg, self.w.q_norm, q, m, H, hd, 2 * H * hd, 2 * hd, H * hd, hd, self.eps,
                              unit_offset=True, stream=stream)
         ops.rope(gpu, q, meta, meta_stride, m, H, hd, self.rot, 0, H * hd, hd, self._inv_freq.ptr,
                  interleaved=False, stream=stream)
         self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.gqa_decode(gpu, q, H * hd, self.kv.base("k"), self.kv.base("v"), meta, meta_stride, o, m, H, KV, hd,
-                       float(hd) ** -0.5, kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream)
+                       float(hd) ** -0.5, kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream, invariant=self.inv)
         ops.sigmoid_gate_mul(gpu, o, qg.offset(2 * hd), o, m, H, hd, 2 * H * hd, 2 * hd, stream=stream)
-        ops.linear(gpu, o, self.w.o_proj, out, m, stream=stream)
+        ops.linear(gpu, o, self.w.o_proj, out, m, stream=stream, invariant=self.inv)

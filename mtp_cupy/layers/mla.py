@@ -92,7 +92,8 @@ class MlaWeights:
 
 class MlaAttention:
     def __init__(self, gpu: Backend, w: MlaWeights, dims: MlaDims, rope: MlaRope, kv: PagedKvCache,
-                 cache: str = "latent", layer: int = 0, max_rows: int = 1, max_kv_rows: int = 512):
+                 cache: str = "latent", layer: int = 0, max_rows: int = 1, max_kv_rows: int = 512,
+                 invariant: bool = False):
         H, C, dn, dr, dv = dims.heads, dims.kv_lora_rank, dims.qk_nope, dims.qk_rope, dims.v_head
         qin = dims.q_lora_rank or w.kv_a.k
         want = {"q_b": (w.q_b, H * (dn + dr), qin), "kv_a": (w.kv_a, C + dr, w.kv_a.k),
@@ -104,7 +105,7 @@ class MlaAttention:
                 raise ConfigError(f"MLA {name}: expected [{n}, {k}], got {None if lin is None else [lin.n, lin.k]}")
         if kv.specs[cache].row_width != dims.row_width or kv.specs[cache].dtype != "bf16":
             raise ConfigError(f"MLA cache {cache!r} must hold bf16 rows of {dims.row_width}")
-        self.gpu, self.w, self.d, self.rope, self.kv = gpu, w, dims, rope, kv
+        self.gpu, self.w, self.d, self.rope, self.kv, self.inv = gpu, w, dims, rope, kv, bool(invariant)
         self.cache, self.layer = cache, layer
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
         self._inv_freq = gpu.upload(np.asarray(rope.inv_freq, np.float32))
@@ -124,7 +125,7 @@ class MlaAttention:
         """The cache rows [rms(c) | RoPE(k_pe)] of m normed inputs, written to their slots."""
         gpu, d, kvp = self.gpu, self.d, self._ptr["kv"]
         W = d.row_width
-        ops.linear(gpu, xn, self.w.kv_a, kvp, m, stream=stream)
+        ops.linear(gpu, xn, self.w.kv_a, kvp, m, stream=stream, invariant=self.inv)
         ops.rms_norm_strided(gpu, kvp, self.w.kv_a_norm, kvp, m, 1, d.kv_lora_rank, W, W, W, W, d.eps, stream=stream)
         ops.rope(gpu, kvp, pos, pos_stride, m, 1, W, d.qk_rope, d.kv_lora_rank, W, W, self._inv_freq.ptr,
                  self.rope.interleaved, self.rope.mscale, stream=stream)
@@ -156,7 +157,7 @@ class MlaAttention:
         w, d = self.w, self.d
         if w.q_a is None:
             return xn
-        ops.linear(self.gpu, xn, w.q_a, self._ptr["cq"], m, stream=stream)
+        ops.linear(self.gpu, xn, w.q_a, self._ptr["cq"], m, stream=stream, invariant=self.inv)
         ops.rms_norm(self.gpu, self._ptr["cq"], w.q_a_norm, self._ptr["cq"], m, d.q_lora_rank, d.eps, stream=stream)
         return self._ptr["cq"]
 
@@ -180,6 +181,6 @@ class MlaAttention:
         gpu, d, w, p = self.gpu, self.d, self.w, self._ptr
         H, C, dn, dv, W = d.heads, d.kv_lora_rank, d.qk_nope, d.v_head, d.row_width
         ops.mla_decode(gpu, p["Q"], self.kv.base(self.cache, self.layer), meta, meta_stride, p["o_lat"], m, H, W, C,
-                       self.rope.softmax_scale, sel=sel, sel_stride=sel_stride, stream=stream)
+                       self.rope.softmax_scale, sel=sel, sel_stride=sel_stride, stream=stream, invariant=self.inv)
         ops.grouped_gemv(gpu, p["o_lat"], w.kv_b, p["o"], H, dv, row0=dn, group_rows=dn + dv, m=m, stream=stream)
-        ops.linear(gpu, p["o"], w.o_proj, out, m, stream=stream)
+        ops.linear(gpu, p["o"], w.o_proj, out, m, stream=stream, invariant=self.inv)

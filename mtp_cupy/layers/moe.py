@@ -90,7 +90,8 @@ class MoE:
 
     def __init__(self, gpu, cfg: MoeConfig, router: Linear, experts: dict[int, tuple[Linear, Linear, Linear]],
                  bias: DevicePtr = NULL, shared: tuple[Linear, Linear, Linear] | None = None,
-                 shared_gate: Linear | None = None, tid2eid: DevicePtr = NULL, max_rows: int = 32, vocab: int = 0):
+                 shared_gate: Linear | None = None, tid2eid: DevicePtr = NULL, max_rows: int = 32, vocab: int = 0,
+                 invariant: bool = False):
         E, K, D, I = cfg.n_experts, cfg.top_k, cfg.hidden, cfg.inter
         if not experts:
             raise ConfigError("MoE needs at least one local expert")
@@ -114,7 +115,7 @@ class MoE:
             _one_format(shared[:2], "shared gate/up")
         if shared_gate is not None:
             _check(shared_gate, "shared_gate", 1, D)
-        self.gpu, self.cfg, self.max_rows, self.vocab = gpu, cfg, int(max_rows), int(vocab)
+        self.gpu, self.cfg, self.max_rows, self.vocab, self.inv = gpu, cfg, int(max_rows), int(vocab), bool(invariant)
         self.router, self.experts, self.shared, self.shared_gate = router, dict(experts), shared, shared_gate
         self.bias, self.tid2eid = DevicePtr(bias), DevicePtr(tid2eid)
 
@@ -147,24 +148,24 @@ class MoE:
         if not 1 <= m <= self.max_rows:
             raise InputError(f"MoE forward: m {m} outside [1, max_rows={self.max_rows}]")
         if self.router.fmt == "f32":
-            ops.moe_gemv(gpu, self.tab_router, "f32", self.zeros, m, 1, 1, x, D, 0, self.logits, E, D, stream=stream)
+            ops.moe_gemv(gpu, self.tab_router, "f32", self.zeros, m, 1, 1, x, D, 0, self.logits, E, D, stream=stream, invariant=self.inv)
         else:
-            ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream)
+            ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
         ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I, D,
-                        c.swiglu_limit, stream=stream)
+                        c.swiglu_limit, stream=stream, invariant=self.inv)
         ops.moe_gemv(gpu, self.tab_down, self.fmt_down, self.ids, m * K, K, E, self.h, K * I, I, self.y, D, I,
-                     stream=stream)
+                     stream=stream, invariant=self.inv)
         ys = gate = NULL
         if add_shared and self.shared is not None:
             g, u, d = self.shared
             ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
-                            self.inter_s, D, c.swiglu_limit, stream=stream)
+                            self.inter_s, D, c.swiglu_limit, stream=stream, invariant=self.inv)
             ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, self.inter_s, 0, self.ys, D,
-                         self.inter_s, stream=stream)
+                         self.inter_s, stream=stream, invariant=self.inv)
             ys = self.ys
             if self.shared_gate is not None:
-                ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream)
+                ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream, invariant=self.inv)
                 gate = self.glogit
         ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, ys, gate, stream=stream)
 
@@ -186,14 +187,20 @@ class MoE:
             ops.moe_topk_hash(gpu, self.logits, token_ids, token_ids_stride, self.tid2eid, self.vocab, self.ids,
                               self.w, m, *args, c.hash_score, c.norm_topk_prob, c.routed_scaling, stream=stream)
 
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Bytes one decode step of m rows reads: the router, min(m * top_k, n_experts) distinct experts (as if
-        all were local), the shared expert and its gate."""
+    def selected_experts(self, m: int) -> set[int]:
+        """The distinct experts the last forward's first m rows chose that this rank holds (reads the device)."""
+        ids = self.gpu.read(self.ids, np.int32, m * self.cfg.top_k)
+        return {int(e) for e in ids if int(e) in self.experts}
+
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Bytes one decode step of m rows reads: the router, `experts` distinct experts (default min(m * top_k,
+        n_experts), as if all were local), the shared expert and its gate."""
         g, u, d = next(iter(self.experts.values()))
         per_expert = g.weight_bytes + u.weight_bytes + d.weight_bytes
-        total = self.router.weight_bytes + min(m * self.cfg.top_k, self.cfg.n_experts) * per_expert
+        n = min(m * self.cfg.top_k, self.cfg.n_experts) if experts is None else experts
+        total = self.router.weight_bytes + n * per_expert
         if self.shared is not None:
             total += sum(L.weight_bytes for L in self.shared)
         if self.shared_gate is not None:
             total += self.shared_gate.weight_bytes
-        return total
+        return int(total)

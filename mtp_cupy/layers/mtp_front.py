@@ -39,7 +39,8 @@ class FrontDims:
 
 
 class MtpFront:
-    def __init__(self, gpu: Backend, w: FrontWeights, dims: FrontDims, norms: Norms, max_rows: int):
+    def __init__(self, gpu: Backend, w: FrontWeights, dims: FrontDims, norms: Norms, max_rows: int,
+                 invariant: bool = False):
         D = dims.hidden
         concat = w.proj is not None
         if concat == (w.e_proj is not None or w.h_proj is not None):
@@ -49,6 +50,7 @@ class MtpFront:
             if lin is not None and (lin.n, lin.k) != shape:
                 raise ConfigError(f"MTP front {name}: weight is [{lin.n}, {lin.k}], expected {list(shape)}")
         self.gpu, self.w, self.d, self.norms, self.max_rows = gpu, w, dims, norms, int(max_rows)
+        self.inv = bool(invariant)
         self._buf, p = carve(gpu, {"emb": 2 * D * self.max_rows, "cat": (4 if concat else 2) * D * self.max_rows})
         self.emb, self.cat = p["emb"], p["cat"]
 
@@ -63,7 +65,7 @@ class MtpFront:
         self._embed(ids, m)
         n.strided(self.d.enorm, self.emb, self.cat, m, D, 2 * D)
         n.strided(self.d.hnorm, hidden, self.cat.offset(2 * D), m, D, 2 * D)
-        ops.linear(self.gpu, self.cat, self.w.proj, out, m)
+        ops.linear(self.gpu, self.cat, self.w.proj, out, m, invariant=self.inv)
 
     def forward_split(self, ids: DevicePtr, hidden: DevicePtr, e_out: DevicePtr, h_out: DevicePtr, m: int,
                       h_rows: int) -> None:
@@ -72,9 +74,9 @@ class MtpFront:
             raise ConfigError(f"MTP front sized for {self.max_rows} hidden rows, got {h_rows}")
         self._embed(ids, m)
         self.norms(self.d.enorm, self.emb, self.emb, m)
-        ops.linear(self.gpu, self.emb, self.w.e_proj, e_out, m)
+        ops.linear(self.gpu, self.emb, self.w.e_proj, e_out, m, invariant=self.inv)
         self.norms(self.d.hnorm, hidden, self.cat, h_rows)
-        ops.linear(self.gpu, self.cat, self.w.h_proj, h_out, h_rows)
+        ops.linear(self.gpu, self.cat, self.w.h_proj, h_out, h_rows, invariant=self.inv)
 
     def weight_bytes_per_step(self, m: int = 1) -> int:
         """Weight bytes one step of m rows reads: the projection(s) (the embedding rows are counted apart)."""

@@ -59,7 +59,7 @@ class V4AttentionDims:
 
 class V4Attention:
     def __init__(self, gpu: Backend, w: V4AttentionWeights, dims: V4AttentionDims, kv: PagedKvCache,
-                 max_rows: int = 1, max_kv_rows: int = 128):
+                 max_rows: int = 1, max_kv_rows: int = 128, invariant: bool = False):
         H, hd, G = dims.heads, dims.head_dim, dims.o_groups
         if H * hd % G or w.wo_a.n % G:
             raise ConfigError(f"{H} heads x {hd} and wo_a's {w.wo_a.n} rows do not split into {G} groups")
@@ -70,7 +70,7 @@ class V4Attention:
                 raise ConfigError(f"{name} is [{lin.n}, {lin.k}]; [{n}, {k}] expected")
         if kv.specs[CACHE].row_width != hd:
             raise ConfigError(f"cache rows of {kv.specs[CACHE].row_width}; {hd} expected")
-        self.gpu, self.kv, self.w, self.d = gpu, kv, w, dims
+        self.gpu, self.kv, self.w, self.d, self.inv = gpu, kv, w, dims, bool(invariant)
         self.H, self.hd, self.rot, self.G, self.window, self.eps = H, hd, dims.rot_dim, G, int(dims.window), dims.eps
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
         self._inv_freq = gpu.upload(default_inv_freq(dims.rot_dim, dims.rope_theta))
@@ -99,7 +99,7 @@ class V4Attention:
         needs: a row's kv depends only on its own input."""
         self._check(m, self.max_kv_rows)
         gpu, hd, kv = self.gpu, self.hd, self._ptr["kv"]
-        ops.linear(gpu, xn, self.w.wkv, kv, m, stream=stream)
+        ops.linear(gpu, xn, self.w.wkv, kv, m, stream=stream, invariant=self.inv)
         ops.rms_norm(gpu, kv, self.w.kv_norm, kv, m, hd, self.eps, stream=stream)
         self._rope(kv, pos, pos_stride, m, 1, False, stream)
         ops.reshape_and_cache(gpu, kv, hd, slots, slot_stride, self.kv.base(CACHE), m, hd, hd, 0, stream=stream)
@@ -110,14 +110,14 @@ class V4Attention:
         the slab's slot, attends the last `window` of its seq_len rows; out [m, hidden] bf16."""
         self._check(m, self.max_rows)
         gpu, H, hd, p, w = self.gpu, self.H, self.hd, self._ptr, self.w
-        ops.linear(gpu, xn, w.wq_a, p["qa"], m, stream=stream)
+        ops.linear(gpu, xn, w.wq_a, p["qa"], m, stream=stream, invariant=self.inv)
         ops.rms_norm(gpu, p["qa"], w.q_norm, p["qa"], m, w.wq_a.n, self.eps, stream=stream)
-        ops.linear(gpu, p["qa"], w.wq_b, p["q"], m, stream=stream)
+        ops.linear(gpu, p["qa"], w.wq_b, p["q"], m, stream=stream, invariant=self.inv)
         ops.rms_norm_strided(gpu, p["q"], NULL, p["q"], m, H, hd, H * hd, hd, H * hd, hd, self.eps, stream=stream)
         self._rope(p["q"], meta, meta_stride, m, H, False, stream)
         self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.mla_decode(gpu, p["q"], self.kv.base(CACHE), meta, meta_stride, p["o"], m, H, hd, hd, float(hd) ** -0.5,
-                       window=self.window, sink=w.sink, stream=stream)
+                       window=self.window, sink=w.sink, stream=stream, invariant=self.inv)
         self._rope(p["o"], meta, meta_stride, m, H, True, stream)
         ops.grouped_gemv(gpu, p["o"], w.wo_a, p["z"], self.G, w.wo_a.n // self.G, m=m, stream=stream)
-        ops.linear(gpu, p["z"], w.wo_b, out, m, stream=stream)
+        ops.linear(gpu, p["z"], w.wo_b, out, m, stream=stream, invariant=self.inv)

@@ -57,6 +57,7 @@ class DeepseekV3MtpProposer(MtpProposerBase):
             raise ConfigError(f"{self.family} MTP supports scoring_func sigmoid / topk_method noaux_tc, got "
                               f"{cfg.scoring_func} / {cfg.topk_method}")
         self.cfg, self.w, self.eps, self.options = cfg, weights, float(cfg.rms_norm_eps), o
+        self.inv = o.batch_invariant
         self._setup_shard(cfg, weights, comm, o)
         D, B, rows = cfg.hidden_size, o.max_batch, max(o.max_batch, o.max_prefill_rows)
         self.dims = MlaDims.from_config(cfg, heads=self._local_heads())
@@ -65,12 +66,12 @@ class DeepseekV3MtpProposer(MtpProposerBase):
                          extra_regions={"x": 2 * D * rows, "xn": 2 * D * rows, "tmp": 2 * D * B, **self._regions()})
         self.norm = Norms(gpu, weights.norms, D, self.eps)
         self.front = MtpFront(gpu, FrontWeights(weights.embed, proj=weights.eh_proj), FrontDims(D, cfg.vocab_size),
-                              self.norm, rows)
+                              self.norm, rows, invariant=self.inv)
         self.mla = self._attention(MlaWeights(weights.q_a, weights.norms.get("q_a_layernorm", NULL), weights.q_b,
                                               weights.kv_a, weights.norms["kv_a_layernorm"], weights.w_uk_t,
                                               weights.kv_b, weights.o_proj), MlaRope.from_config(cfg), kv, rows)
         self.moe = MoE(gpu, MoeConfig.from_config(cfg), weights.router, weights.experts, bias=weights.bias,
-                       shared=weights.shared, max_rows=B)
+                       shared=weights.shared, max_rows=B, invariant=self.inv)
         self.head = self._head()
         self.carry = self._carry()
 
@@ -88,7 +89,7 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         return {}
 
     def _attention(self, w: MlaWeights, rope: MlaRope, kv: PagedKvCache, rows: int):
-        return MlaAttention(self.gpu, w, self.dims, rope, kv, max_rows=self.options.max_batch, max_kv_rows=rows)
+        return MlaAttention(self.gpu, w, self.dims, rope, kv, max_rows=self.options.max_batch, max_kv_rows=rows, invariant=self.inv)
 
     def _head(self):
         return self.w.head.rows(0, self.vocab_eff)
@@ -114,7 +115,7 @@ class DeepseekV3MtpProposer(MtpProposerBase):
 
     def _forward(self, ids, hidden, m, meta, meta_stride, logits) -> None:
         self._block(ids, hidden, m, meta, meta_stride, self.bufs.xn)
-        ops.linear(self.gpu, self.bufs.xn, self.head, logits, m, out_dtype="f32")
+        ops.linear(self.gpu, self.bufs.xn, self.head, logits, m, out_dtype="f32", invariant=self.inv)
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
         # row r pairs embed(tokens[r + 1]) with hiddens[r]
@@ -124,11 +125,11 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         self.mla.write_kv(b.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes one draft step reads at least: every projection once, the router, the routed experts
-        m rows touch at most and the shared one, the LM head rows scored."""
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes one draft step of m rows reads at least: every projection once, the router, `experts`
+        distinct routed experts (default: as many as m rows may touch) and the shared one, the head rows."""
         return (self.front.weight_bytes_per_step(m) + self.mla.weight_bytes_per_step(m)
-                + self.moe.weight_bytes_per_step(m) + self.head.weight_bytes)
+                + self.moe.weight_bytes_per_step(m, experts) + self.head.weight_bytes)
 
 
 from_checkpoint = DeepseekV3MtpProposer.from_checkpoint

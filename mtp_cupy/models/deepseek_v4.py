@@ -69,7 +69,7 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         o = self.options_of(options, kw)
         if cfg.scoring_func != "sqrtsoftplus":
             raise ConfigError(f"deepseek_v4 MTP supports scoring_func sqrtsoftplus, got {cfg.scoring_func}")
-        self.cfg, self.w, self.eps = cfg, weights, float(cfg.rms_norm_eps)
+        self.cfg, self.w, self.eps, self.inv = cfg, weights, float(cfg.rms_norm_eps), o.batch_invariant
         D, hc, B = cfg.hidden_size, cfg.hc_mult, o.max_batch
         R = max(B, o.max_prefill_rows)            # rows of one pass: a prefill chunk or a batch
         self.hc, self.device_hidden = hc, o.device_hidden
@@ -82,15 +82,15 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         self.head = weights.head.rows(0, self.vocab_eff)
         self.norm = Norms(gpu, weights.norms, D, self.eps)
         self.front = MtpFront(gpu, FrontWeights(weights.embed, e_proj=weights.e_proj, h_proj=weights.h_proj),
-                              FrontDims(D, cfg.vocab_size), self.norm, hc * R)
+                              FrontDims(D, cfg.vocab_size), self.norm, hc * R, invariant=self.inv)
         self.mhc = Mhc(gpu, hc, D, weights.hc, weights.hc_head, self.eps, cfg.hc_eps, cfg.hc_sinkhorn_iters, R)
         a, n = weights.attn, weights.norms
         self.attn = V4Attention(gpu, V4AttentionWeights(a["wq_a"], a["wq_b"], a["wkv"], a["wo_a"], a["wo_b"],
                                                         n["attn.q_norm"], n["attn.kv_norm"], weights.attn_sink),
-                                V4AttentionDims.from_config(cfg), kv, max_rows=B, max_kv_rows=R)
+                                V4AttentionDims.from_config(cfg), kv, max_rows=B, max_kv_rows=R, invariant=self.inv)
         self.moe = MoE(gpu, MoeConfig.from_config(cfg, hashed=int(weights.tid2eid) != 0), weights.router,
                        weights.experts, bias=weights.router_bias, shared=weights.shared, tid2eid=weights.tid2eid,
-                       max_rows=B, vocab=cfg.vocab_size)
+                       max_rows=B, vocab=cfg.vocab_size, invariant=self.inv)
 
     # -- hidden forms ----------------------------------------------------------------------------
     def _hidden_shapes(self) -> list[tuple[int, ...]]:
@@ -154,7 +154,7 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         self._block(ids, m, meta, meta_stride)
         self.mhc.head(b.X, b.x, m)
         self.norm("norm", b.x, b.xn, m)
-        ops.linear(self.gpu, b.xn, self.head, logits, m, out_dtype="f32")
+        ops.linear(self.gpu, b.xn, self.head, logits, m, out_dtype="f32", invariant=self.inv)
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
         # one pass over n <= max_prefill_rows rows; row r pairs embed(tokens[r + 1]) with hiddens[r]
@@ -165,11 +165,12 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         self.attn.write_kv(b.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes one draft step reads at least: every projection once, the mHC maps, the routed experts
-        m rows touch at most plus the shared one, the router, the LM head rows scored."""
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes one draft step of m rows reads at least: every projection once, the mHC maps, `experts`
+        distinct routed experts (default: as many as m rows may touch) plus the shared one, the router, the head."""
         return (self.front.weight_bytes_per_step(m) + self.attn.weight_bytes_per_step(m)
-                + self.mhc.weight_bytes_per_step(m) + self.moe.weight_bytes_per_step(m) + self.head.weight_bytes)
+                + self.mhc.weight_bytes_per_step(m) + self.moe.weight_bytes_per_step(m, experts)
+                + self.head.weight_bytes)
 
 
 from_checkpoint = DeepseekV4MtpProposer.from_checkpoint

@@ -90,8 +90,8 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
     def _attention(self, w: MlaWeights, rope: MlaRope, kv, rows: int):
         B = self.options.max_batch
         self.indexer = DsaIndexer(self.gpu, self.w.indexer, self.idx_dims, rope, kv, self.max_seq_len,
-                                  self.cfg.q_lora_rank, max_rows=B, max_kv_rows=rows)
-        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=B, max_kv_rows=rows)
+                                  self.cfg.q_lora_rank, max_rows=B, max_kv_rows=rows, invariant=self.inv)
+        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=B, max_kv_rows=rows, invariant=self.inv)
 
     def _head(self):
         self.xchg = ShardedArgmax(self.gpu, self.comm, self.head_v0, self.head_n, self.options.head_exchange,
@@ -113,7 +113,7 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
         """bf16 logits of this rank's vocab slice [m, head_n] into hlog (the pick widens them when f32 ones
         are wanted)."""
         self._block(ids, hidden, m, meta, meta_stride, self.bufs.carry)
-        ops.linear(self.gpu, self.bufs.carry, self.head, self.bufs.hlog, m)
+        ops.linear(self.gpu, self.bufs.carry, self.head, self.bufs.hlog, m, invariant=self.inv)
 
     def _full_logits(self, logits: DevicePtr, W: int) -> None:
         """f32 [W, vocab] at `logits`: each row's slice gathered with the other ranks' (sharded), widened."""
@@ -138,15 +138,14 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
         super()._pick(step, W, logits, masked, want_lp, keep)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes this rank reads per draft step, at least: every projection once, the indexer, the
-        router, its share of the routed experts, its shared-expert slice, its head rows."""
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes this rank reads per draft step of m rows, at least: every projection once, the indexer,
+        the router, `experts` distinct routed experts of its own (default: its share of as many as m rows may
+        touch), its shared-expert slice, its head rows."""
         w, cfg = self.w, self.cfg
-        expert = sum(x.weight_bytes for x in next(iter(w.experts.values())))
-        local = min(m * cfg.num_experts_per_tok, cfg.n_routed_experts) * len(w.experts) / cfg.n_routed_experts
-        return int(self.front.weight_bytes_per_step(m) + self.mla.weight_bytes_per_step(m) + w.router.weight_bytes
-                   + local * expert + (sum(x.weight_bytes for x in w.shared) if w.shared else 0)
-                   + self.head.weight_bytes)
-
+        if experts is None:
+            experts = min(m * cfg.num_experts_per_tok, cfg.n_routed_experts) * len(w.experts) / cfg.n_routed_experts
+        return int(self.front.weight_bytes_per_step(m) + self.mla.weight_bytes_per_step(m)
+                   + self.moe.weight_bytes_per_step(m, experts) + self.head.weight_bytes)
 
 from_checkpoint = Glm5MtpProposer.from_checkpoint

@@ -103,7 +103,7 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         o = self.options_of(options, kw)
         q = default_quantization(cfg) if o.quantization is None else MtpQuantization.parse(o.quantization)
         self.quantization = q.effective_for_head(weights.dense_ffn)
-        self.cfg, self.w, self.refeed_accepted = cfg, weights, o.refeed_accepted
+        self.cfg, self.w, self.refeed_accepted, self.inv = cfg, weights, o.refeed_accepted, o.batch_invariant
         D, V = cfg.hidden_size, cfg.vocab_size
         B, self.eps = o.max_batch, float(cfg.rms_norm_eps)
         weights.quantize(gpu, self.quantization.linear_fmt)
@@ -119,16 +119,16 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         self.lm_head = weights.lm_head.rows(0, self.vocab_eff)
         self.norm = Norms(gpu, weights.norms, D, self.eps, unit_offset=True)
         self.front = MtpFront(gpu, FrontWeights(weights.embed, proj=weights.linears["fc"]), FrontDims(
-            D, V, "pre_fc_norm_embedding", "pre_fc_norm_hidden"), self.norm, rows)
+            D, V, "pre_fc_norm_embedding", "pre_fc_norm_hidden"), self.norm, rows, invariant=self.inv)
         L = weights.linears
         self.attn = GatedAttention(gpu, GatedAttentionWeights(L["q_proj"], L["k_proj"], L["v_proj"], L["o_proj"],
                                                               weights.norms["q_norm"], weights.norms["k_norm"]),
-                                   GatedAttentionDims.from_config(cfg, kv_dtype, o.kv_scale), kv, B, rows)
+                                   GatedAttentionDims.from_config(cfg, kv_dtype, o.kv_scale), kv, B, rows, invariant=self.inv)
         if weights.dense_ffn:
-            self.ffn = DenseFFN(gpu, (L["gate_proj"], L["up_proj"], L["down_proj"]), max_rows=B)
+            self.ffn = DenseFFN(gpu, (L["gate_proj"], L["up_proj"], L["down_proj"]), max_rows=B, invariant=self.inv)
         else:
             self.ffn = MoE(gpu, MoeConfig.from_config(cfg), weights.router, weights.experts, shared=weights.shared,
-                           shared_gate=weights.shared_gate, max_rows=B)
+                           shared_gate=weights.shared_gate, max_rows=B, invariant=self.inv)
 
     # -- the step --------------------------------------------------------------------------------
     def _forward(self, ids: DevicePtr, hidden: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
@@ -141,7 +141,7 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         self.norm.add("post_attention_layernorm", b.x, b.tmp, b.xn, m)
         self.ffn.forward(b.xn, b.tmp, m)
         self.norm.add("norm", b.x, b.tmp, self.carry, m)
-        ops.linear(self.gpu, self.carry, self.lm_head, logits, m, out_dtype="f32")
+        ops.linear(self.gpu, self.carry, self.lm_head, logits, m, out_dtype="f32", invariant=self.inv)
 
     def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
         # row r pairs embed(tokens[r + 1]) with hiddens[r]
@@ -150,18 +150,16 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         self.attn.write_kv(self.bufs.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------
-    def weight_bytes_per_step(self, m: int = 1) -> int:
-        """Weight bytes one draft step over m sequences must read at least: every projection once, the
-        routed experts m rows are expected to touch (uniform routing), the LM head rows scored."""
-        w = self.w
+    def weight_bytes_per_step(self, m: int = 1, experts: int | None = None) -> int:
+        """Weight bytes one draft step over m sequences must read at least: every projection once, `experts`
+        distinct routed experts (default: the number m rows are expected to touch under uniform routing),
+        the LM head rows scored."""
         total = self.front.weight_bytes_per_step(m) + self.attn.weight_bytes_per_step(m) + self.lm_head.weight_bytes
-        if w.dense_ffn:
+        if self.w.dense_ffn:
             return total + self.ffn.weight_bytes_per_step(m)
-        E, k = self.cfg.num_experts, self.cfg.num_experts_per_tok
-        per_expert = sum(x.weight_bytes for x in next(iter(w.experts.values())))
-        touched = E * (1 - (1 - k / E) ** m)
-        total += w.router.weight_bytes + w.shared_gate.weight_bytes + sum(x.weight_bytes for x in w.shared)
-        return int(total + touched * per_expert)
-
+        if experts is None:
+            E, k = self.cfg.num_experts, self.cfg.num_experts_per_tok
+            experts = E * (1 - (1 - k / E) ** m)
+        return int(total + self.ffn.weight_bytes_per_step(m, experts))
 
 from_checkpoint = Qwen3NextMtpProposer.from_checkpoint

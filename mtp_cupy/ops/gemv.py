@@ -1,11 +1,14 @@
 """Launchers for cuda_src/gemv.cu. `linear` picks the kernel from the weight format and the row count.
 
-Streaming kernels (the defaults, see the head of gemv.cu): blocks of (32, ks) threads, a persistent grid of
-`blocks` blocks that walk the row tiles, and a ring of `stages` pipeline stages per warp in dynamic shared
-memory. `plan_gemv` picks (ks, blocks, stages) per shape: enough resident warps (WARPS_PER_SM), whole tiles
-per block and whole k units per warp (fp32 summation order depends on ks, nothing else does). `Tune`
-overrides any of it (scripts/bench_kernels.py --sweep). The *_v0 kernels are the previous register-round
-kernels, launched as before: blocks of 8 warps shaped (32, ks, 8 // ks)."""
+Two kinds of kernel (see the head of gemv.cu), named by how they read the weights:
+- streaming ring kernels (unsuffixed names): blocks of (32, ks) threads, a persistent grid of `blocks` blocks
+  that walk the row tiles, and a ring of `stages` cp.async pipeline stages per warp in dynamic shared memory.
+  `plan_gemv` picks (ks, blocks, stages) per shape: enough resident warps (WARPS_PER_SM), whole tiles per
+  block and whole k units per warp (fp32 summation order depends on ks, nothing else does). `Tune` overrides
+  any of it (scripts/bench_kernels.py --sweep).
+- register-round kernels (`*_regs`): no shared-memory pipeline, each lane loads rounds of weight chunks
+  straight into registers; blocks of 8 warps shaped (32, ks, 8 // ks). `linear` uses dense_gemv_bf16_regs
+  for bf16 m = 1 and w4a16_gemv_regs for NVFP4 (faster there); the other two are for benchmarks."""
 from __future__ import annotations
 
 import functools
@@ -14,14 +17,17 @@ from dataclasses import dataclass
 from ..runtime.backend import Backend
 from ..runtime.ptr import DevicePtr
 from ..weights.linear import Linear
+from ..errors import KernelError
 from ._util import launch, need
 
 __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32",
            "dense_gemm_bf16", "gemv_fp8w", "w8a16_gemv", "w8a16_gemv_e8m0", "w4a16_gemv", "w4a16_gemv_mx",
-           "dense_gemv_bf16_v0", "dense_gemv_bf16_batchm_v0", "w8a16_gemv_v0", "w4a16_gemv_v0",
+           "gemv_fp8w_batch32", "w8a16_gemv_batch32", "w8a16_gemv_e8m0_batch32", "w4a16_gemv_batch32",
+           "w4a16_gemv_mx_batch32",
+           "dense_gemv_bf16_regs", "dense_gemv_bf16_batchm_regs", "w8a16_gemv_regs", "w4a16_gemv_regs",
            "Tune", "Plan", "plan_gemv"]
 
-WARPS = 8  # v0 kernels: warps per block
+WARPS = 8  # register-round kernels: warps per block
 QUANT_MAX_M = 8  # x rows per pass of the quantised kernels; `linear` loops for more
 
 STAGES = 4              # ring stages per warp (S - 1 in flight while one is consumed)
@@ -36,22 +42,22 @@ REGS_PER_SM = 65536
 @dataclass(frozen=True)
 class _Geom:
     kchunk: int           # k per 16-byte weight chunk: K must be a multiple (whole chunks, aligned rows)
-    tile_rows: int        # weight rows per tile (streaming) / per warp (v0)
-    unit_chunks: int      # chunks per row in one pipeline stage (streaming) / one warp k-step (v0)
+    tile_rows: int        # weight rows per tile (streaming) / per warp (register rounds)
+    unit_chunks: int      # chunks per row in one pipeline stage (streaming) / one warp k-step (register rounds)
     max_m: int
     scale_align: int = 1  # bytes per scale load
     red_floats: int = 0   # streaming: reduction-area floats per warp and buffer (ks > 1)
     max_ks: int = 16      # streaming: warps per block (the kernel's launch bound / 32)
     regs: int = 96        # register estimate where the backend cannot say
-    stream: bool = True   # False: a v0 kernel
+    stream: bool = True   # False: a register-round kernel
     row_grid: bool = False  # one x row per grid.y (the FMA kernels)
     stages: int = STAGES    # default ring depth and resident warps wanted per SM (Tune overrides both)
     wps: int = WARPS_PER_SM
 
 
 def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: int = 96, stages: int = STAGES,
-         wps: int = WARPS_PER_SM) -> _Geom:
-    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, 16, regs, stages=stages, wps=wps)
+         wps: int = WARPS_PER_SM, max_ks: int = 16) -> _Geom:
+    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, max_ks, regs, stages=stages, wps=wps)
 
 
 # `bench_kernels.py --sweep` (H200, BENCHMARKS.md): the one-tile tensor-core kernels run best with a shallow
@@ -59,7 +65,7 @@ def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: 
 _SHALLOW = dict(stages=2, wps=32)
 
 
-def _v0(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1, row_grid=False) -> _Geom:
+def _regs(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1, row_grid=False) -> _Geom:
     return _Geom(kchunk, tile_rows, step_chunks, max_m, scale_align, stream=False, row_grid=row_grid)
 
 
@@ -69,12 +75,19 @@ _GEOM = {"dense_gemv_bf16": _Geom(8, 2, 64, 65535, red_floats=2, max_ks=16, regs
          "gemv_fp8w": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64, **_SHALLOW),
          "w8a16_gemv": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64, **_SHALLOW),
          "w8a16_gemv_e8m0": _mma(16, 1, 1, QUANT_MAX_M, regs=64, **_SHALLOW),
-         "w4a16_gemv": _mma(32, 1, 1, QUANT_MAX_M, 2, regs=80),  # two e4m3 scales per 32-code chunk
-         "w4a16_gemv_mx": _mma(32, 1, 1, QUANT_MAX_M, regs=80),
-         "dense_gemv_bf16_v0": _v0(8, 2, 32, 65535, row_grid=True),
-         "dense_gemv_bf16_batchm_v0": _v0(8, 16, 4, 8),
-         "w8a16_gemv_v0": _v0(16, 16, 4, QUANT_MAX_M, 4),
-         "w4a16_gemv_v0": _v0(32, 16, 4, QUANT_MAX_M, 2)}
+         # fp4: at most 8 warps per block, so the 32-row kernels (256 threads) can take the 8-row plan's k-split
+         "w4a16_gemv": _mma(32, 1, 1, QUANT_MAX_M, 2, regs=80, max_ks=8),  # two e4m3 scales per 32-code chunk
+         "w4a16_gemv_mx": _mma(32, 1, 1, QUANT_MAX_M, regs=80, max_ks=8),
+         # the 32-row streaming kernels of the quantised formats (linear: 8 < m <= 32, and batch-invariant)
+         "gemv_fp8w_batch32": _mma(16, 4, 1, 32, 4, regs=126, **_SHALLOW),
+         "w8a16_gemv_batch32": _mma(16, 4, 1, 32, 4, regs=126, **_SHALLOW),
+         "w8a16_gemv_e8m0_batch32": _mma(16, 4, 1, 32, regs=126, **_SHALLOW),
+         "w4a16_gemv_batch32": _mma(32, 4, 1, 32, 2, regs=204, max_ks=8),
+         "w4a16_gemv_mx_batch32": _mma(32, 4, 1, 32, regs=198, max_ks=8),
+         "dense_gemv_bf16_regs": _regs(8, 2, 32, 65535, row_grid=True),
+         "dense_gemv_bf16_batchm_regs": _regs(8, 16, 4, 8),
+         "w8a16_gemv_regs": _regs(16, 16, 4, QUANT_MAX_M, 4),
+         "w4a16_gemv_regs": _regs(32, 16, 4, QUANT_MAX_M, 2)}
 GEMM_TILE = 128
 GEMM_SMEM = 4 * (128 + 128) * 40 * 2  # dense_gemm_bf16: GS ring stages of x and W tiles (gemv.cu)
 
@@ -250,22 +263,59 @@ def w4a16_gemv_mx(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="b
           stream, tune)
 
 
-# The previous kernels (register rounds, no shared-memory pipeline), for side-by-side benchmarks.
-def dense_gemv_bf16_v0(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "dense_gemv_bf16_v0", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+# Register-round kernels (no shared-memory pipeline): linear()'s bf16 m = 1 and NVFP4 paths, and the other
+# two for side-by-side benchmarks.
+def gemv_fp8w_batch32(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
+    """As gemv_fp8w for m <= 32 in one pass over W."""
+    _gemv(gpu, "gemv_fp8w_batch32", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype,
+          stream, tune)
 
 
-def dense_gemv_bf16_batchm_v0(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "dense_gemv_bf16_batchm_v0", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+def w8a16_gemv_batch32(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
+    """As w8a16_gemv for m <= 32 in one pass over W."""
+    _gemv(gpu, "w8a16_gemv_batch32", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype,
+          stream, tune)
 
 
-def w8a16_gemv_v0(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "w8a16_gemv_v0", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+def w8a16_gemv_e8m0_batch32(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None,
+                            tune=None):
+    """As w8a16_gemv_e8m0 for m <= 32 in one pass over W."""
+    _gemv(gpu, "w8a16_gemv_e8m0_batch32", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride,
+          out_dtype, stream, tune)
 
 
-def w4a16_gemv_v0(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
-    _gemv(gpu, "w4a16_gemv_v0", [("ptr", w), ("ptr", scale), ("f32", scale2)], x, y, m, n, k, x_stride, y_stride,
-          out_dtype, stream)
+def w4a16_gemv_batch32(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None,
+                       tune=None):
+    """As w4a16_gemv for m <= 32 in one pass over W."""
+    _gemv(gpu, "w4a16_gemv_batch32", [("ptr", w), ("ptr", scale), ("f32", scale2)], x, y, m, n, k, x_stride,
+          y_stride, out_dtype, stream, tune)
+
+
+def w4a16_gemv_mx_batch32(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None,
+                          tune=None):
+    """As w4a16_gemv_mx for m <= 32 in one pass over W."""
+    _gemv(gpu, "w4a16_gemv_mx_batch32", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype,
+          stream, tune)
+
+
+def dense_gemv_bf16_regs(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    """Register-round FMA GEMV, one x row per grid row (linear()'s bf16 m = 1 path)."""
+    _gemv(gpu, "dense_gemv_bf16_regs", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+
+
+def dense_gemv_bf16_batchm_regs(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "dense_gemv_bf16_batchm_regs", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream)
+
+
+def w8a16_gemv_regs(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    _gemv(gpu, "w8a16_gemv_regs", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype,
+          stream)
+
+
+def w4a16_gemv_regs(gpu, w, scale, scale2, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
+    """Register-round NVFP4 (linear()'s NVFP4 kernel); m <= 8."""
+    _gemv(gpu, "w4a16_gemv_regs", [("ptr", w), ("ptr", scale), ("f32", scale2)], x, y, m, n, k, x_stride,
+          y_stride, out_dtype, stream)
 
 
 def dense_gemm_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None):
@@ -278,33 +328,61 @@ def dense_gemm_bf16(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16",
         .arg_u32(y_stride).arg_u32(f32).launch(stream)
 
 
-# Measured on the H200 (BENCHMARKS.md, same run, cold L2): for m=1 bf16 and for NVFP4 the first-generation
+# Measured on the H200 (BENCHMARKS.md, same run, cold L2): for m=1 bf16 and for NVFP4 the register-round
 # kernels beat the streaming ones (7168x14336 bf16 59.7 vs 67.9 us, 129280x7168 nvfp4 208.5 vs 242.1 us);
 # the streaming ones win for fp8 and the batched bf16 paths. linear() takes the winner of each.
-_BF16_BY_M = ((1, dense_gemv_bf16_v0), (8, dense_gemv_bf16_batchm), (32, dense_gemv_bf16_batch32))
-_QUANT = {"fp8_row": gemv_fp8w, "fp8_block": w8a16_gemv, "fp8_block_e8m0": w8a16_gemv_e8m0,
-          "mxfp4": w4a16_gemv_mx}
+# Streaming kernels per format: (up to 8 x rows, up to 32 x rows in one pass over W).
+_STREAM = {"bf16": ("dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32"),
+           "fp8_row": ("gemv_fp8w", "gemv_fp8w_batch32"), "fp8_block": ("w8a16_gemv", "w8a16_gemv_batch32"),
+           "fp8_block_e8m0": ("w8a16_gemv_e8m0", "w8a16_gemv_e8m0_batch32"),
+           "nvfp4": ("w4a16_gemv", "w4a16_gemv_batch32"), "mxfp4": ("w4a16_gemv_mx", "w4a16_gemv_mx_batch32")}
+WIDE_M = 32
+INVARIANT_MAX_M = 64   # rows of a decode batch; larger calls are prefill chunks and take the fastest path
+
+
+def _lead(W: Linear) -> list[tuple[str, object]]:
+    if W.fmt == "bf16":
+        return [("ptr", W.weight)]
+    if W.fmt == "nvfp4":
+        return [("ptr", W.weight), ("ptr", W.scale), ("f32", W.scale2)]
+    return [("ptr", W.weight), ("ptr", W.scale)]
 
 
 def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x_stride: int | None = None,
-           y_stride: int | None = None, stream=None) -> None:
-    """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense)."""
+           y_stride: int | None = None, stream=None, invariant: bool = False) -> None:
+    """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense).
+
+    invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
+    INVARIANT_MAX_M rows: every pass of up to 32 rows runs the format's streaming kernel with the k-split
+    (plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for bf16
+    m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
-    if W.fmt == "bf16" and not gpu.batch_invariant:
-        fn = next((f for lim, f in _BF16_BY_M if m <= lim), dense_gemm_bf16)
-        fn(gpu, W.weight, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
-        return
-    # quantised formats, and bf16 under batch invariance: one 8-row kernel for every row count, so a
-    # row's arithmetic (plan_gemv depends on n and k only) is the same whatever m is
-    ybytes = 4 if _out_f32(out_dtype) else 2
     need(m >= 1, f"linear({W.fmt}): m={m} < 1")
-    for r0 in range(0, m, QUANT_MAX_M):  # each pass reads W once for up to 8 x rows
-        mm = min(QUANT_MAX_M, m - r0)
+    invariant = invariant and m <= INVARIANT_MAX_M
+    if not invariant:
+        if W.fmt == "bf16" and m == 1:
+            return dense_gemv_bf16_regs(gpu, W.weight, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
+        if W.fmt == "bf16" and m > WIDE_M:
+            return dense_gemm_bf16(gpu, W.weight, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
+        if W.fmt == "nvfp4" and m <= QUANT_MAX_M:
+            return w4a16_gemv_regs(gpu, W.weight, W.scale, W.scale2, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
+    narrow, wide = _STREAM[W.fmt]
+    tune = Tune(ks=plan_gemv(gpu, narrow, W.n, W.k).ks) if invariant else None
+    if tune is not None and not _fits(gpu, wide, W.n, W.k, tune):
+        wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes
+    step = WIDE_M if wide else QUANT_MAX_M
+    ybytes = 4 if _out_f32(out_dtype) else 2
+    for r0 in range(0, m, step):     # each pass reads W once for up to `step` x rows
+        mm = min(step, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
-        if W.fmt == "bf16":
-            dense_gemv_bf16_batchm(gpu, W.weight, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
-        elif W.fmt == "nvfp4":
-            w4a16_gemv_v0(gpu, W.weight, W.scale, W.scale2, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
-        else:
-            _QUANT[W.fmt](gpu, W.weight, W.scale, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream)
+        _gemv(gpu, narrow if mm <= QUANT_MAX_M else wide, _lead(W), xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream,
+              tune)
+
+
+def _fits(gpu: Backend, name: str, n: int, k: int, tune: Tune) -> bool:
+    try:
+        plan_gemv(gpu, name, n, k, tune)
+        return True
+    except KernelError:
+        return False

@@ -55,39 +55,54 @@ def _check_gemv(name: str, fmt: str, n_pairs: int, n_slots: int, n_experts: int,
          f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
 
 
-def _expert_launch(gpu, name: str, n: int, k: int, fmt: str, outputs_per_warp: int, n_pairs: int, n_slots: int):
-    """Grid and block (32, ks, 8 / ks) of an expert launch: ks warps split K when the row tiles alone
-    (n / outputs_per_warp per pair) would leave the GPU short of warps, keeping >= 2 chunks per lane."""
-    # batch-invariant: split K as for one row's pairs (n_slots = top_k), whatever the number of rows
-    tiles = -(-n // outputs_per_warp) * (min(n_pairs, n_slots) if gpu.batch_invariant else n_pairs)
+# Formats whose batched calls take the grouped shape. H200, k = 3, ctx 2048 (BENCHMARKS.md): FP8 experts gain
+# (DeepSeek-V3 B = 64: 10.4 vs 11.6 ms per step), BF16 and FP4 ones lose (Qwen3-Next BF16 B = 32: 1.90 vs
+# 1.26 ms; DeepSeek-V4 MXFP4 B = 32: 4.18 vs 3.12 ms): their grouped kernels run short of resident warps.
+GROUPED_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0")
+
+
+def _expert_launch(gpu, kind: str, fmt: str, n: int, k: int, outputs_per_warp: int, n_pairs: int, n_slots: int,
+                   invariant: bool):
+    """The launch of `kind` ("moe_gemv" / "moe_gate_up"): its grouped shape when several rows share the call
+    and the format gains from it (several pairs of an expert per pass over its weights, half the outputs per
+    warp), else the plain one.
+    Block (32, ks, 8 / ks): ks warps split K when the row tiles alone (n / outputs_per_warp per pair) would
+    leave the GPU short of warps, keeping >= 2 chunks per lane. ks is chosen as for the plain shape and
+    the pairs of one row (n_slots = top_k) when batch-invariant, so a pair's sum order is the same in
+    either shape and whatever the batch."""
+    tiles = -(-n // outputs_per_warp) * (min(n_pairs, n_slots) if invariant else n_pairs)
     chunks = k // CHUNK[fmt]
     ks = 1
     while ks < WARPS and tiles * ks < TARGET_WARPS and chunks >= 64 * 2 * ks:
         ks *= 2
+    grouped = n_pairs > n_slots and fmt in GROUPED_FORMATS
+    opw = outputs_per_warp // 2 if grouped else outputs_per_warp
     groups = WARPS // ks
-    return launch(gpu, "moe", name).grid(-(-n // (groups * outputs_per_warp)), n_pairs).block(32, ks, groups)
+    name = f"{kind}_{'grouped_' if grouped else ''}{fmt}"
+    return launch(gpu, "moe", name).grid(-(-n // (groups * opw)), n_pairs).block(32, ks, groups)
 
 
 def moe_gemv(gpu, table, fmt: str, ids, n_pairs: int, n_slots: int, n_experts: int, x, x_row_stride: int,
-             x_slot_stride: int, y, n: int, k: int, stream=None) -> None:
+             x_slot_stride: int, y, n: int, k: int, stream=None, invariant: bool = False) -> None:
     """y f32 [n_pairs, n] = W[ids[q]] x_q for every pair (zeros for an expert absent on this rank); each
     chosen expert's weight is streamed once. x bf16."""
     name = f"moe_gemv_{fmt}"
     _check_gemv(name, fmt, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
-    _expert_launch(gpu, name, n, k, fmt, 4, n_pairs, n_slots).arg_ptr(table).arg_ptr(ids).arg_u32(n_pairs) \
+    _expert_launch(gpu, "moe_gemv", fmt, n, k, 4, n_pairs, n_slots, invariant).arg_ptr(table).arg_ptr(ids).arg_u32(n_pairs) \
         .arg_u32(n_slots).arg_u32(n_experts).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(y) \
         .arg_u32(n).arg_u32(k).launch(stream)
 
 
 def moe_gate_up(gpu, table_gate, table_up, fmt: str, ids, n_pairs: int, n_slots: int, n_experts: int, x,
-                x_row_stride: int, x_slot_stride: int, h, n: int, k: int, limit: float = 0.0, stream=None) -> None:
+                x_row_stride: int, x_slot_stride: int, h, n: int, k: int, limit: float = 0.0, stream=None,
+                invariant: bool = False) -> None:
     """h bf16 [n_pairs, n] = silu(g) * u with g = Wg[ids[q]] x_q, u = Wu[ids[q]] x_q; with limit > 0,
     g = min(g, limit) and u = clamp(u, -limit, limit) first (DeepSeek-V4)."""
     name = f"moe_gate_up_{fmt}"
     need(fmt != "f32", f"{name}: f32 experts are not supported")
     _check_gemv(name, fmt, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
     need(limit >= 0, f"{name}: negative swiglu limit {limit}")
-    _expert_launch(gpu, name, n, k, fmt, 2, n_pairs, n_slots).arg_ptr(table_gate).arg_ptr(table_up).arg_ptr(ids) \
+    _expert_launch(gpu, "moe_gate_up", fmt, n, k, 2, n_pairs, n_slots, invariant).arg_ptr(table_gate).arg_ptr(table_up).arg_ptr(ids) \
         .arg_u32(n_pairs).arg_u32(n_slots).arg_u32(n_experts).arg_ptr(x).arg_u32(x_row_stride) \
         .arg_u32(x_slot_stride).arg_ptr(h).arg_u32(n).arg_u32(k).arg_f32(limit).launch(stream)
 

@@ -10,6 +10,7 @@ import math
 import weakref
 
 from ..runtime.ptr import NULL, DevicePtr
+from ..runtime.slab import TABLE_OFFSET
 from ._util import launch, need
 
 __all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes"]
@@ -56,11 +57,12 @@ def _workspace(gpu, nbytes: int) -> DevicePtr:
     return per[size].ptr
 
 
-def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace):
+def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
+             invariant: bool):
     """The partial-pass launch with its geometry set, and where its partials go."""
-    splits = _splits(num_seqs, head_blocks, gpu.batch_invariant)
+    splits = _splits(num_seqs, head_blocks, invariant)
     ws = DevicePtr(int(workspace)) if workspace else \
-        _workspace(gpu, attention_workspace_bytes(num_seqs, heads, dv, head_blocks, gpu.batch_invariant))
+        _workspace(gpu, attention_workspace_bytes(num_seqs, heads, dv, head_blocks, invariant))
     k = launch(gpu, "paged_attention", name)
     k.grid(splits, head_blocks, num_seqs).block(_THREADS).shared(smem)
     return k, ws, ws.offset(4 * num_seqs * splits * heads * dv), splits
@@ -73,15 +75,15 @@ def _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, dv, splits, stream):
 
 
 def _check_common(name: str, meta, meta_stride: int, num_seqs: int, scale: float) -> None:
-    need(meta_stride >= 256 and meta_stride % 4 == 0,
-         f"{name}: meta_stride {meta_stride} must be >= 256 and 4-aligned")
+    need(meta_stride >= TABLE_OFFSET and meta_stride % 4 == 0,
+         f"{name}: meta_stride {meta_stride} must be >= {TABLE_OFFSET} and 4-aligned")
     need(0 <= num_seqs <= 65535, f"{name}: num_seqs {num_seqs} out of range")
     need(int(meta) % 4 == 0, f"{name}: metadata must be 4-byte aligned")
     need(math.isfinite(scale), f"{name}: scale {scale} is not finite")
 
 
 def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, num_seqs, q_heads, kv_heads,
-               head_dim, scale, kv_dtype="bf16", kv_scale=1.0, stream=None, *, workspace=None):
+               head_dim, scale, kv_dtype="bf16", kv_scale=1.0, stream=None, *, workspace=None, invariant=False):
     """Decode attention for num_seqs sequences, one query row each: q bf16 at `q + s*q_row_stride + h*head_dim`
     (elements); q head h reads KV head h // (q_heads // kv_heads) of the k/v caches (rows of kv_heads*head_dim,
     bf16, or fp8 e4m3 times kv_scale), over all seq_len rows of the sequence's slab (meta + s*meta_stride).
@@ -102,7 +104,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
         return
     blocks = q_heads // hpb
     k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks,
-                                    _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8"), workspace)
+                                    _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8"), workspace, invariant)
     k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim) \
         .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(_MIN_CHUNK).launch(stream)
@@ -110,7 +112,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
 
 
 def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width, v_width, scale, window=0,
-               sink=NULL, sel=NULL, sel_stride=0, stream=None, *, workspace=None):
+               sink=NULL, sel=NULL, sel_stride=0, stream=None, *, workspace=None, invariant=False):
     """Single-KV-head decode attention (MLA latent 576 / V4 512): q bf16 [num_seqs, heads, row_width] against
     cache rows of row_width bf16; value = the first v_width columns of each row. window > 0: only the last
     `window` rows; sink f32 [heads]: exp(sink_h) joins the denominator; sel i32 [num_seqs, sel_stride]:
@@ -130,7 +132,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
         return
     blocks = -(-heads // _HEADS)
     k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks,
-                                    _smem_bytes(row_width, v_width, False, False), workspace)
+                                    _smem_bytes(row_width, v_width, False, False), workspace, invariant)
     k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs) \
         .arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window).arg_ptr(sel) \
         .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(_MIN_CHUNK).launch(stream)

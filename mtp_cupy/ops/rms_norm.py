@@ -1,5 +1,8 @@
 """Launchers for cuda_src/rms_norm.cu: one block per row (or per (row, head)), the row held in registers.
 
+Kernel names end with the weight convention: `_w` (g = w, or 1 when w is NULL), `_1pw` (g = 1 + w, what
+`unit_offset=True` picks), `_w_bias` (LayerNorm: w then + b).
+
 Threads per block: VECS_PER_THREAD 16-byte vectors each by default (fewer warps = a shorter reduction), a
 whole number of warps; `threads=` overrides it (scripts/bench_kernels.py --sweep)."""
 from ..runtime.ptr import NULL
@@ -33,7 +36,7 @@ def _aligned(name: str, *ptrs) -> None:
 def rms_norm(gpu, x, w, y, rows, dim, eps, unit_offset=False, stream=None, threads=None):
     """y[r] = g * x[r] * rms(x[r]) over contiguous [rows, dim]; g = 1 + w (unit_offset, Qwen3-Next), w
     (DeepSeek/GLM) or 1 when w is NULL. x may equal y."""
-    name = "rms_norm" if unit_offset else "rms_norm_vanilla"
+    name = "rms_norm_1pw" if unit_offset else "rms_norm_w"
     w = w or NULL
     t = _threads(name, dim, threads=threads)
     _aligned(name, x, w, y)
@@ -45,7 +48,7 @@ def add_rms_norm(gpu, x, res, w, y, rows, dim, eps, unit_offset=False, stream=No
     """x[r] = bf16(x[r] + res[r]) in place, then y[r] = rms_norm of that row (g as in rms_norm): one launch,
     bit-identical to bf16_residual_add then rms_norm (same threads per block, hence the same sum order).
     x may not be y (x keeps the sum); res may be neither. dim <= 16384 (at most 512 threads)."""
-    name = "add_rms_norm" if unit_offset else "add_rms_norm_vanilla"
+    name = "add_rms_norm_1pw" if unit_offset else "add_rms_norm_w"
     w = w or NULL
     t = _threads(name, dim, max_threads=512, threads=threads)
     need(int(res) != 0, f"{name}: res is required")
@@ -59,20 +62,22 @@ def add_rms_norm(gpu, x, res, w, y, rows, dim, eps, unit_offset=False, stream=No
 def rms_norm_strided(gpu, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
                      eps, unit_offset=False, stream=None):
     """Per-head RMSNorm of x[r, h, :dim] (strides in elements) into y; w NULL = no weight (V4's q scaling)."""
+    name = "rms_norm_strided_1pw" if unit_offset else "rms_norm_strided_w"
     w = w or NULL
-    t = _threads("rms_norm_strided", dim)
-    _aligned("rms_norm_strided", x, w, y)
+    t = _threads(name, dim)
+    _aligned(name, x, w, y)
     need(all(s % 8 == 0 for s in (x_row_stride, x_head_stride, y_row_stride, y_head_stride)),
-         "rms_norm_strided: strides must be multiples of 8 elements (16-byte rows)")
-    launch(gpu, "rms_norm", "rms_norm_strided").grid(rows * heads).block(t).arg_ptr(x).arg_ptr(w) \
+         f"{name}: strides must be multiples of 8 elements (16-byte rows)")
+    launch(gpu, "rms_norm", name).grid(rows * heads).block(t).arg_ptr(x).arg_ptr(w) \
         .arg_ptr(y).arg_u32(rows).arg_u32(heads).arg_u32(dim).arg_u32(x_row_stride).arg_u32(x_head_stride) \
-        .arg_u32(y_row_stride).arg_u32(y_head_stride).arg_f32(eps).arg_u32(bool(unit_offset)).launch(stream)
+        .arg_u32(y_row_stride).arg_u32(y_head_stride).arg_f32(eps).launch(stream)
 
 
 def layer_norm_bias(gpu, x, w, b, y, rows, dim, eps, stream=None):
     """y = LayerNorm(x) * w + b over contiguous [rows, dim] (the DSA indexer k_norm, eps 1e-6)."""
-    t = _threads("layer_norm_bias", dim, max_threads=512)
-    need(int(w) != 0 and int(b) != 0, "layer_norm_bias: w and b are required")
-    _aligned("layer_norm_bias", x, w, b, y)
-    launch(gpu, "rms_norm", "layer_norm_bias").grid(rows).block(t).arg_ptr(x).arg_ptr(w).arg_ptr(b).arg_ptr(y) \
+    name = "layer_norm_w_bias"
+    t = _threads(name, dim, max_threads=512)
+    need(int(w) != 0 and int(b) != 0, f"{name}: w and b are required")
+    _aligned(name, x, w, b, y)
+    launch(gpu, "rms_norm", name).grid(rows).block(t).arg_ptr(x).arg_ptr(w).arg_ptr(b).arg_ptr(y) \
         .arg_u32(rows).arg_u32(dim).arg_f32(eps).launch(stream)

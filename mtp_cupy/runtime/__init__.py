@@ -11,7 +11,26 @@ log = logging.getLogger("mtp_cupy")
 
 
 def device(kind: str = "auto", device_id: int = 0) -> Backend:
-    """`"cuda"`: CupyBackend on GPU `device_id`; `"ref"`: the NumPy device; `"auto"`: CUDA when present."""
+    """The device proposers and target runners run on.
+
+    Parameters
+    ----------
+    kind : {"auto", "cuda", "ref"}
+        "cuda": the GPU through CuPy (needs .[cuda12] or .[cuda13]); "ref": the NumPy reference device, which
+        runs every kernel's Python twin on the CPU (exact, slow); "auto": CUDA when a device is present, else
+        "ref" (with a warning on the "mtp_cupy" logger).
+    device_id : int
+        The GPU to use with "cuda" / "auto" (under mpirun: the rank); ignored by "ref".
+
+    Returns
+    -------
+    Backend
+        `CupyBackend` or `RefBackend`; pass it as `gpu` to `load_proposer` and the target runners.
+
+    Raises
+    ------
+    ConfigError
+        An unknown `kind`, or "cuda" asked for where no CUDA device (or no cupy) is available."""
     from .cupy_backend import CupyBackend, cuda_available
     if kind not in ("auto", "cuda", "ref"):
         raise ConfigError(f"unknown device {kind!r}; choose auto, cuda or ref")
@@ -28,7 +47,8 @@ def device(kind: str = "auto", device_id: int = 0) -> Backend:
 
 
 def as_device(gpu) -> Backend:
-    """A Backend from a Backend, a device name ("auto", "cuda", "ref") or None (= "auto")."""
+    """A Backend from a Backend, a device name ("auto", "cuda", "ref") or None (= "auto"); ConfigError for
+    anything else."""
     if gpu is None or isinstance(gpu, str):
         return device(gpu or "auto")
     if not isinstance(gpu, Backend):

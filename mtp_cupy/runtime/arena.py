@@ -1,8 +1,8 @@
 """ForwardBuffers: one device allocation carved into named regions, and the attention-metadata slab.
 
 The target's attention metadata lives at `scratch + TARGET_META_OFFSET`; an MTP proposer uploads its own
-at `scratch + MTP_META_OFFSET` so the two never overlap. Slab layout (little endian):
-    pos u32 @0, slot i64 @8, seq_len i32 @16, block_table i32[] @256"""
+at `scratch + MTP_META_OFFSET` so the two never overlap. The slab layout is mtp_cupy.runtime.slab's
+(pos u32, slot i64, seq_len i32, block_table i32[] at POS_OFFSET, SLOT_OFFSET, SEQ_LEN_OFFSET, TABLE_OFFSET)."""
 from __future__ import annotations
 
 import itertools
@@ -12,19 +12,22 @@ import numpy as np
 from ..errors import CapacityError, InputError
 from .backend import Backend
 from .ptr import DevicePtr
+from .slab import POS_OFFSET, SEQ_LEN_OFFSET, SLOT_OFFSET, TABLE_OFFSET
 
 TARGET_META_OFFSET = 32768
 MTP_META_OFFSET = 65536
-META_TABLE_OFFSET = 256
+META_TABLE_OFFSET = TABLE_OFFSET  # alias kept for callers that predate runtime.slab
 DEFAULT_SCRATCH = MTP_META_OFFSET + 64 * 1024  # room for a 16,320-entry block table (261k tokens)
 ALIGN = 256
+# the slab fields as indices into int32 / int64 views of a slab (the stager writes through those)
+_POS32, _SEQ_LEN32, _TABLE32, _SLOT64 = POS_OFFSET // 4, SEQ_LEN_OFFSET // 4, TABLE_OFFSET // 4, SLOT_OFFSET // 8
 
 
 def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity: int) -> bytes:
     """The MTP metadata slab. `capacity` is the bytes available after MTP_META_OFFSET; a table that
     does not fit raises CapacityError (nothing is written)."""
     table = np.asarray(block_table, dtype=np.int64)
-    need = META_TABLE_OFFSET + 4 * table.size
+    need = TABLE_OFFSET + 4 * table.size
     if need > capacity:
         raise CapacityError(f"MTP block table of {table.size} entries needs {need} bytes of metadata; "
                             f"only {capacity} fit after MTP_META_OFFSET")
@@ -33,10 +36,10 @@ def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity:
     if table.size and (table.min() < 0 or table.max() >= 1 << 31):
         raise InputError("block ids must fit i32")
     buf = bytearray(need)
-    buf[0:4] = np.uint32(pos).tobytes()
-    buf[8:16] = np.int64(slot).tobytes()
-    buf[16:20] = np.int32(seq_len).tobytes()
-    buf[META_TABLE_OFFSET:] = table.astype("<i4").tobytes()
+    buf[POS_OFFSET:POS_OFFSET + 4] = np.uint32(pos).tobytes()
+    buf[SLOT_OFFSET:SLOT_OFFSET + 8] = np.int64(slot).tobytes()
+    buf[SEQ_LEN_OFFSET:SEQ_LEN_OFFSET + 4] = np.int32(seq_len).tobytes()
+    buf[TABLE_OFFSET:] = table.astype("<i4").tobytes()
     return bytes(buf)
 
 
@@ -50,7 +53,7 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     B, bs = len(tables), block_size
     lens = np.fromiter((len(t) for t in tables), np.int64, B)
     slab = stride or stage.shape[1]
-    if META_TABLE_OFFSET + 4 * int(lens.max()) > slab or B * slab > stage.shape[1]:
+    if TABLE_OFFSET + 4 * int(lens.max()) > slab or B * slab > stage.shape[1]:
         raise CapacityError(f"{B} MTP slabs with block tables of up to {int(lens.max())} entries do not fit "
                             f"{slab}-byte slabs in a {stage.shape[1]}-byte stage row")
     if B == 1:                                   # propose's case: a few scalar stores beat the array plan
@@ -62,28 +65,27 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     step = np.arange(k)[:, None]
     rows = np.asarray(rows0, dtype=np.int64)[None, :] + step                     # [k, B]
     s32, s64 = stage.view(np.int32), stage.view(np.int64)
-    s32[:k, c4] = np.asarray(positions, dtype=np.int64)[None, :] + step
-    s64[:k, c4 // 2 + 1] = flat[starts + rows // bs].astype(np.int64) * bs + rows % bs
-    s32[:k, c4 + 4] = rows + 1
-    s32[:k, np.repeat(c4 + META_TABLE_OFFSET // 4 - starts, lens) + np.arange(flat.size)] = flat
+    s32[:k, c4 + _POS32] = np.asarray(positions, dtype=np.int64)[None, :] + step
+    s64[:k, c4 // 2 + _SLOT64] = flat[starts + rows // bs].astype(np.int64) * bs + rows % bs
+    s32[:k, c4 + _SEQ_LEN32] = rows + 1
+    s32[:k, np.repeat(c4 + _TABLE32 - starts, lens) + np.arange(flat.size)] = flat
 
 
 def _stage_one(stage: np.ndarray, k: int, position: int, rows0: int, table, bs: int) -> None:
     s32, s64 = stage.view(np.int32), stage.view(np.int64)
-    t0 = META_TABLE_OFFSET // 4
-    s32[:k, t0:t0 + len(table)] = table
+    s32[:k, _TABLE32:_TABLE32 + len(table)] = table
     for i in range(k):
         row = rows0 + i
-        s32[i, 0], s32[i, 4] = position + i, row + 1
-        s64[i, 1] = table[row // bs] * bs + row % bs
+        s32[i, _POS32], s32[i, _SEQ_LEN32] = position + i, row + 1
+        s64[i, _SLOT64] = table[row // bs] * bs + row % bs
 
 
 def unpack_mtp_attn_meta(raw: bytes | np.ndarray, num_blocks: int) -> tuple[int, int, int, list[int]]:
     raw = bytes(raw)
-    pos = int(np.frombuffer(raw[0:4], "<u4")[0])
-    slot = int(np.frombuffer(raw[8:16], "<i8")[0])
-    seq_len = int(np.frombuffer(raw[16:20], "<i4")[0])
-    table = np.frombuffer(raw[META_TABLE_OFFSET:META_TABLE_OFFSET + 4 * num_blocks], "<i4").tolist()
+    pos = int(np.frombuffer(raw, "<u4", 1, POS_OFFSET)[0])
+    slot = int(np.frombuffer(raw, "<i8", 1, SLOT_OFFSET)[0])
+    seq_len = int(np.frombuffer(raw, "<i4", 1, SEQ_LEN_OFFSET)[0])
+    table = np.frombuffer(raw[TABLE_OFFSET:TABLE_OFFSET + 4 * num_blocks], "<i4").tolist()
     return pos, slot, seq_len, table
 
 
@@ -109,7 +111,7 @@ class ForwardBuffers:
     Example: ForwardBuffers(gpu, {"hidden_states": 2*D, "logits": 4*V}) then `bufs.hidden_states`."""
 
     def __init__(self, gpu: Backend, regions: dict[str, int], scratch_bytes: int = DEFAULT_SCRATCH):
-        if scratch_bytes < MTP_META_OFFSET + META_TABLE_OFFSET:
+        if scratch_bytes < MTP_META_OFFSET + TABLE_OFFSET:
             raise CapacityError(f"scratch of {scratch_bytes} bytes leaves no room for MTP metadata")
         if "scratch" in regions:
             raise ValueError("region 'scratch' is reserved")

@@ -84,11 +84,6 @@ class Backend:
 
     def __init__(self) -> None:
         self._kernels: dict[tuple[str, str], KernelHandle] = {}
-        # Batch-invariant launch geometry: when set, launchers choose kernels and split factors that do
-        # not depend on the number of rows, so a row's arithmetic (and so its result, bit for bit) is the
-        # same decoded alone or verified beside k others. The target runner sets it: greedy speculative
-        # decoding then emits exactly what target-only decoding emits.
-        self.batch_invariant = False
 
     # -- kernels ---------------------------------------------------------------------------------
     def kernel(self, module: str, name: str) -> KernelHandle:

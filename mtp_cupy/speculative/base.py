@@ -141,6 +141,10 @@ class MtpProposerBase:
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
                  self.sequences_that_fit(), self.max_seq_len)
 
+    def bucket(self, B: int) -> int:
+        """The graph width a batch of B sequences runs at: the smallest of BUCKETS that holds it (<= max_batch)."""
+        return next((b for b in BUCKETS if B <= b <= self.max_batch), self.max_batch)
+
     @property
     def pool_blocks(self) -> int:
         """KV blocks the sequences share (the pool less the pad sequences' block)."""
@@ -361,7 +365,7 @@ class MtpProposerBase:
             toks, poss = check_sequences(self, states, toks, poss, k)
             B = len(states)
             graphed = self.cuda_graphs and self.graph_safe
-            W = next((b for b in BUCKETS if B <= b <= self.max_batch), self.max_batch) if graphed else B
+            W = self.bucket(B) if graphed else B
             masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
             hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
                               self.stream, single=single, check_device=self.options.check_device_finite)

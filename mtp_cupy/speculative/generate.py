@@ -10,6 +10,7 @@ Greedy verification emits exactly what target-only greedy decoding emits; temper
 rejection sampling with the greedy drafts as a one-hot draft distribution."""
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -39,56 +40,155 @@ def _pick(logits: np.ndarray, temperature: float, rng) -> int:
     return int(rng.choice(logits.shape[-1], p=softmax(logits, temperature)))
 
 
-def _check(prompt, max_new_tokens, vocab, max_seq_len, margin):
-    prompt = [int(t) for t in prompt]
+def _count(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise InputError(f"{name} must be an integer >= 1, got {v!r}")
+    return int(v)
+
+
+def _check(prompt, max_new_tokens, vocab, max_seq_len, temperature, num_drafts=None):
+    """The prompt as a list of ints after checking every argument of a run (InputError naming the bad one);
+    num_drafts None: target-only."""
+    if isinstance(prompt, (str, bytes)):
+        raise InputError(f"prompt must be a sequence of token ids, not {type(prompt).__name__}; tokenize it first "
+                         "(the embedded model is byte-level: list(text.encode()))")
+    try:
+        prompt = [int(t) for t in prompt]
+    except (TypeError, ValueError):
+        raise InputError("prompt must be a sequence of int token ids") from None
+    max_new_tokens = _count("max_new_tokens", max_new_tokens)
+    margin = 1 if num_drafts is None else _count("num_drafts", num_drafts) + 1
+    try:
+        t = float(temperature)
+    except (TypeError, ValueError):
+        t = math.nan
+    if not (t >= 0 and math.isfinite(t)):
+        raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if len(prompt) < 2:
         raise InputError("the prompt needs at least two tokens")
     if any(not 0 <= t < vocab for t in prompt):
         raise InputError(f"prompt token out of range [0, {vocab})")
     if len(prompt) + max_new_tokens + margin > max_seq_len:
-        raise InputError(f"prompt {len(prompt)} + {max_new_tokens} new tokens (+{margin}) exceed max_seq_len {max_seq_len}")
+        raise InputError(f"prompt {len(prompt)} + {max_new_tokens} new tokens (+{margin}) exceed max_seq_len "
+                         f"{max_seq_len}")
     return prompt
 
 
 def generate_target_only(target, prompt, max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                          progress=None) -> GenerateResult:
-    prompt = _check(prompt, max_new_tokens, target.vocab_size, target.max_seq_len, 1)
+    """Decode with the target alone: the baseline that speculative decoding must match.
+
+    Parameters
+    ----------
+    target, prompt, max_new_tokens, temperature, seed, progress
+        As for `generate`.
+
+    Returns
+    -------
+    GenerateResult
+        `tokens` (max_new_tokens ids), `seconds`, `tokens_per_s`, `target_passes` and `extra`
+        {"prompt_seconds", "decode_seconds"}: the prompt's pass, and the 1-row decode passes after it.
+
+    Raises
+    ------
+    InputError
+        As for `generate`."""
+    prompt = _check(prompt, max_new_tokens, target.vocab_size, target.max_seq_len, temperature)
     rng = np.random.default_rng(seed)
     seq = target.alloc()
     try:
         t0 = time.perf_counter()
         lg, _ = target.forward(seq, prompt)
         out = [_pick(lg[-1], temperature, rng)]
+        t1 = time.perf_counter()
         while len(out) < max_new_tokens:
             lg, _ = target.forward(seq, [out[-1]])
             out.append(_pick(lg[-1], temperature, rng))
             if progress:
                 progress.update(1)
-        return GenerateResult(out, time.perf_counter() - t0, target_passes=len(out))
+        t2 = time.perf_counter()
+        return GenerateResult(out, t2 - t0, target_passes=len(out), extra={"prompt_seconds": t1 - t0,
+                                                                            "decode_seconds": t2 - t1})
     finally:
         target.free(seq)
 
 
+def catch_up(drafter, st, toks, hid, pos: int) -> int:
+    """Rewrite the drafter rows before position `pos` that the trim rule dropped (after_verify), from the
+    target's own hiddens: row p pairs toks[p + 1] with hid[p]. A propose at `pos` then leaves no hole in the
+    drafter's KV. Returns the rows written."""
+    nxt = st.keys[-1] + 1 if st.keys else 0
+    if nxt >= pos:
+        return 0
+    return drafter.prefill(st, toks[nxt:pos + 1], np.stack(hid[nxt:pos]), start_position=nxt)
+
+
 def generate(target, drafter, prompt, max_new_tokens: int, num_drafts: int = 3, temperature: float = 0.0,
              seed: int = 0, progress=None) -> GenerateResult:
+    """Speculative decoding: `drafter` proposes up to `num_drafts` tokens a step and `target` verifies them in one
+    pass. Greedy output is exactly target-only decoding's; temperature > 0 is lossless rejection sampling.
+
+    Parameters
+    ----------
+    target : target runner
+        `vocab_size`, `max_seq_len`, `alloc()`, `free(seq)`, `truncate(seq, rows)` and `forward(seq, tokens)` ->
+        (logits float32 [m, vocab], hiddens float32 [m, D]), as in the module docstring
+        (`mtp_cupy.target.DeepseekV3Target` is one).
+    drafter : DraftProposer
+        The MTP proposer of the target's checkpoint (`mtp_cupy.load_proposer`), with max_drafts >= num_drafts.
+    prompt : sequence of int
+        Token ids, at least two, each in [0, target.vocab_size). Not a string: tokenize first (the embedded
+        model is byte-level: `list(text.encode())`).
+    max_new_tokens : int
+        Tokens to generate, >= 1. prompt + max_new_tokens + num_drafts + 1 must fit both max_seq_lens.
+    num_drafts : int
+        Drafts per step, 1 to drafter.max_drafts (fewer when fewer tokens remain).
+    temperature : float
+        0 = greedy (argmax); > 0 samples from softmax(logits / temperature).
+    seed : int
+        Seed of the sampler.
+    progress : tqdm-like, optional
+        `progress.update(n)` gets the number of tokens each step emits.
+
+    Returns
+    -------
+    GenerateResult
+        `tokens` (max_new_tokens ids), `seconds`, `tokens_per_s`, `target_passes`, `metrics` (SpecDecodeMetrics:
+        acceptance counters with vLLM's names) and `extra` {"draft_seconds", "verify_seconds"}: time spent
+        drafting (catch-up prefill included) and in the target's verify passes (the prompt's pass not included).
+
+    Raises
+    ------
+    InputError
+        A string or non-integer prompt, fewer than two tokens, a token out of range, max_new_tokens or
+        num_drafts < 1, num_drafts > drafter.max_drafts, a negative temperature, a run that does not fit.
+    CapacityError
+        A KV pool too small for the run."""
     prompt = _check(prompt, max_new_tokens, target.vocab_size, min(target.max_seq_len, drafter.max_seq_len),
-                    num_drafts + 1)
+                    temperature, num_drafts)
+    if num_drafts > drafter.max_drafts:
+        raise InputError(f"num_drafts {num_drafts} is more than the drafter's max_drafts {drafter.max_drafts} "
+                         "(load_proposer(..., max_drafts=...) sizes it)")
     rng = np.random.default_rng(seed)
     seq, st, m = target.alloc(), drafter.alloc_state(), SpecDecodeMetrics()
+    clock = time.perf_counter
+    draft_s = verify_s = 0.0
     try:
-        t0 = time.perf_counter()
+        t0 = clock()
         lg, H = target.forward(seq, prompt)
         toks, hid = list(prompt), list(H)              # hid[p] = the target's hidden at position p
         toks.append(_pick(lg[-1], temperature, rng))
         drafter.prefill(st, prompt, H[:-1])
         pos, out, passes = len(prompt) - 1, [toks[-1]], 1
         while len(out) < max_new_tokens:
-            nxt = st.keys[-1] + 1 if st.keys else 0
-            if nxt < pos:   # rows the trim rule dropped: rebuild them from the target's own hiddens
-                drafter.prefill(st, toks[nxt:pos + 1], np.stack(hid[nxt:pos]), start_position=nxt)
+            t1 = clock()
+            catch_up(drafter, st, toks, hid, pos)   # rows the trim rule dropped, from the target's hiddens
             k = min(num_drafts, max_new_tokens - len(out))
             res = drafter.propose(st, toks[pos + 1], hid[pos], pos, k)
+            t2 = clock()
             lg, Hv = target.forward(seq, [toks[pos + 1]] + res.tokens)
+            verify_s += clock() - t2
+            draft_s += t2 - t1
             passes += 1
             if temperature <= 0:
                 a, nxt_tok = greedy_verify(lg, res.tokens)
@@ -105,7 +205,9 @@ def generate(target, drafter, prompt, max_new_tokens: int, num_drafts: int = 3, 
             pos += 1 + a
             if progress:
                 progress.update(len(new))
-        return GenerateResult(out[:max_new_tokens], time.perf_counter() - t0, m, passes)
+        return GenerateResult(out[:max_new_tokens], clock() - t0, m, passes,
+                              extra={"draft_seconds": draft_s, "verify_seconds": verify_s})
     finally:
         target.free(seq)
         drafter.free_state(st)
+

@@ -27,6 +27,8 @@ class ProposerOptions:
     drafter_context: bool = opt(True, "the drafter attends over its own KV of every earlier position, so a "
                                       "propose must follow the newest row without a hole; False: it attends "
                                       "over whatever rows it holds and holes are allowed")
+    batch_invariant: bool = opt(True, "a sequence drafts the same (bit for bit) whatever batch it is in: kernels and "
+                                      "splits chosen as for one row; False takes the fastest kernel per batch size")
     cuda_graphs: bool | None = opt(None, "replay each draft chain as a CUDA graph (default: on when the device is CUDA)")
     progress: bool | None = opt(None, "show a weight-loading bar (default: for checkpoints over 256 MB)")
     stream: Any = opt(None, "run on this CUDA stream (a torch.cuda.Stream, a cupy stream, anything with "
@@ -42,6 +44,7 @@ class ProposerOptions:
             self._int("max_sequences", 1, 1 << 20)
         self._int("max_prefill_rows", 1, 1 << 16)
         self._bool("drafter_context")
+        self._bool("batch_invariant")
         self._bool("check_device_finite")
         try:
             check_stream(self.stream)
@@ -80,6 +83,22 @@ class ProposerOptions:
             raise ConfigError(f"options of type {type(base).__name__} given to {family} (expected {cls.__name__})")
         start = {f.name: getattr(base, f.name) for f in fields(cls)} if base is not None else {}
         return cls(**{**start, **given})
+
+    @classmethod
+    def doc_entries(cls, skip=()) -> dict[str, str]:
+        """numpydoc entries ("name : type, default x" and the help, indented for a Parameters section)."""
+        import textwrap
+        out = {}
+        for f in fields(cls):
+            if f.name in skip:
+                continue
+            tp = str(f.type).replace(" | None", "")
+            head = f"        {f.name} : {tp}, " + ("optional" if f.default is None else f"default {f.default!r}")
+            text = f.metadata.get("help", "")
+            body = textwrap.fill(text[:1].upper() + text[1:], 108, initial_indent=" " * 12,
+                                 subsequent_indent=" " * 12)
+            out[f.name] = head + "\n" + (body + "\n" if body.strip() else "")
+        return out
 
     @classmethod
     def help(cls) -> str:

@@ -42,8 +42,8 @@ class DeepseekV3Target:
         if not isinstance(cfg, DeepseekV3Config):
             raise ConfigError(f"{path} is a {cfg.family} checkpoint; the target runner reads deepseek_v3")
         self.gpu, self.cfg, self.max_seq_len, self.R = gpu, cfg, int(max_seq_len), int(rows_per_pass)
-        # verify rows must compute exactly as decode rows do, or greedy speculation drifts at near-ties
-        gpu.batch_invariant = True
+        # verify rows must compute exactly as decode rows do, or greedy speculation drifts at near-ties: every
+        # layer runs with batch-invariant launch geometry
         D, V, eps = cfg.hidden_size, cfg.vocab_size, float(cfg.rms_norm_eps)
         self.vocab_size, self.hidden_size, self.eps = V, D, eps
         dims, rope = MlaDims.from_config(cfg), MlaRope.from_config(cfg)
@@ -63,12 +63,12 @@ class DeepseekV3Target:
             for i in range(L):
                 moe = i >= cfg.first_k_dense_replace
                 lw = load_layer(wl, cfg, f"model.layers.{i}.", moe)
-                attn = MlaAttention(gpu, lw.mla, dims, rope, self.kv, layer=i, max_rows=R, max_kv_rows=R)
+                attn = MlaAttention(gpu, lw.mla, dims, rope, self.kv, layer=i, max_rows=R, max_kv_rows=R, invariant=True)
                 if moe:
                     mlp = MoE(gpu, MoeConfig.from_config(cfg), lw.router, lw.experts, bias=lw.bias, shared=lw.shared,
-                              max_rows=R)
+                              max_rows=R, invariant=True)
                 else:
-                    mlp = DenseFFN(gpu, lw.dense, max_rows=R)
+                    mlp = DenseFFN(gpu, lw.dense, max_rows=R, invariant=True)
                 self.layers.append((lw, attn, mlp))
 
     def alloc(self) -> TargetSeq:
@@ -119,7 +119,7 @@ class DeepseekV3Target:
             mlp.forward(b.xn, b.tmp, m)
             ops.bf16_residual_add(gpu, b.x, b.tmp, m * D)
         ops.rms_norm(gpu, b.x, self.norm.ptr, b.h, m, D, self.eps)
-        ops.linear(gpu, b.h, self.head, b.logits, m, out_dtype="f32")
+        ops.linear(gpu, b.h, self.head, b.logits, m, out_dtype="f32", invariant=True)
         seq.blocks.rows = p0 + m
         return (gpu.read(b.logits, np.float32, (m, self.vocab_size)),
                 gpu.read(b.h, "bf16", (m, D)).astype(np.float32))

@@ -7,7 +7,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import WeightError
+from ..errors import ConfigError, WeightError
 from .config import ModelConfig, load_config
 from .loader import detect_linear
 from .safetensors_io import Checkpoint
@@ -27,7 +27,27 @@ def _experts(cfg: ModelConfig) -> tuple[int, int]:
     return int(n), int(getattr(cfg, "num_experts_per_tok", 0)) if n else 0
 
 
+def checkpoint_dir(path: str | Path) -> Path:
+    """`path` as the directory of a checkpoint of a supported family.
+
+    Raises
+    ------
+    ConfigError
+        A file where the directory is expected (naming its folder when that is a checkpoint), a directory
+        that does not exist or has no config.json, an unsupported model_type."""
+    from ..families import of_checkpoint
+    p = Path(path)
+    if p.is_file() and (p.parent / "config.json").is_file():
+        raise ConfigError(f"{p} is a file; expected a checkpoint directory (config.json + *.safetensors), "
+                          f"such as its folder {p.parent}")
+    of_checkpoint(p)
+    return p
+
+
 def describe(path: str | Path) -> dict[str, Any]:
+    """What the checkpoint directory at `path` holds (see the module docstring); ConfigError for a path that is
+    not a checkpoint directory, WeightError for missing MTP tensors."""
+    path = checkpoint_dir(path)
     cfg = load_config(path)
     ckpt = Checkpoint(path)
     prefix = cfg.mtp_prefix

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round
+from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round, watch_ties
 
 pytestmark = pytest.mark.gpu
 BATCHES = [1, 2, 5, 16, 33, 64]
@@ -28,18 +28,35 @@ def load(fam, gpu, **kw):
 @pytest.mark.parametrize("fam", FAMILIES)
 @pytest.mark.parametrize("B", BATCHES)
 def test_cuda_batch_matches_ref_device(fam, B, rng):
+    """Each sequence's chain, CUDA against the NumPy device, until a step where the NumPy device saw a
+    selection near-tie (routing, or GLM-5's indexer top-k: the devices may then choose differently) or the
+    drafts part at an unclear top-1. At least one draft per two sequences must be compared: a batch whose
+    chains all start at ties is drawn again (up to 5 times)."""
     cu, rf = load(fam, mtp_cupy.device("cuda")), load(fam, mtp_cupy.device("ref"))
-    lens = [int(n) for n in rng.integers(2, 40, B)]
-    sc, sr = prefill_alike(rng, (cu, rf), lens)
-    toks, hs = [int(t) for t in rng.integers(0, cu.vocab_size, B)], hidden(rng, cu, B)
-    gc = cu.propose_batch(sc, toks, hs, lens, 3, return_logits=True)
-    gr = rf.propose_batch(sr, toks, hs, lens, 3, return_logits=True)
-    for s in range(B):
-        for i in range(3):
-            assert rel(gc[s].logits[i], gr[s].logits[i]) <= (1e-2 if i == 0 else 3e-2), (s, i)
-            if gc[s].tokens[i] != gr[s].tokens[i]:
-                assert not clear(gr[s].logits[i]), (s, i)
-                break
+    margins = watch_ties(rf)
+    for attempt in range(5):
+        lens = [int(n) for n in rng.integers(2, 40, B)]
+        sc, sr = prefill_alike(rng, (cu, rf), lens)
+        toks, hs = [int(t) for t in rng.integers(0, cu.vocab_size, B)], hidden(rng, cu, B)
+        del margins[:]
+        gc = cu.propose_batch(sc, toks, hs, lens, 3, return_logits=True)
+        gr = rf.propose_batch(sr, toks, hs, lens, 3, return_logits=True)
+        compared = 0
+        for s in range(B):
+            for i in range(3):
+                if margins[i][s] < (1e-2 if i == 0 else 3e-2):
+                    break
+                assert rel(gc[s].logits[i], gr[s].logits[i]) <= (1e-2 if i == 0 else 3e-2), (s, i)
+                compared += 1
+                if gc[s].tokens[i] != gr[s].tokens[i]:
+                    assert not clear(gr[s].logits[i]), (s, i)
+                    break
+        for p, sts in ((cu, sc), (rf, sr)):
+            for st in sts:
+                p.free_state(st)
+        if compared >= max(1, B // 2):
+            return
+    raise AssertionError(f"only {compared} drafts compared for {B} sequences in 5 draws")
 
 
 @pytest.mark.parametrize("fam", FAMILIES)

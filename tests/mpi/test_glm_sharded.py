@@ -233,39 +233,35 @@ def test_device_exchange_n_ranks(dev_comm, rank, world, exchange):
 
 
 @pytest.mark.parametrize("exchange", ["digits", "pairs"])
-def test_sharded_batch_equals_unsharded_batch(dev_comm, world, exchange):
-    """propose_batch of B ragged sequences on the sharded proposer (one exchange for all B rows per step)
-    against the unsharded proposer's propose_batch and against its own one-at-a-time proposes: every rank
-    gets the same B winners, the drafts agree where the unsharded top-1 is clear, logits within bf16
-    rounding of the cross-rank sums."""
+def test_sharded_batch_equals_sharded_one_at_a_time(dev_comm, world, exchange):
+    """propose_batch of B ragged sequences on the sharded proposer (one exchange for all B rows per step) drafts
+    exactly what it drafts for each sequence alone (logits bit for bit), and every rank gets the same B winners.
+    With test_sharded_equals_unsharded (sharded == unsharded per sequence, tie-aware) and tests/test_batch.py
+    (unsharded batch == unsharded one at a time) this makes the sharded batch the unsharded one."""
     _needs_even_split(world)
     gpu, comm = dev_comm
     path = glm_ckpt("bf16", seed=8)
-    sharded, full = _load(path, gpu, comm, head_exchange=exchange), _load(path, gpu, None)
+    a, b = (_load(path, gpu, comm, head_exchange=exchange) for _ in range(2))
     rng = _shared_rng()
     B = 5
     lens = [int(n) for n in rng.integers(3, 30, B)]
-    sts = [[p.alloc_state() for _ in lens] for p in (sharded, full)]
+    sts = [[p.alloc_state() for _ in lens] for p in (a, b)]
     for s, n in enumerate(lens):
         toks, hs, _, _ = inputs(rng, n)
-        for p, st in zip((sharded, full), sts):
+        for p, st in zip((a, b), sts):
             p.prefill(st[s], toks, hs)
     toks, hs = [int(t) for t in rng.integers(0, V, B)], bf16_round(rng.standard_normal((B, D)))
-    g = sharded.propose_batch(sts[0], toks, hs, lens, K)
-    w = full.propose_batch(sts[1], toks, hs, lens, K, return_logits=True)
-    assert _same_on_all_ranks([t for r in g for t in r.tokens]), "ranks drafted differently"
-    for s in range(B):
-        for i in range(K):
-            if g[s].tokens[:i] != w[s].tokens[:i]:
-                break
-            if _clear(w[s].logits[i]):
-                assert g[s].tokens[i] == w[s].tokens[i], (s, i)
-    # the same sequences one at a time on the sharded proposer draft what the batch drafted
-    for st in sts[0]:
-        sharded.after_verify(st, 0)
-    for s in range(B):
-        one = sharded.propose(sts[0][s], toks[s], hs[s], lens[s], K)
-        assert one.tokens == g[s].tokens, s
+    for logits in (False, True):          # the device exchange, and the gathered f32 logits
+        got = a.propose_batch(sts[0], toks, hs, lens, K, return_logits=logits)
+        assert _same_on_all_ranks([t for r in got for t in r.tokens]), "ranks drafted differently"
+        for s in range(B):
+            one = b.propose(sts[1][s], toks[s], hs[s], lens[s], K, return_logits=logits)
+            assert one.tokens == got[s].tokens, s
+            if logits:
+                assert np.array_equal(one.logits, got[s].logits), s
+        for p, st in zip((a, b), sts):
+            for x in st:
+                p.after_verify(x, 0)
 
 
 @pytest.mark.parametrize("exchange", ["digits", "pairs"])

@@ -7,6 +7,8 @@ import numpy as np
 import torch
 from safetensors.numpy import load_file
 
+from .deepseek_torch import fused_experts
+
 
 def load_hf_model(path):
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -20,12 +22,10 @@ def load_hf_model(path):
     sd = model.state_dict()
     n_layers, E = cfg["num_hidden_layers"], cfg["n_routed_experts"]
     for k in list(sd):
-        if k.endswith("mlp.experts.gate_up_proj"):
-            p = k.removesuffix("gate_up_proj")
-            sd[k] = torch.stack([torch.cat([t[f"{p}{e}.gate_proj.weight"], t[f"{p}{e}.up_proj.weight"]]) for e in range(E)])
+        if k.endswith("mlp.experts.gate_up_proj"):      # sets down_proj too
+            sd[k], sd[k.replace("gate_up_proj", "down_proj")] = fused_experts(t, k.removesuffix("gate_up_proj"), E)
         elif k.endswith("mlp.experts.down_proj"):
-            p = k.removesuffix("down_proj")
-            sd[k] = torch.stack([t[f"{p}{e}.down_proj.weight"] for e in range(E)])
+            pass
         elif k in t:
             sd[k] = t[k]
         elif "rotary" not in k:

@@ -3,12 +3,13 @@ the kernel's order-preserving key (NaN lowest) and ties to the lower row."""
 import numpy as np
 
 from ...runtime.dtypes import BF16
+from ..access import kv_slots, meta_slab, slab_seq_len, slab_table
 from ..registry import twin
 
 
 def _slab(dev, meta, meta_stride, s):
-    slab = meta.offset(s * meta_stride)
-    return int(dev.view(slab.offset(16), np.int32, 1)[0]), slab
+    slab = meta_slab(meta, meta_stride, s)
+    return slab_seq_len(dev, slab), slab
 
 
 def score_keys(x: np.ndarray) -> np.ndarray:
@@ -29,9 +30,7 @@ def dsa_index_scores(dev, q, w, cache, meta, meta_stride, scores, num_seqs, head
         n = min(max(seq_len, 0), score_stride)
         if n == 0:
             continue
-        j = np.arange(n)
-        table = dev.view(slab.offset(256), np.int32, (n - 1) // 16 + 1).astype(np.int64)
-        slots = table[j // 16] * 16 + j % 16
+        slots = kv_slots(slab_table(dev, slab, n), np.arange(n))
         k = dev.view(cache, BF16, (int(slots.max()) + 1, head_dim))[slots].astype(np.float64)
         dots = np.maximum(qv[s] @ k.T, 0.0)                      # [heads, n]
         out[s, :n] = ((wv[s] @ dots) * scale).astype(np.float32)

@@ -65,7 +65,7 @@ def _dense(dev, W, x, y, M, N, K, x_stride, y_stride, out_f32):
 
 
 for _name in ("dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemm_bf16",
-              "dense_gemv_bf16_v0", "dense_gemv_bf16_batchm_v0"):  # _v0: the previous kernels, same math
+              "dense_gemv_bf16_regs", "dense_gemv_bf16_batchm_regs"):  # register-round kernels: same math
     twin("gemv", _name)(_dense)
 
 
@@ -105,5 +105,11 @@ def w4a16_gemv_mx(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32):
     _run(dev, _fp4_rows(dev, W, N, K, s, 32), x, y, M, N, K, x_stride, y_stride, out_f32)
 
 
-twin("gemv", "w8a16_gemv_v0")(w8a16_gemv)  # the previous kernels (benchmarks): same math
-twin("gemv", "w4a16_gemv_v0")(w4a16_gemv)
+twin("gemv", "w8a16_gemv_regs")(w8a16_gemv)  # register-round kernels: same math
+twin("gemv", "w4a16_gemv_regs")(w4a16_gemv)
+# M <= 32 variants of the quantised kernels: the same per-row math
+twin("gemv", "gemv_fp8w_batch32")(gemv_fp8w)
+twin("gemv", "w8a16_gemv_batch32")(w8a16_gemv)
+twin("gemv", "w8a16_gemv_e8m0_batch32")(w8a16_gemv_e8m0)
+twin("gemv", "w4a16_gemv_batch32")(w4a16_gemv)
+twin("gemv", "w4a16_gemv_mx_batch32")(w4a16_gemv_mx)

@@ -12,14 +12,15 @@ def _offsets(m: int, groups: int, row_stride: int, group_stride: int) -> np.ndar
             + np.arange(groups, dtype=np.int64)[None, :] * group_stride)
 
 
-def _run(dev, x, w_rows, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32):
-    base = _offsets(m, groups, xrs, xgs)
+def _run(dev, x, w_rows, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride, y_group_stride,
+         y_row_stride, out_f32):
+    base = _offsets(m, groups, x_row_stride, x_group_stride)
     xv = dev.view(x, BF16, int(base.max()) + k)
     xs = xv[base[..., None] + np.arange(k)].astype(np.float64)                # [m, G, k]
     rows = row0 + np.arange(groups, dtype=np.int64)[:, None] * group_rows + np.arange(n)  # [G, n]
     wg = w_rows(int(rows.max()) + 1)[rows]                                      # [G, n, k] f32
     out = np.einsum("mgk,gnk->mgn", xs, wg.astype(np.float64))
-    yo = _offsets(m, groups, yrs, ygs)[..., None] + np.arange(n)
+    yo = _offsets(m, groups, y_row_stride, y_group_stride)[..., None] + np.arange(n)
     yv = dev.view(y, np.float32 if out_f32 else BF16, int(yo.max()) + 1)
     yv[yo] = out.astype(np.float32).astype(yv.dtype)
 
@@ -35,20 +36,21 @@ def _fp8_rows(dev, W, scale, k, sdt):
 
 
 @twin("grouped_gemv", "grouped_gemv_bf16")
-def grouped_gemv_bf16(dev, x, W, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32, lpr):
+def grouped_gemv_bf16(dev, x, W, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride,
+                      y_group_stride, y_row_stride, out_f32, lpr):
     _run(dev, x, lambda nrows: dev.view(W, BF16, (nrows, k)).astype(np.float32), y, groups, m, n, k, row0,
-         group_rows, xgs, xrs, ygs, yrs, out_f32)
+         group_rows, x_group_stride, x_row_stride, y_group_stride, y_row_stride, out_f32)
 
 
 @twin("grouped_gemv", "grouped_gemv_fp8_block")
-def grouped_gemv_fp8_block(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs, out_f32,
-                           lpr):
-    _run(dev, x, _fp8_rows(dev, W, scale, k, np.float32), y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs,
-         yrs, out_f32)
+def grouped_gemv_fp8_block(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride,
+                           y_group_stride, y_row_stride, out_f32, lpr):
+    _run(dev, x, _fp8_rows(dev, W, scale, k, np.float32), y, groups, m, n, k, row0, group_rows, x_group_stride,
+         x_row_stride, y_group_stride, y_row_stride, out_f32)
 
 
 @twin("grouped_gemv", "grouped_gemv_fp8_block_e8m0")
-def grouped_gemv_fp8_block_e8m0(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs,
-                                out_f32, lpr):
-    _run(dev, x, _fp8_rows(dev, W, scale, k, E8M0), y, groups, m, n, k, row0, group_rows, xgs, xrs, ygs, yrs,
-         out_f32)
+def grouped_gemv_fp8_block_e8m0(dev, x, W, scale, y, groups, m, n, k, row0, group_rows, x_group_stride,
+                                x_row_stride, y_group_stride, y_row_stride, out_f32, lpr):
+    _run(dev, x, _fp8_rows(dev, W, scale, k, E8M0), y, groups, m, n, k, row0, group_rows, x_group_stride,
+         x_row_stride, y_group_stride, y_row_stride, out_f32)

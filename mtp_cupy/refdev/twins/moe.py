@@ -170,10 +170,12 @@ def _gate_up(fmt):
     return fn
 
 
+# the plain and the grouped (FP8) kernels compute the same per-pair products (they differ in launch shape only)
 for _f in ("bf16", "f32", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4"):
-    twin("moe", f"moe_gemv_{_f}")(_gemv(_f))
-    if _f != "f32":
-        twin("moe", f"moe_gate_up_{_f}")(_gate_up(_f))
+    for _g in ("", "grouped_") if _f.startswith("fp8") else ("",):
+        twin("moe", f"moe_gemv_{_g}{_f}")(_gemv(_f))
+        if _f != "f32":
+            twin("moe", f"moe_gate_up_{_g}{_f}")(_gate_up(_f))
 
 
 @twin("moe", "moe_weighted_sum")

@@ -6,6 +6,7 @@ follow the kernel's chunk rule, so the only GPU-vs-twin difference is accumulati
 import numpy as np
 
 from ...runtime.dtypes import BF16, FP8
+from ..access import kv_slots, meta_slab, slab_seq_len, slab_table
 from ..registry import twin
 
 TILE = 32  # the kernel's tile: chunks are whole tiles
@@ -13,8 +14,8 @@ TILE = 32  # the kernel's tile: chunks are whole tiles
 
 def _seq(dev, meta, meta_stride, s, window, dsa, sel_stride):
     """(seq_len, lo, n, slab) of sequence s: rows [lo, seq_len) are visible; n positions are iterated."""
-    slab = meta.offset(s * meta_stride)
-    seq_len = int(dev.view(slab.offset(16), np.int32, 1)[0])
+    slab = meta_slab(meta, meta_stride, s)
+    seq_len = slab_seq_len(dev, slab)
     lo = seq_len - window if 0 < window < seq_len else 0
     n = sel_stride if dsa else max(seq_len - lo, 0)
     return seq_len, lo, n, slab
@@ -34,8 +35,7 @@ def _gather(dev, base, slab, rows, row_bytes, col_bytes, width, dt):
     ok = rows >= 0
     if ok.any():
         r = rows[ok]
-        table = dev.view(slab.offset(256), np.int32, int(r.max()) // 16 + 1).astype(np.int64)
-        slots = table[r // 16] * 16 + r % 16
+        slots = kv_slots(slab_table(dev, slab, int(r.max()) + 1), r)
         raw = dev.view(base, np.uint8, (int(slots.max()) + 1) * row_bytes).reshape(-1, row_bytes)
         out[ok] = raw[slots, col_bytes:col_bytes + width * dt.itemsize].copy().view(dt).astype(np.float64)
     return out
@@ -88,13 +88,17 @@ def _gqa(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml,
 
 
 @twin("paged_attention", "gqa_decode_partial")
-def gqa_decode_partial(dev, *args):
-    _gqa(dev, *args, BF16)
+def gqa_decode_partial(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs, q_heads,
+                       kv_heads, head_dim, scale, kv_scale, splits, min_chunk):
+    _gqa(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs, q_heads, kv_heads,
+         head_dim, scale, kv_scale, splits, min_chunk, BF16)
 
 
 @twin("paged_attention", "gqa_decode_partial_fp8")
-def gqa_decode_partial_fp8(dev, *args):
-    _gqa(dev, *args, FP8)
+def gqa_decode_partial_fp8(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs,
+                           q_heads, kv_heads, head_dim, scale, kv_scale, splits, min_chunk):
+    _gqa(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs, q_heads, kv_heads,
+         head_dim, scale, kv_scale, splits, min_chunk, FP8)
 
 
 @twin("paged_attention", "attn_combine")

@@ -24,14 +24,14 @@ def _rms_norm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
     return ((x * r) * g).astype(BF16)
 
 
-@twin("rms_norm", "rms_norm_vanilla")
-def rms_norm_vanilla(dev, x, w, y, rows, dim, eps):
+@twin("rms_norm", "rms_norm_w")
+def rms_norm_w(dev, x, w, y, rows, dim, eps):
     out = _rms_norm(dev.view(x, BF16, (rows, dim)).astype(F32), _gain(dev, w, dim, False), eps)
     dev.view(y, BF16, (rows, dim))[:] = out
 
 
-@twin("rms_norm", "rms_norm")
-def rms_norm(dev, x, w, y, rows, dim, eps):
+@twin("rms_norm", "rms_norm_1pw")
+def rms_norm_1pw(dev, x, w, y, rows, dim, eps):
     out = _rms_norm(dev.view(x, BF16, (rows, dim)).astype(F32), _gain(dev, w, dim, True), eps)
     dev.view(y, BF16, (rows, dim))[:] = out
 
@@ -44,26 +44,39 @@ def _add_rms_norm(dev, x, res, w, y, rows, dim, eps, unit_offset: bool) -> None:
     dev.view(y, BF16, (rows, dim))[:] = out
 
 
-@twin("rms_norm", "add_rms_norm_vanilla")
-def add_rms_norm_vanilla(dev, x, res, w, y, rows, dim, eps):
+@twin("rms_norm", "add_rms_norm_w")
+def add_rms_norm_w(dev, x, res, w, y, rows, dim, eps):
     _add_rms_norm(dev, x, res, w, y, rows, dim, eps, False)
 
 
-@twin("rms_norm", "add_rms_norm")
-def add_rms_norm(dev, x, res, w, y, rows, dim, eps):
+@twin("rms_norm", "add_rms_norm_1pw")
+def add_rms_norm_1pw(dev, x, res, w, y, rows, dim, eps):
     _add_rms_norm(dev, x, res, w, y, rows, dim, eps, True)
 
 
-@twin("rms_norm", "rms_norm_strided")
-def rms_norm_strided(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
-                     eps, unit_offset):
+def _rms_norm_strided(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
+                      eps, unit_offset: bool) -> None:
     xv = strided(dev, x, BF16, (rows, heads, dim), (x_row_stride, x_head_stride, 1)).astype(F32)
-    out = _rms_norm(xv, _gain(dev, w, dim, bool(unit_offset)), eps)
+    out = _rms_norm(xv, _gain(dev, w, dim, unit_offset), eps)
     strided(dev, y, BF16, (rows, heads, dim), (y_row_stride, y_head_stride, 1))[:] = out
 
 
-@twin("rms_norm", "layer_norm_bias")
-def layer_norm_bias(dev, x, w, b, y, rows, dim, eps):
+@twin("rms_norm", "rms_norm_strided_w")
+def rms_norm_strided_w(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
+                       eps):
+    _rms_norm_strided(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps,
+                      False)
+
+
+@twin("rms_norm", "rms_norm_strided_1pw")
+def rms_norm_strided_1pw(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride,
+                         eps):
+    _rms_norm_strided(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps,
+                      True)
+
+
+@twin("rms_norm", "layer_norm_w_bias")
+def layer_norm_w_bias(dev, x, w, b, y, rows, dim, eps):
     xv = dev.view(x, BF16, (rows, dim)).astype(F32)
     mean = xv.sum(-1, dtype=np.float64, keepdims=True).astype(F32) / F32(dim)
     d = xv - mean

@@ -1,0 +1,166 @@
+"""The GEMV benchmark (scripts/bench_kernels.py): achieved read bandwidth of mtp_cupy's linear kernels per
+format and shape against the copy bandwidth and cuBLAS (cupy.matmul) on the same bytes, cold L2, plus a
+few small kernels (argmax, rms_norm, the fused residual add + norm) and an empty kernel as the timing floor.
+Each function takes an `EventTimer` (`EventTimer.cupy(warmup=3, sync_flush=False)`). CuPy is imported
+inside the functions."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import KernelError
+from ..runtime.ptr import DevicePtr
+from ..weights.linear import Linear
+
+BF16_SHAPES = [(129280, 7168), (154880, 6144), (151936, 2048), (7168, 14336), (4096, 2048)]
+QUANT_SHAPES = [(129280, 7168), (7168, 14336), (7168, 2048), (2048, 7168)]
+BATCH_SHAPES = [(7168, 14336), (129280, 7168)]
+BATCH_M = [1, 2, 4, 8, 16, 32]
+PREFILL = (7168, 2048, 512)  # n, k, m: the tiled GEMM path
+NAN = float("nan")
+
+
+def ptr(a) -> DevicePtr:
+    """The device pointer of a CuPy array."""
+    return DevicePtr(a.data.ptr)
+
+
+def rand_u(shape, lo: int, hi: int, dtype):
+    """Uniform integers in [lo, hi) of `dtype`, on the device."""
+    import cupy as cp
+    return cp.random.randint(lo, hi, shape, dtype=cp.int32).astype(dtype)
+
+
+def rand_bf16(shape):
+    """Random bf16 bit patterns with |v| in [2^-7, 2^-6): finite, no overflow in any peer."""
+    import cupy as cp
+    b = rand_u(shape, 0, 1 << 16, cp.uint16)
+    return (b & 0x807F) | (120 << 7)
+
+
+def make_linear(fmt: str, n: int, k: int) -> tuple[Linear, list]:
+    """A random [n, k] Linear of `fmt` ("bf16", "fp8_block" or "nvfp4") and the arrays that hold it."""
+    import cupy as cp
+    if fmt == "bf16":
+        w = rand_bf16((n, k))
+        return Linear(fmt, n, k, ptr(w)), [w]
+    if fmt == "fp8_block":
+        w = rand_u((n, k), 0, 0x7E, cp.uint8)
+        s = cp.full((-(-n // 128), -(-k // 128)), 1e-3, cp.float32)
+        return Linear(fmt, n, k, ptr(w), ptr(s)), [w, s]
+    w = rand_u((n, k // 2), 0, 256, cp.uint8)
+    s = rand_u((n, k // 16), 0x30, 0x50, cp.uint8)
+    return Linear("nvfp4", n, k, ptr(w), ptr(s), 1e-3), [w, s]
+
+
+def peer_matmul(w16, x16):
+    """cuBLAS on the same bytes: bf16 when this cupy has it, else the bits viewed as fp16 (same traffic)."""
+    import cupy as cp
+    import ml_dtypes
+    try:
+        dt = np.dtype(ml_dtypes.bfloat16)
+        W, X = w16.view(dt), x16.view(dt)
+        (W @ X[0]) if X.shape[0] == 1 else (X @ W.T)
+        kind = "bf16"
+    except Exception:
+        W, X, kind = w16.view(cp.float16), x16.view(cp.float16), "f16"
+    return (lambda: W @ X[0]) if X.shape[0] == 1 else (lambda: X @ W.T), kind
+
+
+def raw_call(gpu, name: str, W: Linear, x, y, m: int, tune=None):
+    """A raw launcher of cuda_src/gemv.cu on W (any format), f32 output; `tune` for streaming kernels."""
+    from .. import ops
+    fn, n, k = getattr(ops, name), W.n, W.k
+    kw = {} if tune is None else {"tune": tune}
+    if W.fmt == "bf16":
+        return lambda: fn(gpu, W.weight, ptr(x), ptr(y), m, n, k, k, n, "f32", **kw)
+    if W.fmt == "nvfp4":
+        return lambda: fn(gpu, W.weight, W.scale, W.scale2, ptr(x), ptr(y), m, n, k, k, n, "f32", **kw)
+    return lambda: fn(gpu, W.weight, W.scale, ptr(x), ptr(y), m, n, k, k, n, "f32", **kw)
+
+
+def _linear_row(gpu, timer, copy_gbs, fmt, n, k, m, peer_cache, raw: str | None) -> dict:
+    from .. import ops
+    import cupy as cp
+    W, keep = make_linear(fmt, n, k)
+    x = rand_bf16((m, k))
+    y = cp.empty((m, n), cp.float32)
+    if raw:
+        t = timer.us(raw_call(gpu, raw, W, x, y, m))
+    else:
+        t = timer.us(lambda: ops.linear(gpu, ptr(x), W, ptr(y), m, out_dtype="f32"))
+    read = W.weight_bytes + x.nbytes
+    key = (n, k, m)
+    if key not in peer_cache:
+        w16 = keep[0] if fmt == "bf16" else rand_bf16((n, k))
+        fn, kind = peer_matmul(w16, x)
+        peer_cache[key] = (timer.us(fn), kind)
+    tp, kind = peer_cache[key]
+    gbs = read / t * 1e-3
+    return dict(kernel=f"{raw} ({fmt})" if raw else f"linear {fmt}", shape=f"{m}x{n}x{k}", mb_read=read / 1e6,
+                us=t, gbs=gbs, pct_copy=100 * gbs / copy_gbs, cublas_us=tp, cublas_dtype=kind, ratio=t / tp)
+
+
+def bench_linear(gpu, timer, copy_gbs, fmt, n, k, m, rows, peer_cache, raw: str | None = None) -> None:
+    """Append the row of ops.linear (or the raw launcher `raw`) on one shape, f32 output, and its cuBLAS peer.
+
+    Parameters
+    ----------
+    gpu : CupyBackend
+        The device.
+    timer : EventTimer
+        The cold-L2 timer.
+    copy_gbs : float
+        Copy bandwidth in GB/s (the "% copy BW" column).
+    fmt : str
+        Weight format.
+    n, k, m : int
+        Output rows, input width, batch rows.
+    rows : list
+        Where the row goes.
+    peer_cache : dict
+        cuBLAS times per (n, k, m), measured once.
+    raw : str, optional
+        A launcher of ops to time instead of ops.linear.
+    """
+    import cupy as cp
+    rows.append(_linear_row(gpu, timer, copy_gbs, fmt, n, k, m, peer_cache, raw))
+    cp.get_default_memory_pool().free_all_blocks()   # the shape's arrays went with _linear_row
+
+
+def _row(kernel, shape, mb, us, gbs=NAN, cublas_us=NAN, cublas_dtype="-") -> dict:
+    return dict(kernel=kernel, shape=shape, mb_read=mb, us=us, gbs=gbs, pct_copy=NAN, cublas_us=cublas_us,
+                cublas_dtype=cublas_dtype, ratio=us / cublas_us if cublas_us == cublas_us else NAN)
+
+
+def bench_optional(gpu, timer, rows, notes) -> None:
+    """ops.argmax / ops.rms_norm / ops.add_rms_norm (when those launchers exist) against cupy or the launches
+    they replace, and an empty kernel (the timing floor); appends to `rows`, skips to `notes`."""
+    from .. import ops
+    import cupy as cp
+    n, d = 154880, 7168
+    logits = cp.random.standard_normal(n, dtype=cp.float32)
+    out_id = cp.empty(1, cp.int32)
+    try:
+        t = timer.us(lambda: ops.argmax(gpu, ptr(logits), n, ptr(out_id), dtype="f32"))
+        tp = timer.us(lambda: cp.argmax(logits))
+        rows.append(_row("argmax f32", str(n), logits.nbytes / 1e6, t, logits.nbytes / t * 1e-3, tp, "cupy.argmax"))
+    except (AttributeError, TypeError, KernelError) as e:
+        notes.append(f"argmax skipped: {e}")
+    noop = cp.RawKernel('extern "C" __global__ void noop() {}', "noop")
+    rows.append(_row("empty kernel (timing floor)", "1 block", 0.0, timer.us(lambda: noop((1,), (32,), ()))))
+    x, w = rand_bf16((1, d)), rand_bf16(d)
+    yb = cp.empty_like(x)
+    try:
+        t = timer.us(lambda: ops.rms_norm(gpu, ptr(x), ptr(w), ptr(yb), 1, d, 1e-6))
+        rows.append(_row("rms_norm", f"1x{d}", (x.nbytes + w.nbytes) / 1e6, t))
+    except (AttributeError, TypeError, KernelError) as e:
+        notes.append(f"rms_norm skipped: {e}")
+    r = rand_bf16((1, d))
+    try:  # the fused residual add + norm against the two launches it replaces
+        t = timer.us(lambda: ops.add_rms_norm(gpu, ptr(x), ptr(r), ptr(w), ptr(yb), 1, d, 1e-6))
+        tp = timer.us(lambda: (ops.bf16_residual_add(gpu, ptr(x), ptr(r), d),
+                               ops.rms_norm(gpu, ptr(x), ptr(w), ptr(yb), 1, d, 1e-6)))
+        rows.append(_row("add_rms_norm", f"1x{d}", (2 * x.nbytes + w.nbytes) / 1e6, t, NAN, tp,
+                         "residual_add + rms_norm"))
+    except (AttributeError, TypeError, KernelError) as e:
+        notes.append(f"add_rms_norm skipped: {e}")

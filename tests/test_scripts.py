@@ -1,0 +1,248 @@
+"""CPU smoke tests of scripts/ and mtp_cupy.bench, so the benchmarks cannot rot silently: every script's --help
+exits 0 and names each flag's default, a bad flag is one line and exit status 2, every script with a NumPy
+device (or CPU) mode runs end to end in seconds, and mtp_cupy.bench / mtp_cupy.testing.torch_peers import
+with torch and CuPy blocked. The GPU-only paths (CUDA events, the copy probe, the GEMV benchmark, ncu
+profiling) run only on a GPU machine (scripts/gpu_check.sh bench)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py"))
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+       "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(script: str, *args: str, cwd=ROOT, timeout: int = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def ok(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 0, f"exit {r.returncode}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-3000:]}"
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.stdout
+
+
+def have(module: str) -> bool:
+    try:
+        __import__(module)
+        return True
+    except Exception:    # noqa: BLE001
+        return False
+
+
+# -- every script: --help, a bad flag ------------------------------------------------------------------------
+def test_every_script_has_help_and_one_line_errors():
+    assert {"bench_draft.py", "bench_kernels.py", "draft_glm.py", "profile_step.py", "run_real_dims_v3.py",
+            "run_real_dims_v4.py", "run_real_dims_qwen.py", "acceptance.py", "train_tiny.py",
+            "stdlib_corpus.py", "nvrtc_check.py"} <= set(SCRIPTS)
+    assert "bench_common.py" not in SCRIPTS
+    with ThreadPoolExecutor(4) as ex:
+        helps = dict(zip(SCRIPTS, ex.map(lambda s: run(s, "--help"), SCRIPTS)))
+        bads = dict(zip(SCRIPTS, ex.map(lambda s: run(s, "--no-such-flag"), SCRIPTS)))
+    for s in SCRIPTS:
+        out = ok(helps[s])
+        assert out.startswith("usage:"), (s, out[:200])
+        blocks = {}                  # flag -> its help text (a line "  --flag ...", then deeper-indented lines)
+        for ln in out.split("options:", 1)[1].splitlines():
+            if ln.startswith("  -"):
+                flag = [w.rstrip(",") for w in ln.split() if w.startswith("--")][0]
+                blocks[flag] = ln
+            elif ln.startswith("   ") and blocks:
+                blocks[flag] += ln
+            elif ln.strip():
+                break
+        assert "--help" in blocks and len(blocks) > 1, (s, out)
+        for flag, text in blocks.items():   # each flag explains itself, its default included
+            assert flag == "--help" or "default" in text, (s, flag, text)
+        r = bads[s]
+        assert r.returncode == 2, (s, r.returncode, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "error:" in lines[0] and "--no-such-flag" in lines[0], (s, r.stderr)
+
+
+def test_bad_values_are_one_line():
+    for script, args in (("bench_draft.py", ["--ks", "0"]), ("run_real_dims_qwen.py", ["--batch", "65"]),
+                         ("draft_glm.py", ["--checkpoint", "x", "--real-dims"]), ("stdlib_corpus.py", ["--fold", "20"])):
+        r = run(script, *args)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (script, r.stderr)
+
+
+def test_mtp_error_is_one_line(tmp_path):
+    r = run("draft_glm.py", "--device", "ref", "--checkpoint", str(tmp_path / "none"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines() == [f"draft_glm.py: error: ConfigError: config file not found: "
+                                             f"{tmp_path / 'none'}"], r.stderr
+
+
+# -- NumPy-device smoke runs --------------------------------------------------------------------------------
+def test_bench_draft_tiny_ref(tmp_path):
+    """Every family at batch 1 and 3, ours and (with torch) the torch peer at both widths, in the table, the JSON,
+    the plot (with matplotlib) and a --from-json re-print."""
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    args = ["--family", "all", "--device", "ref", "--tiny", "--ks", "1,2", "--batches", "1,3", "--iters", "1",
+            "--json", str(out), "--plot", str(png)]
+    torch_cpu, mpl = have("torch"), have("matplotlib")
+    text = ok(run("bench_draft.py", *args, *(["--torch-cpu"] if torch_cpu else ["--no-torch"])))
+    res = json.loads(out.read_text())
+    assert [f["family"] for f in res["families"]] == ["deepseek_v4", "deepseek_v3", "qwen3_next", "glm5"]
+    for f in res["families"]:
+        assert f["error"] is None and f["torch_error"] is None, f
+        assert f"### {f['title']} ({f['family']}), ctx 32" in text
+        assert [(r["k"], r["batch"]) for r in f["rows"]] == [(1, 1), (2, 1), (1, 3), (2, 3)]
+        for r in f["rows"]:
+            assert r["weight_bytes"] > 0 and r["kv_bytes"] > 0 and r["ours"]["graph_off"]["wall_us"] > 0
+            assert r["experts"] >= 1
+            if not torch_cpu:
+                assert r["torch"] is None
+                continue
+            t = r["torch"]
+            assert t["eager"]["wall_us"] > 0 and t["graph"] is None and t["kv_bytes"] > 0
+            assert t["moe_path"] == ("gather" if r["batch"] == 1 else "grouped" if have_grouped_mm() else "gather")
+            assert 1 <= t["experts"] <= r["batch"] * 8 and t["weight_bytes"] > 0
+        if torch_cpu:
+            assert [p["batch"] for p in f["torch_peers"]] == [1, 3]
+            assert "- torch MoE path gather at batch 1" in text
+    for B in (1, 3):                 # a table row per (batch, k): "| B | k | ours ..."
+        assert text.count(f"\n| {B} | 1 | ") == 4 and text.count(f"\n| {B} | 2 | ") == 4, text
+    assert ("# wrote" in text and png.stat().st_size > 10_000) if mpl else "--plot skipped: matplotlib" in text
+    again = ok(run("bench_draft.py", "--from-json", str(out), str(out)))
+    assert again.count("\n| 3 | 2 | ") == 8 and "# bench_draft" not in again
+
+
+def have_grouped_mm() -> bool:
+    from mtp_cupy.testing.torch_peers import grouped_mm_works
+    return grouped_mm_works("cpu")[0]
+
+
+@pytest.mark.parametrize("moe", ["grouped", "gather"])
+def test_batched_torch_peer_equals_one_row_peers(moe):
+    """A peer of B sequences drafts, row for row, what B one-row peers with the same weights and inputs draft:
+    the same ids at every step of a chain, the carried hidden close (the batching is checked, not only timed)."""
+    torch = pytest.importorskip("torch")
+    from mtp_cupy.bench.drafter import real_config
+    from mtp_cupy.testing.torch_peers import PEERS
+    if moe == "grouped" and not have_grouped_mm():
+        pytest.skip("torch._grouped_mm does not run on this CPU")
+    B, ctx, k = 3, 24, 3
+    for fam, build in PEERS.items():
+        cfg = real_config(fam, tiny=True)
+        peer = build(cfg, ctx, k, "cpu", 0, batch=B, moe=moe)
+        start = {n: t.clone() for n, t in peer.state.items()}     # the chain writes the caches
+        peer.chain(k)
+        assert peer.moe_path == moe and peer.batch == B and peer.experts_selected() >= cfg.get(
+            "num_experts_per_tok")
+        ids = torch.stack(peer.out["ids"], 1)                    # [B, k]
+        assert len(set(map(tuple, ids.tolist()))) == B, (fam, ids)  # the rows really differ
+        for b in range(B):
+            one = build(cfg, ctx, k, "cpu", 0)
+            for n, t in start.items():
+                one.state[n].copy_(t[b:b + 1])
+            one.chain(k)
+            assert torch.stack(one.out["ids"], 1)[0].tolist() == ids[b].tolist(), (fam, b)
+            torch.testing.assert_close(one.out["h"][0].float(), peer.out["h"][b].float(), rtol=1e-2, atol=1e-3)
+        one = build(cfg, ctx, k, "cpu", 0)
+        assert peer.dense_bytes == one.dense_bytes + (B - 1) * 2 * cfg["hidden_size"]
+        assert peer.kv_bytes == B * one.kv_bytes and one.weight_bytes == one.weight_bytes_for(
+            cfg.get("num_experts_per_tok"))
+
+
+@pytest.mark.parametrize("script", ["run_real_dims_v3.py", "run_real_dims_v4.py"])
+def test_run_real_dims_phases_ref(script):
+    """The phase split re-runs the newest row on a slab staged by hand (mtp_cupy.bench.stage_row_meta)."""
+    text = ok(run(script, "--device", "ref", "--tiny", "--ctx", "16", "--iters", "1"))
+    assert "ms/draft step" in text
+    phases = [ln for ln in text.splitlines() if ln.startswith("  ") and ln.endswith(" us")]
+    assert len(phases) >= 7 and any("LM head" in ln for ln in phases), text
+
+
+def test_run_real_dims_qwen_ref():
+    text = ok(run("run_real_dims_qwen.py", "--device", "ref", "--tiny", "--ctx", "16", "--iters", "1", "--drafts",
+                  "2", "--quant", "bf16", "--batch", "1", "2"))
+    rows = [ln.split() for ln in text.splitlines() if ln.strip().startswith("bf16")]
+    assert [r[1] for r in rows] == ["1", "2"], text
+
+
+@pytest.mark.parametrize("args", [["--real-dims", "--tiny", "--ctx", "16", "--iters", "1"], ["--ctx", "8"]],
+                         ids=["real-dims-tiny", "tiny-checkpoint"])
+def test_draft_glm_one_rank_ref(args):
+    text = ok(run("draft_glm.py", "--device", "ref", "--cycles", "2", *args))
+    assert "1 rank(s)" in text and "ms per draft step" in text and text.count("cycle ") == 2, text
+
+
+def test_acceptance_ref():
+    text = ok(run("acceptance.py", "--device", "ref", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "3",
+                  "--ks", "1"))
+    assert "| 1 |" in text, text
+
+
+def test_train_tiny_cpu(tmp_path):
+    if not (have("torch") and have("transformers")):
+        pytest.skip("train_tiny needs torch and transformers")
+    ok(run("train_tiny.py", "--steps", "1", "--batch", "2", "--seq", "16", "--out", str(tmp_path / "ck")))
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["model_type"] == "deepseek_v3" and (tmp_path / "ck" / "model.safetensors").stat().st_size > 0
+
+
+def test_profile_step_summarize(tmp_path):
+    rows = ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
+    for i, (name, ns) in enumerate((("gemv_a(int)", 3000), ("argmax_b(float)", 1000), ("gemv_a(int)", 2000))):
+        for metric, v in (("gpu__time_duration.sum", ns), ("dram__bytes_read.sum", 4e6), ("dram__bytes_write.sum", 0)):
+            rows.append(f'"{i}","{name}","{metric}","x","{v}"')
+    csv = tmp_path / "p.csv"
+    csv.write_text("==PROF== a log line\n" + "\n".join(rows) + "\n")
+    text = ok(run("profile_step.py", "--summarize", str(csv), "--copy-gbs", "4000", "--step-us", "10"))
+    assert text.startswith("3 launches, 2 kernels; sum of kernel times 6.0 µs, 12.0 MB moved"), text
+    assert "| gemv_a | 2 | 5.0 |" in text and "gaps 4.0 µs" in text, text
+
+
+def test_stdlib_corpus_split():
+    from mtp_cupy.bench.corpus import stdlib_files
+    held = ok(run("stdlib_corpus.py", "--held-out")).split()
+    assert held == [str(p) for p in stdlib_files(True)] and 0 < len(held) < len(stdlib_files(False))
+
+
+# -- the package -----------------------------------------------------------------------------------------------
+def test_bench_imports_without_torch_or_cupy():
+    code = ("import sys, importlib, pkgutil\n"
+            "for m in ('torch', 'cupy', 'mpi4py', 'transformers'): sys.modules[m] = None\n"
+            "import mtp_cupy.bench, mtp_cupy.testing.torch_peers as tp\n"
+            "for pkg in (mtp_cupy.bench, tp):\n"
+            "    for m in pkgutil.iter_modules(pkg.__path__): importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+            "print(sorted(tp.PEERS))\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[0] == "['deepseek_v3', 'deepseek_v4', 'glm5', 'qwen3_next']"
+
+
+def test_host_timer_and_phases(ref):
+    from mtp_cupy.bench import EventTimer, back_to_back_us, time_phases
+    calls = []
+    t = EventTimer.for_device(ref, iters=3, warmup=2)
+    gpu_us, wall_us = t.time(lambda: calls.append(1))
+    assert gpu_us == [] and len(wall_us) == 3 and len(calls) == 5 and not t.has_gpu_time
+    assert t.us(lambda: None, iters=2) >= 0
+    calls.clear()
+    assert back_to_back_us(ref, lambda: calls.append(1), 4) >= 0 and len(calls) == 5
+    assert list(time_phases(ref, {"a": lambda: None, "b": lambda: None}, 2)) == ["a", "b"]
+
+
+def test_random_device_tensors(ref):
+    from mtp_cupy.bench.random_device import RandomDevice
+    from mtp_cupy.runtime.dtypes import BF16
+    r = RandomDevice(ref, 0)
+    x = ref.read(r.bf16(4096, 0.5, 1.0), BF16, 4096).astype(np.float32)
+    assert abs(x.mean() - 1.0) < 0.05 and abs(x.std() - 0.5) < 0.05
+    lins = r.linears(3, 8, 64)
+    assert [int(w.weight) - int(lins[0].weight) for w in lins] == [0, 2 * 8 * 64, 4 * 8 * 64]
+    w = r.fp8_block(256, 128)
+    assert w.fmt == "fp8_block" and (w.n, w.k) == (256, 128) and len(r.owners) == 4
