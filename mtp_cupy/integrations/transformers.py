@@ -198,8 +198,8 @@ def generate(model, input_ids, logits_processor=None, stopping_criteria=None, ge
     def to_drafter(h):
         return h if on_cuda or h.device.type == "cpu" else h.cpu()
 
-    def scores(prefix, row):
-        return lp(prefix, row[None])[0] if len(lp) else row
+    def scores(prefix, row):   # processors may write in place: theirs is a copy, as in transformers' _sample
+        return lp(prefix, row[None].clone())[0] if len(lp) else row
 
     st = drafter.alloc_state()
     try:
