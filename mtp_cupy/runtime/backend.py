@@ -46,6 +46,12 @@ def cuda_modules() -> list[str]:
     return sorted(p.stem for p in CUDA_SRC.glob("*.cu"))
 
 
+def is_torch_bf16(obj) -> bool:
+    """A torch tensor of dtype bfloat16 (told without importing torch): NumPy and CuPy < 14 read it through
+    its int16 view."""
+    return type(obj).__module__.startswith("torch") and str(getattr(obj, "dtype", "")) == "torch.bfloat16"
+
+
 def is_stream_like(obj) -> bool:
     """A torch / cupy stream, anything with `__cuda_stream__`, or a cudaStream_t address."""
     return (hasattr(obj, "__cuda_stream__") or hasattr(obj, "cuda_stream") or hasattr(obj, "ptr")

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import KernelError
 from .backend import (Backend, DeviceBuffer, KernelHandle, check_stream, cuda_kernel_names, cuda_source,
-                      module_source)
+                      is_torch_bf16, module_source)
 from .dtypes import BF16
 from .dtypes import dtype as _dtype
 from .ptr import DevicePtr
@@ -30,10 +30,6 @@ unsigned int u = __float_as_uint(x);
 y = ((u & 0x7fffffffu) > 0x7f800000u) ? (unsigned short)((u >> 16) | 0x40u)
                                       : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 """
-
-
-def _torch_bf16(obj) -> bool:
-    return type(obj).__module__.startswith("torch") and str(getattr(obj, "dtype", "")) == "torch.bfloat16"
 
 
 def cuda_available() -> bool:
@@ -210,7 +206,7 @@ class CupyBackend(Backend):
         return arr
 
     def from_dlpack(self, obj, stream=None):
-        bf16 = _torch_bf16(obj)
+        bf16 = is_torch_bf16(obj)
         if bf16 and self.cupy_major < 14:      # CuPy 13 has no bf16 dtype (its bf16 import crashed): raw words
             obj = obj.view(sys.modules["torch"].int16)
         with self._stream(stream):             # the producer makes this stream wait on its current one

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from ..runtime.backend import Backend
+from ..runtime.backend import Backend, is_torch_bf16
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
 
@@ -86,10 +86,6 @@ def is_cuda_tensor(x) -> bool:
     return d is not None and d[0] in (DL_CUDA, DL_CUDA_MANAGED)
 
 
-def _torch_bf16(x) -> bool:
-    return type(x).__module__.startswith("torch") and str(getattr(x, "dtype", "")) == "torch.bfloat16"
-
-
 def host_array(x, what: str) -> np.ndarray:
     """A NumPy view of host data: a NumPy array, a CPU DLPack object (a torch CPU tensor, bf16 included), or
     nested sequences. A CUDA tensor raises InputError (device data takes the device path)."""
@@ -105,7 +101,7 @@ def host_array(x, what: str) -> np.ndarray:
         raise InputError(f"{what} is on DLPack device type {dev[0]} (device {dev[1]}); expected the host or CUDA")
     if hasattr(x, "detach"):
         x = x.detach()
-    bf16 = _torch_bf16(x)
+    bf16 = is_torch_bf16(x)
     if bf16:   # NumPy's DLPack import has no bf16: read the raw words
         import sys
         x = x.view(sys.modules["torch"].int16)
