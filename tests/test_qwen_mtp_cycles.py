@@ -9,7 +9,7 @@ import mtp_cupy
 from mtp_cupy.errors import CapacityError
 from mtp_cupy.models import qwen3_next as qwen_mtp
 from mtp_cupy.runtime.dtypes import bf16_round
-from qwen_util import head_weights, rel, tiny_ckpt
+from qwen_util import ref_weights, rel, tiny_ckpt
 from reference.qwen_ref import QwenMtpRef
 from helpers import check_pool
 
@@ -93,7 +93,7 @@ def test_catch_up_keeps_rope_positions(refeed):
     """Mirror every row on the float64 reference (the position each row was written at), including the
     rows after_verify trims and the catch-up rows the caller re-feeds from the target's hiddens."""
     prop = _load("bf16", refeed_accepted=refeed)
-    ref = QwenMtpRef(head_weights(prop), prop.cfg.raw)
+    ref = QwenMtpRef(ref_weights(tiny_ckpt("bf16")), prop.cfg.raw)
     rng = np.random.default_rng(2)
     toks, hs = _seq(rng, 30)
     st = prop.alloc_state()

@@ -15,6 +15,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .decisions import Decisions
+
 P = "mtp."
 L = "mtp.layers.0."
 
@@ -50,10 +52,12 @@ def e4m3(x: np.ndarray, scale: float) -> np.ndarray:
     return q.astype(np.float64) * scale
 
 
-class QwenMtpRef:
-    """One MTP decoder layer over its own K/V rows. `cfg` uses the HF config.json names."""
+class QwenMtpRef(Decisions):
+    """One MTP decoder layer over its own K/V rows. `cfg` uses the HF config.json names. The expert selection
+    is a Decision (near ties measured on the router logits, i.e. log-probability ratios)."""
 
     def __init__(self, w: dict[str, np.ndarray], cfg: dict, kv_fp8: bool = False, kv_scale: float = 1.0):
+        Decisions.__init__(self)
         self.w = {k: np.asarray(v, dtype=np.float64) for k, v in w.items()}
         self.H, self.KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.hd = cfg["head_dim"]
@@ -63,9 +67,6 @@ class QwenMtpRef:
         self.top_k, self.n_exp = cfg.get("num_experts_per_tok", 0), cfg.get("num_experts", 0)
         self.norm_topk = cfg.get("norm_topk_prob", True)
         self.kv_fp8, self.kv_scale = kv_fp8, kv_scale
-        # relative gap between the k-th and (k+1)-th router probability of every MoE call: below ~1e-2,
-        # rounding elsewhere may legitimately pick the other expert, and later steps diverge
-        self.route_gaps: list[float] = []
         self.K: list[np.ndarray] = []   # [KV, hd] per row, RoPE applied, as the cache stores it
         self.V: list[np.ndarray] = []
 
@@ -87,14 +88,11 @@ class QwenMtpRef:
         return k, v
 
     def attention(self, xn: np.ndarray, pos: int) -> np.ndarray:
-        """Appends this row's K/V, then attends over every row held (causal: all earlier rows)."""
+        """Attends over every row held (causal: all earlier rows and this one's, written by step)."""
         w = self.w
         qg = (xn @ w[L + "self_attn.q_proj.weight"].T).reshape(self.H, 2 * self.hd)
         q, gate = qg[:, :self.hd], qg[:, self.hd:]
         q = rope_neox(rms1p(q, w[L + "self_attn.q_norm.weight"], self.eps), pos, self.rot, self.theta)
-        k, v = self._kv(xn, pos)
-        self.K.append(k)
-        self.V.append(v)
         K, V = np.stack(self.K), np.stack(self.V)          # [T, KV, hd]
         grp = self.H // self.KV
         o = np.empty((self.H, self.hd))
@@ -111,10 +109,7 @@ class QwenMtpRef:
         logits = w[m + "gate.weight"] @ x
         p = np.exp(logits - logits.max())
         p /= p.sum()
-        order = np.argsort(-p, kind="stable")
-        idx = order[:self.top_k]
-        if self.top_k < self.n_exp:
-            self.route_gaps.append(float((p[order[self.top_k - 1]] - p[order[self.top_k]]) / p[order[self.top_k - 1]]))
+        idx = self.pick("experts", logits, self.top_k)
         wk = p[idx] / p[idx].sum() if self.norm_topk else p[idx]
         y = np.zeros_like(x)
         for e, we in zip(idx, wk):
@@ -132,14 +127,23 @@ class QwenMtpRef:
         self.K.append(k)
         self.V.append(v)
 
-    def step(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step: (logits over the full vocab, carried hidden g)."""
+    def forward(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step over the rows held (its own included): (logits over the full vocab, carried g)."""
         w, e = self.w, self.eps
         x = self.front(token, hidden)
         x = x + self.attention(rms1p(x, w[L + "input_layernorm.weight"], e), pos)
         x = x + self.ffn(rms1p(x, w[L + "post_attention_layernorm.weight"], e))
         g = rms1p(x, w[P + "norm.weight"], e)
         return w["lm_head.weight"] @ g, g
+
+    def step(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step (appends its row): (logits over the full vocab, carried hidden g)."""
+        return self.candidates(token, hidden, pos, 0.0)[0]
+
+    def candidates(self, token: int, hidden: np.ndarray, pos: int, tie: float) -> list:
+        """One draft step (appends its row) under every near-tie outcome of its routing, exact one first."""
+        self.write_row(token, hidden, pos)
+        return self.run_candidates(lambda: self.forward(token, hidden, pos), tie)
 
     def truncate(self, rows: int) -> None:
         del self.K[rows:], self.V[rows:]
