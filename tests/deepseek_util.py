@@ -14,7 +14,7 @@ from helpers import write_rows
 from mtp_cupy.runtime.dtypes import bf16_round
 from reference.checkpoint import read_weights
 
-ROUTE_TIE = 1e-2     # decision gap (router score; index score / its spread) where the other side is legitimate
+ROUTE_TIE = 2e-2     # decision gap (router score; index score / its spread) where the other side is legitimate
 ARGMAX_TIE = 0.1     # top-2 logit gap (in logit std) below which a different draft is legitimate
 
 _CKPTS: dict = {}

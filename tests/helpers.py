@@ -89,19 +89,25 @@ def clear_argmax(logits, margin: float) -> bool:
     return bool(top[1] - top[0] > margin * max(float(logits.std()), 1e-12))
 
 
+class Picks(list):
+    """Per draft the index of the reference outcome the device matched (0: the exact one); `tied[i]`: step i
+    had a near tie (more than one legitimate outcome)."""
+    tied: list[bool]
+
+
 def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: float, label: str = "",
-                tie: float = 1e-2, argmax_tie: float = 0.1) -> list[int]:
+                tie: float = 1e-2, argmax_tie: float = 0.1) -> Picks:
     """A propose's drafts replayed on a float64 reference (anything with `candidates(token, hidden, pos, tie)`,
     reference/decisions.py), teacher-forced with the device's drafts, each step's carried hidden rounded to
     bf16 as the device stores it. Every draft is compared: its logits must be within tol0 (first draft) / tol
     (chained: the bf16 carried hidden compounds) of one of the step's outcomes -- the exact one, or one that
     takes the other side of a near tie (a routing or index choice closer than `tie`, where rounding may
     legitimately choose otherwise) -- and its id must be that outcome's argmax where the top-2 gap is clear
-    (`argmax_tie`). The chain goes on from the matched outcome, as the device did. Returns per draft the
-    index of the outcome it matched (0: the exact one)."""
+    (`argmax_tie`). The chain goes on from the matched outcome, as the device did. Returns the Picks."""
     assert len(res.tokens) > 0, f"{label}: nothing drafted, nothing compared"
     tok, h = token, bf16(hidden).astype(np.float64)
-    picks = []
+    picks = Picks()
+    picks.tied = []
     for i in range(len(res.tokens)):
         outs = ref.candidates(tok, h, position + i, tie)
         errs = [rel_err(res.logits[i], lg) for lg, _ in outs]
@@ -111,6 +117,7 @@ def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: f
         if clear_argmax(outs[j][0], argmax_tie):
             assert res.tokens[i] == int(np.argmax(outs[j][0])), f"{label} draft {i}: argmax"
         picks.append(j)
+        picks.tied.append(len(outs) > 1)
         tok, h = res.tokens[i], bf16(outs[j][1]).astype(np.float64)
     return picks
 

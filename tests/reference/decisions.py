@@ -19,40 +19,51 @@ class Decisions:
     def pick(self, name: str, scores: np.ndarray, n: int, scale: float = 1.0) -> np.ndarray:
         """The top-n indices of `scores` (ties to the lower index), or what a candidate run forces. Records the
         decision: a member whose score is within `tie * scale` of a non-member's is a near tie."""
-        order = np.argsort(-scores, kind="stable")
-        self._decisions.append((name, scores, order, n, scale))
-        if name in self._force:
-            return np.asarray(self._force[name])
-        return order[:n]
+        sel = np.asarray(self._force[name]) if name in self._force else np.argsort(-scores, kind="stable")[:n]
+        self._decisions.append((name, scores, sel, scale))
+        return sel
 
-    def run_candidates(self, forward, tie: float) -> list:
+    def run_candidates(self, forward, tie: float, depth: int = 3, most: int = 256) -> list:
         """forward() once free (recording its decisions), then once per near tie (a member and a non-member
         of a selection closer than tie * scale) with that pair swapped and every later decision of the step
-        recomputed. Returns the outcomes, the exact one first; last_margin is the free run's smallest gap."""
-        self._force, self._decisions = {}, []
-        out = [forward()]
-        alts, self.last_margin = near_ties(self._decisions, tie)
-        for name, sel in alts:
-            self._force, self._decisions = {name: sel}, []
-            out.append(forward())
+        recomputed, and so on for the near ties of those runs, `depth` swaps at most (several index rows and
+        an expert can be close at once), `most` outcomes at most. Returns the outcomes, the exact one first;
+        last_margin is the free run's smallest gap, outcome_gaps per outcome the largest gap it crossed."""
+        out, seen, first = [], set(), None
+        self.outcome_gaps = []
+        queue = [({}, depth, 0.0)]          # breadth first: an outcome is met first by its fewest swaps
+        for force, d, gap in queue:
+            if len(out) >= most or len(queue) > 8 * most:
+                break
+            self._force, self._decisions = force, []
+            res, decisions = forward(), self._decisions
+            first = decisions if first is None else first
+            sig = tuple((name, tuple(sorted(int(i) for i in sel))) for name, _, sel, _ in decisions)
+            if sig in seen:             # the same selections as an outcome already held
+                continue
+            seen.add(sig)
+            out.append(res)
+            self.outcome_gaps.append(gap)
+            if d:
+                queue += [({**force, name: tuple(sel)}, d - 1, max(gap, g))
+                          for name, sel, g in near_ties(decisions, tie)[0]]
+        self.last_margin = near_ties(first, tie)[1]
         self._force, self._decisions = {}, []
         return out
 
-
 def near_ties(decisions, tie: float):
-    """(name, forced selection) for every single swap across a decision boundary closer than tie * scale,
-    and the smallest normalised gap over all decisions."""
+    """(name, selection, normalised gap) for every single swap of a member and a non-member whose scores are
+    closer than tie * scale, and the smallest normalised gap across any selection boundary."""
     alts, margin = [], math.inf
-    for name, scores, order, n, scale in decisions:
-        if n >= len(scores):
+    for name, scores, sel, scale in decisions:
+        inside = [int(i) for i in sel]
+        outside = [j for j in range(len(scores)) if j not in set(inside) and np.isfinite(scores[j])]
+        if not outside:
             continue
-        inside, outside = order[:n], [j for j in order[n:] if np.isfinite(scores[j])]
-        if outside:
-            margin = min(margin, (scores[inside[-1]] - scores[outside[0]]) / scale)
+        margin = min(margin, (min(scores[inside]) - max(scores[outside])) / scale)
         for i in inside:
             for j in outside:
-                if (scores[i] - scores[j]) / scale < tie:
-                    alts.append((name, sorted(set(inside.tolist()) - {int(i)} | {int(j)})))
+                gap = abs(scores[i] - scores[j]) / scale
+                if gap < tie:
+                    alts.append((name, sorted(set(inside) - {i} | {j}), float(gap)))
     return alts, margin
-
-
