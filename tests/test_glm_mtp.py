@@ -18,7 +18,8 @@ from mtp_cupy.weights.glm5 import Shard, load_glm5
 from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, matches_oracle, ref_weights,
                            masked_drafts_obey, references_agree, rel, snapshot)
 from glm_util import D, V, glm_ckpt, inputs
-from helpers import assert_bf16_near, up
+from helpers import assert_bf16_near, up, write_rows
+from reference.checkpoint import quant_fp8_rows
 from reference.glm_ref import GlmMtpRef
 
 T, K = 20, 3
@@ -161,6 +162,24 @@ def test_matches_transformers(rng):
     path = glm_ckpt("bf16", seed=1)
     w, cfg = ref_weights(path), config_of(path)
     matches_oracle(load(path), GlmMtpRef(w, cfg), TorchGlmMtp(w, cfg), rng, 12, K, TOL0, TOL, "transformers")
+
+
+def test_head_fp8_drafts_match_reference(rng):
+    """head_fp8 scores with an FP8 (per-row scale) copy of the head: the chain against the float64 reference
+    whose head is the reference's own per-row FP8 quantisation of the file's head (and the logits are those
+    of the FP8 head: the BF16 reference differs by more than its rounding)."""
+    path = glm_ckpt("bf16")
+    prop = load(path, head_fp8=True)
+    assert prop.head.fmt == "fp8_row"
+    w, cfg = ref_weights(path), config_of(path)
+    w["lm_head.weight"] = quant_fp8_rows(w["lm_head.weight"])
+    ref = GlmMtpRef(w, cfg)
+    toks, hs, tok, h = inputs(rng, T)
+    st = prop.alloc_state()
+    prop.prefill(st, toks, hs)
+    write_rows([ref], toks, hs, T)
+    res = prop.propose(st, tok, h, T, K, return_logits=True)
+    check_chain(res, ref, tok, h, T, TOL0, TOL, "head_fp8")
 
 
 def test_drafts_without_logits_equal_argmax_of_logits(rng):
