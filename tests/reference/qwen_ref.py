@@ -61,8 +61,9 @@ class QwenMtpRef(Decisions):
         self.w = {k: np.asarray(v, dtype=np.float64) for k, v in w.items()}
         self.H, self.KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.hd = cfg["head_dim"]
-        self.rot = int(self.hd * cfg.get("partial_rotary_factor", 1.0))
-        self.theta = float(cfg.get("rope_theta", 10000.0))
+        rp = cfg.get("rope_parameters") or {}      # transformers 5 writes these under rope_parameters
+        self.rot = int(self.hd * cfg.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0)))
+        self.theta = float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0)))
         self.eps = float(cfg["rms_norm_eps"])
         self.top_k, self.n_exp = cfg.get("num_experts_per_tok", 0), cfg.get("num_experts", 0)
         self.norm_topk = cfg.get("norm_topk_prob", True)
