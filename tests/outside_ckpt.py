@@ -168,7 +168,8 @@ def _nvfp4(w) -> dict:
     bs_codes = encode_e4m3(np.clip(bamax / (6 * s2), 2.0 ** -9, 448.0))
     bs = E4M3[bs_codes]
     codes = encode_e2m1(a / np.repeat(bs * s2, 16, axis=1))
-    return {".weight": torch.from_numpy(pack_e2m1(codes)), ".weight_scale": torch.from_numpy(bs_codes).view(torch.float8_e4m3fn),
+    return {".weight": torch.from_numpy(pack_e2m1(codes)),
+            ".weight_scale": torch.from_numpy(bs_codes).view(torch.float8_e4m3fn),
             ".weight_scale_2": torch.tensor(s2, dtype=torch.float32), ".input_scale": torch.tensor(1.0)}
 
 
@@ -250,8 +251,8 @@ def _v4(path: Path, fmt: str) -> None:
     """DeepSeek-V4: the one-layer model's layer (transformers saves DeepSeek's own names) renamed `mtp.0.`,
     its hc_head and final norm the MTP layer's, kv_norm under its release name (DeepSeek's `attn.kv_norm`;
     transformers 5.24 saves it as `attn.norm`, inverting its load-time rename of the compressor's norm),
-    e_proj / h_proj / enorm / hnorm added; FP8 projections with E8M0 block scales, MXFP4 routed experts, the router, norms, mHC
-    parameters and sinks as released (BF16 / F32)."""
+    e_proj / h_proj / enorm / hnorm added; FP8 projections with E8M0 block scales, MXFP4 routed experts, the
+    router, norms, mHC parameters and sinks as released (BF16 / F32)."""
     t, cfg = _saved("deepseek_v4", {**V4_DIMS, "num_hidden_layers": 1}, seed=11, norm_offset=1.0,
                     f32=("_hc.", "hc_head.", "sinks", "e_score"))
     D = V4_DIMS["hidden_size"]
@@ -271,6 +272,7 @@ def _v4(path: Path, fmt: str) -> None:
            and ".ffn.experts." not in k and "hc_" not in k and not k.endswith("gate.weight")]
     out = _quantise(_quantise(out, experts, _mxfp4), fp8, lambda w: _fp8_block(w, e8m0=True))
     extra = _quantise(extra, ["mtp.0.e_proj", "mtp.0.h_proj"], lambda w: _fp8_block(w, e8m0=True))
-    cfg.update(expert_dtype="fp4", quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
-                                                        "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+    cfg.update(expert_dtype="fp4", quantization_config={
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]})
     _write(path, out, extra, cfg)

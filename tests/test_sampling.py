@@ -3,7 +3,7 @@ import pytest
 
 from mtp_cupy.speculative.generate import generate, generate_target_only
 from mtp_cupy.speculative.metrics import SpecDecodeMetrics
-from mtp_cupy.speculative.sampling import greedy_verify, one_hot, rejection_verify, softmax
+from mtp_cupy.speculative.sampling import greedy_verify, rejection_verify, softmax
 
 
 def test_greedy_verify():

@@ -85,8 +85,8 @@ def test_sharded_equals_unsharded(dev_comm, world, exchange):
         assert _same_on_all_ranks(g.logits), f"cycle {c}: ranks gathered different logits"
         picks = [check_chain(r, ref, tok, h, pos, REF_TOL0, REF_TOL, f"cycle {c} {name} vs float64")
                  for r, ref, name in ((g, refs[0], "sharded"), (w, refs[1], "unsharded"))]
-        clean = next((i for i in range(1, K) if g.tokens[i - 1] != w.tokens[i - 1] or picks[0][i - 1] != picks[1][i - 1]),
-                     K)
+        clean = next((i for i in range(1, K)
+                      if g.tokens[i - 1] != w.tokens[i - 1] or picks[0][i - 1] != picks[1][i - 1]), K)
         for i in range(clean):
             if picks[0][i] != picks[1][i]:
                 continue            # the two took different sides of a near tie at this draft

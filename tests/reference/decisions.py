@@ -11,6 +11,9 @@ import numpy as np
 
 
 class Decisions:
+    """Mixed into a reference that has write_row(token, hidden, pos) and forward(token, hidden, pos) ->
+    (logits, carried hidden) over the rows it holds."""
+
     def __init__(self):
         self.last_margin = math.inf   # smallest normalised decision gap of the last step
         self._force: dict = {}        # decision name -> selection, in a candidate run
@@ -22,6 +25,16 @@ class Decisions:
         sel = np.asarray(self._force[name]) if name in self._force else np.argsort(-scores, kind="stable")[:n]
         self._decisions.append((name, scores, sel, scale))
         return sel
+
+    def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step (appends its row): (logits [vocab], carried hidden); last_margin its smallest gap."""
+        return self.candidates(token, hidden, pos, 0.0)[0]
+
+    def candidates(self, token: int, hidden, pos: int, tie: float) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One draft step (appends its row) under every near-tie outcome of its decisions, the exact one first
+        (run_candidates). A device that rounds differently at a tie matches one; a wrong device none."""
+        self.write_row(token, hidden, pos)
+        return self.run_candidates(lambda: self.forward(token, hidden, pos), tie)
 
     def run_candidates(self, forward, tie: float, depth: int = 3, most: int = 256) -> list:
         """forward() once free (recording its decisions), then once per near tie (a member and a non-member

@@ -157,16 +157,6 @@ class DeepseekMtpRef(Decisions):
         logits = self.w["lm_head.weight"] @ rms(x, self.g("shared_head.norm.weight"), self.eps)
         return logits, self.carried(x)
 
-    def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step (appends its row, attends all rows): (logits [vocab], carried hidden). `last_margin`
-        is the step's smallest decision gap (a near-tie detector)."""
-        return self.candidates(token, hidden, pos, 0.0)[0]
-
-    def candidates(self, token: int, hidden, pos: int, tie: float) -> list[tuple[np.ndarray, np.ndarray]]:
-        """One draft step (appends its row) under every legitimate outcome (Decisions.run_candidates)."""
-        self.write_row(token, hidden, pos)
-        return self.run_candidates(lambda: self.forward(token, hidden, pos), tie)
-
     def truncate(self, rows: int) -> None:
         del self.rows[rows:]
 

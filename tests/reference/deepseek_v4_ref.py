@@ -161,15 +161,6 @@ class V4MtpRef(Decisions):
         y = rms(self.hc_head(X), self.g("norm.weight"), self.eps)
         return y @ self.w["head.weight"].T, X
 
-    def step(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step appending its cache row: (logits [vocab], carried streams)."""
-        return self.candidates(token, hidden, pos, 0.0)[0]
-
-    def candidates(self, token: int, hidden: np.ndarray, pos: int, tie: float) -> list:
-        """One draft step (appends its row) under every near-tie outcome of its routing, exact one first."""
-        self.write_row(token, hidden, pos)
-        return self.run_candidates(lambda: self.forward(token, hidden, pos), tie)
-
     def write_row(self, token: int, hidden: np.ndarray, pos: int) -> None:
         """A prefill row: only the cache row (the path up to kv), no attention."""
         x, _, _ = self.hc_pre(self.streams(token, hidden), "attn")

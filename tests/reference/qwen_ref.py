@@ -137,15 +137,6 @@ class QwenMtpRef(Decisions):
         g = rms1p(x, w[P + "norm.weight"], e)
         return w["lm_head.weight"] @ g, g
 
-    def step(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step (appends its row): (logits over the full vocab, carried hidden g)."""
-        return self.candidates(token, hidden, pos, 0.0)[0]
-
-    def candidates(self, token: int, hidden: np.ndarray, pos: int, tie: float) -> list:
-        """One draft step (appends its row) under every near-tie outcome of its routing, exact one first."""
-        self.write_row(token, hidden, pos)
-        return self.run_candidates(lambda: self.forward(token, hidden, pos), tie)
-
     def truncate(self, rows: int) -> None:
         del self.K[rows:], self.V[rows:]
 
