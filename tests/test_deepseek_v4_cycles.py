@@ -18,11 +18,10 @@ SMALL = dict(hidden_size=64, num_attention_heads=2, q_lora_rank=32, o_lora_rank=
              num_experts_per_tok=2, moe_intermediate_size=32, vocab_size=64)
 
 
-def test_prefill_equals_step_by_step(ref):
+def test_prefill_equals_step_by_step(rng, ref):
     """Rows written by one batched prefill equal rows written one propose(k=1) + after_verify(1) at a time."""
     path, _, cfg = ckpt()
     prop = v4.from_checkpoint(path, ref, max_seq_len=64, max_prefill_rows=7)   # several upload chunks
-    rng = np.random.default_rng(0)
     toks, hs = rng.integers(0, cfg["vocab_size"], 20), hidden(rng, cfg, "streams", 19)
     a, b = prop.alloc_state(), prop.alloc_state()
     prop.prefill(a, toks, hs)

@@ -248,7 +248,7 @@ def test_kv_pool_exhaustion_is_typed(rng):
     assert snapshot(prop, a) == before and b.seq_len == 0
 
 
-def test_options_and_config_errors():
+def test_options_and_config_errors(rng):
     with pytest.raises(ConfigError, match="unknown option"):
         load(glm_ckpt("bf16"), mtp_vocab_size=100)
     with pytest.raises(ConfigError, match="head_exchange"):
@@ -256,7 +256,7 @@ def test_options_and_config_errors():
     prop = load_proposer(glm_ckpt("bf16"), mtp_cupy.device("ref"), max_seq_len=64, head_fp8=True, max_drafts=K)
     assert prop.family == "glm5" and prop.head.fmt == "fp8_row" and prop.xchg is None   # no comm: unsharded
     st = prop.alloc_state()
-    toks, hs, tok, h = inputs(np.random.default_rng(3), T)
+    toks, hs, tok, h = inputs(rng, T)
     prop.prefill(st, toks, hs)
     assert len(prop.propose(st, tok, h, T, K).tokens) == K
 

@@ -116,9 +116,8 @@ def test_mtp_vocab_size_limits_rows_scored(rng):
     np.testing.assert_allclose(res.logits[0, :100], r2.logits[0, :100], rtol=1e-6, atol=1e-6)
 
 
-def test_typed_errors_leave_state_unchanged():
+def test_typed_errors_leave_state_unchanged(rng):
     prop = _load("bf16", "bf16", max_seq_len=96, max_sequences=1)     # 6 blocks
-    rng = np.random.default_rng(5)
     toks, hs = rng.integers(0, V, 49), bf16_round(rng.standard_normal((48, D)))
     tok, h = int(toks[-1]), hs[-1]
     st, other, hog = prop.alloc_state(), prop.alloc_state(), prop.alloc_state()

@@ -23,9 +23,8 @@ def _seq(rng, n, d=D, v=V):
     return rng.integers(0, v, n + 1), bf16_round(rng.standard_normal((n, d)))
 
 
-def test_prefill_equals_step_by_step():
+def test_prefill_equals_step_by_step(rng):
     prop = _load("bf16", quantization="nvfp4")
-    rng = np.random.default_rng(0)
     toks, hs = _seq(rng, 21)
     a, b = prop.alloc_state(), prop.alloc_state()
     prop.prefill(a, toks, hs)
@@ -40,9 +39,8 @@ def test_prefill_equals_step_by_step():
 
 
 @pytest.mark.parametrize("mode", ["plain", "confidence", "grammar"])
-def test_batched_equals_unbatched(mode):
+def test_batched_equals_unbatched(rng, mode):
     prop = _load("bf16", quantization="fp8", max_batch=8, drafter_context=False)
-    rng = np.random.default_rng(1)
     lens = [5, 17, 32, 33]
     A, B = [prop.alloc_state() for _ in lens], [prop.alloc_state() for _ in lens]
     for n, a, b in zip(lens, A, B):
@@ -118,9 +116,8 @@ def test_catch_up_keeps_rope_positions(rng, refeed):
         p = p + acc + 1   # the next row pairs the target's hidden at p + acc with its bonus token
 
 
-def test_confidence_stop():
+def test_confidence_stop(rng):
     prop = _load("bf16")
-    rng = np.random.default_rng(3)
     toks, hs = _seq(rng, 12)
     st = prop.alloc_state()
     prop.prefill(st, toks, hs)
