@@ -7,7 +7,18 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", help="also run the tests marked slow (as does -m slow)")
+
+
 def pytest_collection_modifyitems(config, items):
+    """`slow` tests run only when asked for (`-m slow`, or `--slow` with the rest); `gpu` tests skip without
+    CUDA."""
+    if not (config.getoption("--slow") or "slow" in (config.getoption("-m") or "")):
+        skip_slow = pytest.mark.skip(reason="slow: run with -m slow or --slow")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip_slow)
     from mtp_cupy.runtime.cupy_backend import cuda_available
     if cuda_available():
         return

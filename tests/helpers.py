@@ -80,3 +80,69 @@ def check_pool(prop, states):
         assert all(b > a for a, b in zip(st.keys, st.keys[1:]))
         used += len(st.blocks.table)
     assert used + prop.kv.free_count == prop.pool_blocks
+
+
+def clear_argmax(logits, margin: float) -> bool:
+    """True when the top-2 logit gap exceeds `margin` logit standard deviations: rounding cannot swap them."""
+    logits = np.asarray(logits, np.float64)
+    top = np.sort(logits)[-2:]
+    return bool(top[1] - top[0] > margin * max(float(logits.std()), 1e-12))
+
+
+class Picks(list):
+    """Per draft the index of the reference outcome the device matched (0: the exact one); `tied[i]`: step i
+    had a near tie (more than one legitimate outcome)."""
+    tied: list[bool]
+
+
+def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: float, label: str = "",
+                tie: float = 1e-2, argmax_tie: float = 0.1) -> Picks:
+    """A propose's drafts replayed on a float64 reference (anything with `candidates(token, hidden, pos, tie)`,
+    reference/decisions.py), teacher-forced with the device's drafts, each step's carried hidden rounded to
+    bf16 as the device stores it. Every draft is compared: its logits must be within tol0 (first draft) / tol
+    (chained: the bf16 carried hidden compounds) of one of the step's outcomes -- the exact one, or one that
+    takes the other side of a near tie (a routing or index choice closer than `tie`, where rounding may
+    legitimately choose otherwise) -- and its id must be that outcome's argmax where the top-2 gap is clear
+    (`argmax_tie`). The chain goes on from the matched outcome, as the device did. Returns the Picks."""
+    assert len(res.tokens) > 0, f"{label}: nothing drafted, nothing compared"
+    tok, h = token, bf16(hidden).astype(np.float64)
+    picks = Picks()
+    picks.tied = []
+    for i in range(len(res.tokens)):
+        outs = ref.candidates(tok, h, position + i, tie)
+        errs = [rel_err(res.logits[i], lg) for lg, _ in outs]
+        j = int(np.argmin(errs))
+        assert errs[j] <= (tol0 if i == 0 else tol), \
+            f"{label} draft {i}: logits rel err {errs[j]:.2e} (outcomes: {', '.join(f'{e:.2e}' for e in errs)})"
+        if clear_argmax(outs[j][0], argmax_tie):
+            assert res.tokens[i] == int(np.argmax(outs[j][0])), f"{label} draft {i}: argmax"
+        picks.append(j)
+        picks.tied.append(len(outs) > 1)
+        tok, h = res.tokens[i], bf16(outs[j][1]).astype(np.float64)
+    return picks
+
+
+def write_rows(refs, toks, hs, n: int) -> None:
+    """Prefill rows 0..n-1 (embed(toks[r + 1]) paired with hs[r]) into each reference."""
+    for ref in refs:
+        for r in range(n):
+            ref.write_row(toks[r + 1], hs[r], r)
+
+
+def matches_oracle(prop, ref, hf, inputs, k: int, tol0: float, tol: float, label: str, tie: float,
+                   argmax_tie: float) -> list[int]:
+    """inputs = (n + 1 prompt tokens, n hiddens, token, hidden): prefill the n rows on the proposer and on both
+    references, propose k, and check the chain (check_chain) against transformers' layer (hf: write_row /
+    step), with the float64 reference (ref) adding the other-side outcomes of its near ties."""
+    class Both:
+        def candidates(self, tok, h, pos, tie):
+            outs = ref.candidates(tok, h, pos, tie)
+            return [hf.step(tok, h, pos)] + outs[1:]
+
+    toks, hs, tok, h = inputs
+    n = len(hs)
+    st = prop.alloc_state()
+    prop.prefill(st, toks, hs)
+    write_rows((ref, hf), toks, hs, n)
+    return check_chain(prop.propose(st, tok, h, n, k, return_logits=True), Both(), tok, h, n, tol0, tol, label,
+                       tie, argmax_tie)

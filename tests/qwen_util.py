@@ -1,14 +1,40 @@
-"""Helpers for the Qwen3-Next MTP tests: tiny checkpoints, the weights a proposer really runs (read back from
-the device and dequantised, so NVFP4/FP8 are compared on their own dequantised values), and a reference
-that mirrors a proposer state's rows."""
+"""Helpers for the Qwen3-Next MTP tests: tiny checkpoints, the reference's weights read from the checkpoint
+file by the references' own reader (quantised by the reference's own recipes where the proposer quantises at
+load), the weights a proposer holds on its device (for device-to-device checks only), and the chain check."""
 from __future__ import annotations
 
 import numpy as np
 
+import helpers
 from mtp_cupy.runtime.dtypes import BF16, FP8
 from mtp_cupy.weights import quant_host as qh
 from mtp_cupy.weights import qwen3_next as keys
 from mtp_cupy.weights.linear import Linear
+from reference.checkpoint import RawCheckpoint, quant_fp8_rows, quant_nvfp4
+
+ROUTE_TIE = 3e-2     # router logit gap (a log-probability ratio) at the top-k boundary where either side is legitimate
+ARGMAX_TIE = 0.05    # top-2 logit gap (in logit std) below which a different draft is legitimate
+NOT_QUANTISED = ("mtp.layers.0.mlp.gate.weight", "mtp.layers.0.mlp.shared_expert_gate.weight")
+
+
+def ref_weights(path, quantization: str = "bf16") -> dict[str, np.ndarray]:
+    """The weights a Qwen3-Next proposer running at `quantization` (its effective one) computes with, float64
+    under the checkpoint's keys, from the file: stored FP8 / NVFP4 tensors as stored; at fp8 / nvfp4 every
+    BF16 projection of the MTP layer but the router and the shared-expert gate quantised at load (per-row
+    FP8 / ModelOpt NVFP4, the reference's own recipes), and at nvfp4 a BF16 LM head too (the NVFP4 head
+    scores with an NVFP4 copy: models/qwen3_next.py)."""
+    ck = RawCheckpoint(path)
+    w = ck.weights()
+    if quantization not in ("fp8", "nvfp4"):
+        return w
+    q = quant_fp8_rows if quantization == "fp8" else quant_nvfp4
+    stored_float = lambda k: ck.dtype(k) in ("BF16", "F16", "F32")          # noqa: E731
+    for k in w:
+        if k.startswith("mtp.") and w[k].ndim == 2 and k not in NOT_QUANTISED and stored_float(k):
+            w[k] = q(w[k])
+    if quantization == "nvfp4" and stored_float("lm_head.weight"):
+        w["lm_head.weight"] = quant_nvfp4(w["lm_head.weight"])
+    return w
 
 
 def device_linear(gpu, W: Linear) -> np.ndarray:
@@ -28,7 +54,8 @@ def device_linear(gpu, W: Linear) -> np.ndarray:
 
 
 def head_weights(prop) -> dict[str, np.ndarray]:
-    """Every tensor the proposer runs with, float64, under the checkpoint's keys."""
+    """Every tensor the proposer holds on its device, float64, under the checkpoint's keys: for comparing two
+    devices' weights, never as a reference's weights (a loader bug would be copied into it)."""
     g, w, cfg = prop.gpu, prop.w, prop.cfg
     D = cfg.hidden_size
     out = {keys.EMBED: g.read(w.embed, BF16, (cfg.vocab_size, D)).astype(np.float64),
@@ -54,12 +81,6 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def clear_argmax(ref_logits: np.ndarray, margin: float = 0.05) -> bool:
-    """True when the reference's top-2 gap is large enough that rounding cannot swap them."""
-    top = np.sort(ref_logits)[-2:]
-    return bool(top[1] - top[0] > margin * max(ref_logits.std(), 1e-9))
-
-
 _CKPTS: dict = {}
 
 
@@ -80,25 +101,19 @@ def snapshot(prop, st) -> tuple:
             list(st.last_drafts), prop.kv.free_count)
 
 
-def reference_chain(ref, token: int, hidden, position: int, drafts) -> list[tuple[np.ndarray, list[float]]]:
-    """The reference's draft chain along the proposer's own drafts: per step (logits, router gaps)."""
-    out, t, h = [], token, hidden
-    for i, d in enumerate(drafts):
-        n = len(ref.route_gaps)
-        logits, h = ref.step(t, h, position + i)
-        out.append((logits, ref.route_gaps[n:]))
-        t = d
-    return out
+def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: float, label: str = "") -> list[int]:
+    """helpers.check_chain with Qwen's near-tie bounds (every draft compared, either side of a routing tie)."""
+    return helpers.check_chain(res, ref, token, hidden, position, tol0, tol, label, ROUTE_TIE, ARGMAX_TIE)
 
 
-def assert_chain_close(steps, res, label: str, tol: float = 1e-2, route_tie: float = 1e-2) -> None:
-    """Logits rel. err <= tol per draft and the same argmax where the reference's top-2 margin is clear, up to
-    the first draft whose routing was a near tie (a different expert is then a legitimate pick) or whose
-    token differs (when `steps` come from an independent run rather than along the proposer's drafts)."""
-    for i, (lr, gaps) in enumerate(steps):
-        e = rel(res.logits[i], lr)
+def devices_agree(want, got, label: str, tol: float = 1e-2) -> None:
+    """Two devices' chains from the same weights and inputs (CUDA vs twin, batched vs one at a time): logits
+    within tol while the drafts so far agree, the same draft where the top-2 gap is clear; from the first
+    differing draft the two chains run on different inputs. Compares at least draft 0."""
+    for i in range(len(want.tokens)):
+        if got.tokens[:i] != want.tokens[:i]:
+            break
+        e = rel(got.logits[i], want.logits[i])
         assert e <= tol, f"{label}: draft {i} logits rel err {e:.3e}"
-        if clear_argmax(lr):
-            assert res.tokens[i] == int(np.argmax(lr)), f"{label}: draft {i} argmax"
-        if (gaps and min(gaps) < route_tie) or res.tokens[i] != int(np.argmax(lr)):
-            break   # past here the two chains may legitimately follow different inputs
+        if helpers.clear_argmax(want.logits[i], ARGMAX_TIE):
+            assert got.tokens[i] == want.tokens[i], f"{label}: draft {i} argmax"

@@ -13,9 +13,13 @@ from mtp_cupy.testing.tiny.deepseek_v4 import write_tiny_checkpoint
 from mtp_cupy.weights.deepseek_v4 import LowRankHcHeadError
 from mtp_cupy.runtime.dtypes import BF16
 from reference.deepseek_v4_ref import V4MtpRef, load_weights
-from helpers import rel_err
+import helpers
+from helpers import clear_argmax, rel_err
 
-TOL = 1e-2
+TOL = 1e-2           # logits vs float64, first draft (measured: mean 5e-3, max 7.6e-3 over 700 fresh seeds)
+CHAIN_TOL = 1.5e-2   # chained drafts (the bf16 carried streams compound: mean 6e-3, max 1.0e-2)
+ROUTE_TIE = 1e-2     # gap of sqrt(softplus) score + bias at the top-k boundary where either side is legitimate
+ARGMAX_TIE = 0.05    # top-2 logit gap (in logit std) below which a different draft is legitimate
 _CKPTS: dict = {}
 
 
@@ -35,34 +39,23 @@ def hidden(rng, cfg, form: str, n: int | None = None) -> np.ndarray:
     return h.astype(BF16).astype(np.float32)
 
 
-def clear_argmax(logits: np.ndarray, margin: float = 0.05) -> bool:
-    top = np.sort(logits)[-2:]
-    return bool(top[1] - top[0] > margin * logits.std())
-
-
 def snapshot(prop, st) -> tuple:
     return (st.blocks.rows, list(st.keys), list(st.blocks.table), st.last_num_drafted, st.last_pair_key,
             list(st.last_drafts), prop.kv.free_count)
 
 
 def check_chain(prop, st, ref: V4MtpRef, token: int, h, position: int, k: int) -> list[int]:
-    """propose(k) against the reference teacher-forced on the proposer's own drafts; returns the drafts."""
+    """propose(k) against the reference teacher-forced on the proposer's own drafts (helpers.check_chain:
+    every draft compared, either side of a routing near tie); returns the drafts."""
     res = prop.propose(st, token, h, position, k, return_logits=True)
     assert len(res.tokens) == k and res.logits.shape == (k, prop.vocab_size)
-    tok, hid = token, np.asarray(h, np.float64)
-    for i in range(k):
-        want, hid = ref.step(tok, hid, position + i)
-        assert rel_err(res.logits[i], want) <= TOL, f"draft {i}: {rel_err(res.logits[i], want):.2e}"
-        if clear_argmax(want):
-            assert res.tokens[i] == int(np.argmax(want)), f"draft {i}"
-        tok = res.tokens[i]
+    helpers.check_chain(res, ref, token, h, position, TOL, CHAIN_TOL, f"V4 at {position}", ROUTE_TIE, ARGMAX_TIE)
     return res.tokens
 
 
 @pytest.mark.parametrize("form", ["streams", "single"])
-def test_prefill_and_propose_cycles_match_reference(ref, form):
+def test_prefill_and_propose_cycles_match_reference(ref, rng, form):
     path, w, cfg = ckpt()
-    rng = np.random.default_rng(11)
     prop = v4.from_checkpoint(path, ref, max_seq_len=64)
     st = prop.alloc_state()
     model = V4MtpRef(w, cfg)
@@ -88,19 +81,17 @@ def test_prefill_and_propose_cycles_match_reference(ref, form):
     assert prop.kv.free_count == prop.pool_blocks
 
 
-def test_forward_one_without_hc_head_takes_first_stream(ref):
+def test_forward_one_without_hc_head_takes_first_stream(ref, rng):
     path, w, cfg = ckpt(seed=2, hc_head=False)
-    rng = np.random.default_rng(3)
     prop = v4.from_checkpoint(path, ref, max_seq_len=32)
     assert prop.w.hc_head is None
     st = prop.alloc_state()
     check_chain(prop, st, V4MtpRef(w, cfg), 5, hidden(rng, cfg, "streams"), 0, 2)
 
 
-def test_hash_routed_mtp_layer(ref):
+def test_hash_routed_mtp_layer(ref, rng):
     """A checkpoint whose MTP layer is a hash layer (tid2eid, no bias) routes by the step's input token."""
     path, w, cfg = ckpt(seed=8, hash_routed=True)
-    rng = np.random.default_rng(4)
     prop = v4.from_checkpoint(path, ref, max_seq_len=32)
     assert prop.moe.cfg.routing == "hash"
     check_chain(prop, prop.alloc_state(), V4MtpRef(w, cfg), 9, hidden(rng, cfg, "single"), 0, 3)
@@ -113,10 +104,9 @@ def test_low_rank_hc_head_is_refused(ref):
     assert issubclass(LowRankHcHeadError, ConfigError)
 
 
-def test_device_pointer_hiddens_and_vocab_limit(ref):
+def test_device_pointer_hiddens_and_vocab_limit(ref, rng):
     """A device-pointer hidden is read in the `device_hidden` form; mtp_vocab_size limits the scored rows."""
     path, w, cfg = ckpt()
-    rng = np.random.default_rng(5)
     for form in ("streams", "single"):
         prop = v4.from_checkpoint(path, ref, max_seq_len=32, device_hidden=form, mtp_vocab_size=300)
         st = prop.alloc_state()
@@ -134,10 +124,9 @@ def test_device_pointer_hiddens_and_vocab_limit(ref):
         assert all(t < 300 for t in res.tokens) and np.all(np.isneginf(res.logits[:, 300:]))
 
 
-def test_grammar_bitmask_limits_drafts(ref):
+def test_grammar_bitmask_limits_drafts(ref, rng):
     """Masked drafts are the best allowed ids of the same logits; a mask that allows nothing drafts pad 0."""
     path, _, cfg = ckpt()
-    rng = np.random.default_rng(6)
     words = (cfg["vocab_size"] + 31) // 32
     even = np.full(words, 0x55555555, np.uint32).view(np.int32)
     prop = v4.from_checkpoint(path, ref, max_seq_len=32)
@@ -150,9 +139,8 @@ def test_grammar_bitmask_limits_drafts(ref):
     assert prop.propose(st, 2, h, 0, 2, grammar_bitmask=np.zeros(words, np.int32)).tokens == [0, 0]
 
 
-def test_errors_are_typed_and_leave_state_unchanged(ref):
+def test_errors_are_typed_and_leave_state_unchanged(ref, rng):
     path, _, cfg = ckpt()
-    rng = np.random.default_rng(9)
     D, hc, V = cfg["hidden_size"], cfg["hc_mult"], cfg["vocab_size"]
     toks, hs = rng.integers(0, V, 11), hidden(rng, cfg, "streams", 10)
     prop = v4.from_checkpoint(path, ref, max_seq_len=40, max_sequences=1)    # 3 blocks
@@ -220,5 +208,5 @@ def test_cuda_matches_ref_backend(form):
     (r, c) = out
     for i in range(3):
         assert rel_err(c.logits[i], r.logits[i]) <= TOL
-        if r.tokens[:i] == c.tokens[:i] and clear_argmax(r.logits[i]):
+        if r.tokens[:i] == c.tokens[:i] and clear_argmax(r.logits[i], ARGMAX_TIE):
             assert c.tokens[i] == r.tokens[i]

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from reference.deepseek_v4_ref import P, V4MtpRef, load_weights, rms  # noqa: E402
-from helpers import rel_err  # noqa: E402
+from helpers import clear_argmax, rel_err  # noqa: E402
 
 
 def hf_layer(w: dict, cfg: dict):
@@ -87,38 +87,43 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("form", ["streams", "single"])
-def test_reference_matches_transformers(tiny, form):
+def test_reference_matches_transformers(tiny, rng, form):
     """The float64 reference equals the transformers composition at every row of a prompt longer than the
-    window (rows past the window drop the oldest)."""
+    window (rows past the window drop the oldest); at a routing gap under 1e-6 either side may match."""
     _, w, cfg = tiny
-    rng = np.random.default_rng(7)
     S, D, hc = 20, cfg["hidden_size"], cfg["hc_mult"]
     tokens = rng.integers(0, cfg["vocab_size"], S)
     hiddens = rng.standard_normal((S, hc, D) if form == "streams" else (S, D))
     want = hf_mtp_logits(w, cfg, tokens, hiddens)
     ref = V4MtpRef(w, cfg)
     for r in range(S):
-        logits, _ = ref.step(int(tokens[r]), hiddens[r], r)
-        assert rel_err(logits, want[r]) < 1e-6, f"row {r}"   # transformers' cos/sin are float32
+        errs = [rel_err(logits, want[r]) for logits, _ in ref.candidates(int(tokens[r]), hiddens[r], r, 1e-6)]
+        assert min(errs) < 1e-6, f"row {r}: {errs}"   # transformers' cos/sin are float32
 
 
 @pytest.mark.parametrize("form", ["streams", "single"])
-def test_proposer_matches_transformers(ref, tiny, form):
-    """Prefill rows 0..S-2 on RefBackend, one draft at S-1: its logits against the composition's last row."""
+def test_proposer_matches_transformers(ref, rng, tiny, form):
+    """Prefill rows 0..S-2 on RefBackend, one draft at S-1: its logits against the composition's last row (or,
+    at a routing near tie, the float64 reference's other-side outcome)."""
     from mtp_cupy.models.deepseek_v4 import from_checkpoint
     from mtp_cupy.runtime.dtypes import BF16
     path, w, cfg = tiny
-    rng = np.random.default_rng(8)
     S, D, hc = 14, cfg["hidden_size"], cfg["hc_mult"]
     tokens = rng.integers(0, cfg["vocab_size"], S + 1)
     hiddens = rng.standard_normal((S, hc, D) if form == "streams" else (S, D)).astype(np.float32)
     hiddens = hiddens.astype(BF16).astype(np.float32)          # what the proposer receives
     want = hf_mtp_logits(w, cfg, tokens[1:], hiddens.astype(np.float64))[-1]
+    model = V4MtpRef(w, cfg)
+    for r in range(S - 1):
+        model.write_row(int(tokens[r + 1]), hiddens[r].astype(np.float64), r)
+    outs = [want] + [lg for lg, _ in model.candidates(int(tokens[S]), hiddens[S - 1].astype(np.float64), S - 1,
+                                                       1e-2)[1:]]
     prop = from_checkpoint(path, ref, max_seq_len=32)
     st = prop.alloc_state()
     prop.prefill(st, tokens[:S], hiddens[:S - 1])
     res = prop.propose(st, int(tokens[S]), hiddens[S - 1], S - 1, 1, return_logits=True)
-    assert rel_err(res.logits[0], want) <= 1e-2
-    top = np.sort(want)[-2:]
-    if top[1] - top[0] > 0.05 * want.std():
-        assert res.tokens[0] == int(np.argmax(want))
+    errs = [rel_err(res.logits[0], o) for o in outs]
+    assert min(errs) <= 1e-2, errs
+    best = outs[int(np.argmin(errs))]
+    if clear_argmax(best, 0.05):
+        assert res.tokens[0] == int(np.argmax(best))

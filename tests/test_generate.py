@@ -5,6 +5,7 @@ import pytest
 import mtp_cupy
 from mtp_cupy.errors import InputError
 from mtp_cupy.speculative.generate import generate, generate_target_only
+from mtp_cupy.speculative.metrics import SpecDecodeMetrics
 from mtp_cupy.target import DeepseekV3Target
 
 from helpers import rel_err
@@ -12,6 +13,24 @@ from helpers import rel_err
 CKPT = mtp_cupy.DEFAULT_CHECKPOINT
 PROMPTS = [b"import os\nimport sys\n\n\ndef main(", b"class Foo:\n    def __init__(self", b"    for i in range(",
            b"# Copyright", b"return self._"]
+# 64 bytes from the middle (45%) of each of 8 stdlib files the model never saw: scripts/stdlib_corpus.py holds
+# out ~5% of the files by a hash of their name, and these are among them
+HELD_OUT = [
+    b'    names = _listdir(dirname, dir_fd, dironly)\n    if include_hi',  # glob.py
+    b'            blocksize = self.blocksize\n\n        if len(key) > bl',  # hmac.py
+    b'    else:\n        if issubclass(cls, type):\n            y = _dee',  # copy.py
+    b'\n        with self._lock:\n            event = Event(time, priori',  # sched.py
+    b'        else:\n            try:\n                os.unlink(entry.n',  # shutil.py
+    b'                for st in self._table.children]\n\n\nclass Function',  # symtable.py
+    b'            return None\n\n        try:\n            m = self.load_',  # modulefinder.py
+    b'        idAttr = self.getAttributeNodeNS(namespaceURI, localName',  # xml/dom/minidom.py
+]
+# Acceptance rate per draft position (a draft at position i counts when drafts 0..i were all accepted) at
+# k = 3, 40 new tokens per prompt, all 8 prompts together. Measured on the NumPy device: 0.878, 0.295, 0.115
+# over 139 drafts (per prompt 0.67-1.0, 0.14-0.47, 0-0.2). Floors: the measured rate less about 3 standard
+# errors of the 8-prompt mean (per-prompt spread / sqrt(8)), room for another BLAS summing in another order
+# and flipping a near-tied argmax. A drafter paired with the wrong hidden measured 0.21-0.39 at position 0.
+FLOORS = (0.75, 0.15, 0.04)
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +90,16 @@ def test_speculative_greedy_equals_target_only(pair, k):
     assert (target.kv.free_count, drafter.kv.free_count) == free0    # nothing leaks
 
 
-def test_trained_drafter_is_accepted(pair):
+def test_trained_drafter_acceptance_per_position(pair):
+    """The trained drafter at k = 3 on held-out prompts: each draft position's acceptance rate at least its
+    floor (FLOORS), so drafts 2 and 3 (the carried hidden, the chained RoPE position, the catch-up rows, the
+    bonus token's hidden) are checked, not only the first."""
     target, drafter = pair
-    spec = generate(target, drafter, list(PROMPTS[0]), 48, num_drafts=1)
-    assert spec.metrics.acceptance_rate_per_pos()[0] > 0.5   # trained: the first draft mostly lands
+    total = SpecDecodeMetrics()
+    for p in HELD_OUT:
+        total.merge(generate(target, drafter, list(p), 40, num_drafts=3).metrics)
+    rates = total.acceptance_rate_per_pos()
+    assert len(rates) == 3 and all(r >= f for r, f in zip(rates, FLOORS)), (rates, FLOORS)
 
 
 def test_sampling_runs_and_counts(pair):

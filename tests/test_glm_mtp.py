@@ -18,7 +18,8 @@ from mtp_cupy.weights.glm5 import Shard, load_glm5
 from deepseek_util import (check_chain, config_of, cuda_matches_ref_device, matches_oracle, ref_weights,
                            masked_drafts_obey, references_agree, rel, snapshot)
 from glm_util import D, V, glm_ckpt, inputs
-from helpers import assert_bf16_near, up
+from helpers import assert_bf16_near, up, write_rows
+from reference.checkpoint import quant_fp8_rows
 from reference.glm_ref import GlmMtpRef
 
 T, K = 20, 3
@@ -144,12 +145,13 @@ def test_prefill_and_propose_match_reference(rng, fmt):
     pos, dropped = T, 0
     for cycle in range(3):
         res = prop.propose(st, tok, h, pos, K, return_logits=True)
-        clean = check_chain(res, ref, tok, h, pos, TOL0, TOL, f"{fmt} cycle {cycle}")
+        check_chain(res, ref, tok, h, pos, TOL0, TOL, f"{fmt} cycle {cycle}")
         dropped += len(ref.rows) - len(ref.last_selected)
-        acc = int(rng.integers(0, clean + 1))
+        acc = int(rng.integers(0, K + 1))
         prop.after_verify(st, acc)
-        ref.truncate(len(st.keys))
-        pos = st.keys[-1] + 1
+        pos += acc                  # E: the k - a rejected rows go, the accepted drafts' rows stay
+        assert st.seq_len == pos and st.keys == list(range(pos)), (cycle, acc, st.keys[-4:])
+        ref.truncate(pos)
         tok, h = int(rng.integers(V)), bf16_round(rng.standard_normal(D))
     assert dropped > 0, "the indexer never dropped a row"
 
@@ -160,6 +162,24 @@ def test_matches_transformers(rng):
     path = glm_ckpt("bf16", seed=1)
     w, cfg = ref_weights(path), config_of(path)
     matches_oracle(load(path), GlmMtpRef(w, cfg), TorchGlmMtp(w, cfg), rng, 12, K, TOL0, TOL, "transformers")
+
+
+def test_head_fp8_drafts_match_reference(rng):
+    """head_fp8 scores with an FP8 (per-row scale) copy of the head: the chain against the float64 reference
+    whose head is the reference's own per-row FP8 quantisation of the file's head (and the logits are those
+    of the FP8 head: the BF16 reference differs by more than its rounding)."""
+    path = glm_ckpt("bf16")
+    prop = load(path, head_fp8=True)
+    assert prop.head.fmt == "fp8_row"
+    w, cfg = ref_weights(path), config_of(path)
+    w["lm_head.weight"] = quant_fp8_rows(w["lm_head.weight"])
+    ref = GlmMtpRef(w, cfg)
+    toks, hs, tok, h = inputs(rng, T)
+    st = prop.alloc_state()
+    prop.prefill(st, toks, hs)
+    write_rows([ref], toks, hs, T)
+    res = prop.propose(st, tok, h, T, K, return_logits=True)
+    check_chain(res, ref, tok, h, T, TOL0, TOL, "head_fp8")
 
 
 def test_drafts_without_logits_equal_argmax_of_logits(rng):
@@ -228,7 +248,7 @@ def test_kv_pool_exhaustion_is_typed(rng):
     assert snapshot(prop, a) == before and b.seq_len == 0
 
 
-def test_options_and_config_errors():
+def test_options_and_config_errors(rng):
     with pytest.raises(ConfigError, match="unknown option"):
         load(glm_ckpt("bf16"), mtp_vocab_size=100)
     with pytest.raises(ConfigError, match="head_exchange"):
@@ -236,7 +256,7 @@ def test_options_and_config_errors():
     prop = load_proposer(glm_ckpt("bf16"), mtp_cupy.device("ref"), max_seq_len=64, head_fp8=True, max_drafts=K)
     assert prop.family == "glm5" and prop.head.fmt == "fp8_row" and prop.xchg is None   # no comm: unsharded
     st = prop.alloc_state()
-    toks, hs, tok, h = inputs(np.random.default_rng(3), T)
+    toks, hs, tok, h = inputs(rng, T)
     prop.prefill(st, toks, hs)
     assert len(prop.propose(st, tok, h, T, K).tokens) == K
 

@@ -1,7 +1,5 @@
 """Qwen3-Next MTP proposer mechanics on the NumPy device: prefill == step-by-step rows, batched == unbatched,
 catch-up / refeed RoPE positions, the confidence stop, and thousands of random propose/verify cycles."""
-import time
-
 import numpy as np
 import pytest
 
@@ -9,9 +7,9 @@ import mtp_cupy
 from mtp_cupy.errors import CapacityError
 from mtp_cupy.models import qwen3_next as qwen_mtp
 from mtp_cupy.runtime.dtypes import bf16_round
-from qwen_util import head_weights, rel, tiny_ckpt
+from qwen_util import check_chain, ref_weights, rel, tiny_ckpt
 from reference.qwen_ref import QwenMtpRef
-from helpers import check_pool
+from helpers import check_pool, write_rows
 
 D, V = 256, 512
 CYCLES = 5000
@@ -25,9 +23,8 @@ def _seq(rng, n, d=D, v=V):
     return rng.integers(0, v, n + 1), bf16_round(rng.standard_normal((n, d)))
 
 
-def test_prefill_equals_step_by_step():
+def test_prefill_equals_step_by_step(rng):
     prop = _load("bf16", quantization="nvfp4")
-    rng = np.random.default_rng(0)
     toks, hs = _seq(rng, 21)
     a, b = prop.alloc_state(), prop.alloc_state()
     prop.prefill(a, toks, hs)
@@ -42,9 +39,8 @@ def test_prefill_equals_step_by_step():
 
 
 @pytest.mark.parametrize("mode", ["plain", "confidence", "grammar"])
-def test_batched_equals_unbatched(mode):
+def test_batched_equals_unbatched(rng, mode):
     prop = _load("bf16", quantization="fp8", max_batch=8, drafter_context=False)
-    rng = np.random.default_rng(1)
     lens = [5, 17, 32, 33]
     A, B = [prop.alloc_state() for _ in lens], [prop.alloc_state() for _ in lens]
     for n, a, b in zip(lens, A, B):
@@ -89,26 +85,21 @@ def test_batched_equals_unbatched(mode):
 
 
 @pytest.mark.parametrize("refeed", [False, True])
-def test_catch_up_keeps_rope_positions(refeed):
+def test_catch_up_keeps_rope_positions(rng, refeed):
     """Mirror every row on the float64 reference (the position each row was written at), including the
-    rows after_verify trims and the catch-up rows the caller re-feeds from the target's hiddens."""
+    rows after_verify trims and the catch-up rows the caller re-feeds from the target's hiddens; every draft
+    checked against it (check_chain: either side of a routing near tie)."""
     prop = _load("bf16", refeed_accepted=refeed)
-    ref = QwenMtpRef(head_weights(prop), prop.cfg.raw)
-    rng = np.random.default_rng(2)
+    ref = QwenMtpRef(ref_weights(tiny_ckpt("bf16")), prop.cfg.raw)
     toks, hs = _seq(rng, 30)
     st = prop.alloc_state()
     prop.prefill(st, toks, hs)
-    for r in range(30):
-        ref.write_row(toks[r + 1], hs[r], r)
+    write_rows([ref], toks, hs, 30)
     p = 30
     for rnd in range(4):
         tok, h = int(rng.integers(V)), bf16_round(rng.standard_normal(D))
         res = prop.propose(st, tok, h, p, 3, return_logits=True)
-        t, hid = tok, h
-        for i in range(3):
-            lr, hid = ref.step(t, hid, p + i)
-            assert rel(res.logits[i], lr) < 1e-2, (refeed, rnd, i)
-            t = res.tokens[i]
+        check_chain(res, ref, tok, h, p, 1.2e-2, 2e-2, f"refeed={refeed} round {rnd}")
         acc = int(rng.integers(0, 4))
         prop.after_verify(st, acc)
         keep = st.seq_len
@@ -125,9 +116,8 @@ def test_catch_up_keeps_rope_positions(refeed):
         p = p + acc + 1   # the next row pairs the target's hidden at p + acc with its bonus token
 
 
-def test_confidence_stop():
+def test_confidence_stop(rng):
     prop = _load("bf16")
-    rng = np.random.default_rng(3)
     toks, hs = _seq(rng, 12)
     st = prop.alloc_state()
     prop.prefill(st, toks, hs)
@@ -154,7 +144,7 @@ def test_random_cycles_keep_invariants(rng):
                                     drafter_context=False)
     states = [prop.alloc_state() for _ in range(4)]
     nxt = [0] * 4
-    t0, cycles, exhausted = time.perf_counter(), 0, 0
+    cycles, exhausted = 0, 0
 
     while cycles < CYCLES:
         s = int(rng.integers(4))
@@ -187,5 +177,4 @@ def test_random_cycles_keep_invariants(rng):
             exhausted += 1
         cycles += 1
         check_pool(prop, states)
-    assert time.perf_counter() - t0 < 60
     assert exhausted > 0   # the pool ran dry at times and nothing leaked

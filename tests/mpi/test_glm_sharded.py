@@ -12,16 +12,20 @@ from mtp_cupy.models import glm5 as glm_mtp
 from mtp_cupy.runtime.dtypes import BF16, bf16_round
 from mtp_cupy.speculative.vocab_argmax import ShardedArgmax, lane_count
 from mtp_cupy.weights import Checkpoint, write_checkpoint
-from deepseek_util import check_chain, config_of, ref_weights
+from deepseek_util import ROUTE_TIE, check_chain, config_of, ref_weights
+from helpers import write_rows
 from glm_util import D, V, glm_ckpt, inputs
 from reference.glm_ref import GlmMtpRef
 
 WORLD = MPI.COMM_WORLD
 T, K = 18, 3
-ARGMAX_TIE, ROUTE_TIE = 0.05, 1e-2
+ARGMAX_TIE = 0.05
 # Sharded and unsharded differ by bf16 rounding only: the ranks' partial o_proj / MoE outputs are rounded to
 # bf16 before NCCL's bf16 sum (as in serving), the unsharded GEMVs round once; chained drafts compound it.
 TOL0, TOL = 1e-2, 2e-2
+# Against the float64 reference the sharded proposer carries that extra rounding on top of the unsharded
+# one's (unsharded: draft 0 up to 9e-3, test_glm_mtp.py): 1.03e-2 seen at draft 0 over 180 fresh seeds.
+REF_TOL0, REF_TOL = 1.5e-2, 2.5e-2
 
 
 def _shared_rng():
@@ -57,45 +61,46 @@ def _clear(logits) -> bool:
 
 @pytest.mark.parametrize("exchange", ["digits", "pairs"])
 def test_sharded_equals_unsharded(dev_comm, world, exchange):
-    """Three prefill / propose / verify cycles on both proposers with the same inputs. The float64 reference,
-    teacher-forced with the drafts, flags routing / index-selection near-ties, and an unclear top-2 may draft
-    differently: bf16 rounding decides those, so the cycle's comparison stops there and only the rows built
-    from equal inputs are accepted."""
+    """Three prefill / propose / verify cycles on both proposers with the same inputs. Each chain is checked
+    against the float64 reference (check_chain: every draft, either side of a routing / index near tie), and
+    the two against each other while they drafted the same ids and took the same side of every tie. Only
+    rows built from equal inputs are accepted: row i pairs draft i - 1 with the carried hidden of step i - 1,
+    so the first differing draft or outcome ends them (an unclear top-2 legitimately drafts differently)."""
     _needs_even_split(world)
     gpu, comm = dev_comm
     path = glm_ckpt("bf16")
     sharded, full = _load(path, gpu, comm, head_exchange=exchange), _load(path, gpu, None)
     assert sharded.head_sharded == (world > 1) and sharded.head.n == V // world
-    ref = GlmMtpRef(ref_weights(path), config_of(path))
+    refs = [GlmMtpRef(ref_weights(path), config_of(path)) for _ in range(2)]
     rng = _shared_rng()
     toks, hs, tok, h = inputs(rng, T)
     sts = [p.alloc_state() for p in (sharded, full)]
     for p, st in zip((sharded, full), sts):
         p.prefill(st, toks, hs)
-    for r in range(T):
-        ref.write_row(toks[r + 1], hs[r], r)
+    write_rows(refs, toks, hs, T)
     pos = T
     for c in range(3):
         g, w = (p.propose(st, tok, h, pos, K, return_logits=True) for p, st in zip((sharded, full), sts))
         assert _same_on_all_ranks(g.tokens), f"cycle {c}: ranks drafted differently"
         assert _same_on_all_ranks(g.logits), f"cycle {c}: ranks gathered different logits"
-        clean, t_, h_ = K, tok, bf16_round(h)
-        for i in range(K):
-            lr, gr = ref.step(t_, h_, pos + i)
-            if ref.last_margin < ROUTE_TIE or g.tokens[:i] != w.tokens[:i]:
-                clean = i + 1     # row i is still built from equal inputs; later rows are not
-                break
+        picks = [check_chain(r, ref, tok, h, pos, REF_TOL0, REF_TOL, f"cycle {c} {name} vs float64")
+                 for r, ref, name in ((g, refs[0], "sharded"), (w, refs[1], "unsharded"))]
+        clean = next((i for i in range(1, K)
+                      if g.tokens[i - 1] != w.tokens[i - 1] or picks[0][i - 1] != picks[1][i - 1]), K)
+        for i in range(clean):
+            if picks[0][i] != picks[1][i]:
+                continue            # the two took different sides of a near tie at this draft
             err = np.linalg.norm(g.logits[i] - w.logits[i]) / np.linalg.norm(w.logits[i])
             assert err < (TOL0 if i == 0 else TOL), f"cycle {c} draft {i}: logits rel err {err:.2e}"
             if _clear(w.logits[i]):
-                assert g.tokens[i] == w.tokens[i] == int(np.argmax(lr)), f"cycle {c} draft {i}"
-            t_, h_ = w.tokens[i], bf16_round(gr)
+                assert g.tokens[i] == w.tokens[i], f"cycle {c} draft {i}"
         acc = int(rng.integers(0, clean + 1))
         for p, st in zip((sharded, full), sts):
             p.after_verify(st, acc)
-        ref.truncate(len(sts[1].keys))
-        assert sts[0].keys == sts[1].keys
-        pos = sts[1].keys[-1] + 1
+        pos += acc                  # E: the rejected rows go, the accepted drafts' rows stay
+        assert sts[0].keys == sts[1].keys == list(range(pos)), (c, acc)
+        for ref in refs:
+            ref.truncate(pos)
         tok, h = int(rng.integers(V)), bf16_round(rng.standard_normal(D))
 
 
@@ -113,7 +118,7 @@ def test_sharded_matches_reference(dev_comm, world, fmt):
     for r in range(T):
         ref.write_row(toks[r + 1], hs[r], r)
     res = prop.propose(st, tok, h, T, K, return_logits=True)
-    check_chain(res, ref, tok, h, T, TOL0, TOL, f"{fmt} sharded over {world}")
+    check_chain(res, ref, tok, h, T, REF_TOL0, REF_TOL, f"{fmt} sharded over {world}")
 
 
 @pytest.mark.parametrize("exchange", ["digits", "pairs"])
@@ -134,7 +139,8 @@ def test_drafts_without_logits_match(dev_comm, world, exchange):
 
 
 def test_grammar_mask_sharded(dev_comm, world):
-    """A grammar mask (and the f32 logits it needs) on the sharded head drafts what the unsharded one does."""
+    """A grammar mask (and the f32 logits it needs) on the sharded head drafts what the unsharded one does
+    (and the float64 reference's best allowed id) where that is clear and the step has no near tie."""
     _needs_even_split(world)
     gpu, comm = dev_comm
     rng = _shared_rng()
@@ -144,14 +150,21 @@ def test_grammar_mask_sharded(dev_comm, world):
     for t in allowed:
         mask[t // 32] |= np.uint32(1 << (t % 32))
     out = []
+    path = glm_ckpt("bf16", seed=6)
     for c in (comm, None):
-        prop = _load(glm_ckpt("bf16", seed=6), gpu, c)
+        prop = _load(path, gpu, c)
         st = prop.alloc_state()
         prop.prefill(st, toks, hs)
         out.append(prop.propose(st, tok, h, 10, 1, grammar_bitmask=mask.view(np.int32), return_logits=True))
     assert out[0].tokens[0] in allowed and _same_on_all_ranks(out[0].tokens)
-    if _clear(out[1].logits[0][allowed]):
-        assert out[0].tokens == out[1].tokens
+    ref = GlmMtpRef(ref_weights(path), config_of(path))
+    write_rows([ref], toks, hs, 10)
+    outs = ref.candidates(tok, bf16_round(h), 10, ROUTE_TIE)
+    for r in out:
+        errs = [np.linalg.norm(r.logits[0] - lg) / np.linalg.norm(lg) for lg, _ in outs]
+        assert min(errs) < REF_TOL0, errs
+    if len(outs) == 1 and _clear(outs[0][0][allowed]):
+        assert out[0].tokens == out[1].tokens == [int(allowed[np.argmax(outs[0][0][allowed])])]
 
 
 def test_vocab_not_dividing_keeps_the_head_whole(dev_comm, world):
@@ -163,15 +176,20 @@ def test_vocab_not_dividing_keeps_the_head_whole(dev_comm, world):
     prop = _load(path, gpu, comm)
     assert not prop.head_sharded and prop.xchg is None and prop.head.n == V - 1
     toks, hs, tok, h = inputs(_shared_rng(), 10)
-    out = []
+    toks, tok = toks % (V - 1), tok % (V - 1)
+    out, picks = [], []
     for p in (prop, _load(path, gpu, None)):
         st = p.alloc_state()
-        p.prefill(st, toks % (V - 1), hs)
-        out.append(p.propose(st, tok % (V - 1), h, 10, 2, return_logits=True))
+        p.prefill(st, toks, hs)
+        out.append(p.propose(st, tok, h, 10, 2, return_logits=True))
+        ref = GlmMtpRef(ref_weights(path), config_of(path))
+        write_rows([ref], toks, hs, 10)
+        picks.append(check_chain(out[-1], ref, tok, h, 10, REF_TOL0, REF_TOL, "vocab % world != 0"))
     assert _same_on_all_ranks(out[0].tokens)
-    assert np.linalg.norm(out[0].logits[0] - out[1].logits[0]) / np.linalg.norm(out[1].logits[0]) < TOL0
-    if _clear(out[1].logits[0]):
-        assert out[0].tokens[0] == out[1].tokens[0]
+    if picks[0][0] == picks[1][0]:
+        assert np.linalg.norm(out[0].logits[0] - out[1].logits[0]) / np.linalg.norm(out[1].logits[0]) < TOL0
+        if _clear(out[1].logits[0]):
+            assert out[0].tokens[0] == out[1].tokens[0]
 
 
 def _tied_head_checkpoint(world) -> str:
@@ -192,6 +210,10 @@ def _tied_head_checkpoint(world) -> str:
 
 @pytest.mark.parametrize("exchange", ["digits", "pairs"])
 def test_planted_tie_goes_to_the_lower_rank(dev_comm, world, exchange):
+    """Every rank's slice holds +v / -v at the same offset: the largest logit is tied across all ranks and rank
+    0's must win. Which of the pair wins is the sign of v . hidden; where the float64 reference finds it near
+    zero (or a routing near tie), rounding may legitimately pick the other, so sharded and unsharded are held
+    equal only where that sign is clear."""
     _needs_even_split(world)
     gpu, comm = dev_comm
     path = _tied_head_checkpoint(world)
@@ -204,7 +226,21 @@ def test_planted_tie_goes_to_the_lower_rank(dev_comm, world, exchange):
         prop.prefill(st, toks, hs)
         res.append(prop.propose(st, tok, h, 10, 2, return_logits=False))
     assert all(t in (37, 38) for t in res[0].tokens), res[0].tokens      # rank 0's slice won every tie
-    assert res[0].tokens == res[1].tokens and _same_on_all_ranks(res[0].tokens)
+    assert _same_on_all_ranks(res[0].tokens)
+    ref = GlmMtpRef(ref_weights(path), config_of(path))
+    write_rows([ref], toks, hs, 10)
+    v = ref.w["lm_head.weight"][37]
+    t_, h_ = tok, bf16_round(h)
+    for i in range(2):
+        if res[0].tokens[:i] != res[1].tokens[:i]:
+            break
+        outs = ref.candidates(t_, h_, 10 + i, ROUTE_TIE)
+        g = outs[0][1]
+        if len(outs) > 1:
+            break
+        if abs(g @ v) > 2e-2 * np.linalg.norm(g) * np.linalg.norm(v):
+            assert res[0].tokens[i] == res[1].tokens[i], (i, res[0].tokens, res[1].tokens)
+        t_, h_ = res[1].tokens[i], bf16_round(g)
 
 
 @pytest.mark.parametrize("exchange", ["digits", "pairs"])

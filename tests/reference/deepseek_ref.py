@@ -11,12 +11,17 @@ with kv_b_proj), recomputed every step from the list of rows held, each kept as 
          k_pe = rope(a[C:]); k_nope/v = kv_b(c) per head [W_UK | W_UV]; scale = d_qk^-0.5 * m^2
     A.4  YaRN inv_freq, interleaved (GPT-J) pairs, cos/sin times mscale(f, mscale) / mscale(f, mscale_all_dim)
     A.5  sigmoid scores + correction bias for selection only; top-2-sum group scores; topk_group groups;
-         top_k experts; weights = unbiased scores renormalised, times routed_scaling_factor; + shared expert"""
+         top_k experts; weights = unbiased scores renormalised, times routed_scaling_factor; + shared expert
+
+The group and expert selections are Decisions (reference/decisions.py): `candidates` runs a step under each
+near-tie outcome."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from .decisions import Decisions
 
 
 def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -57,7 +62,7 @@ def rope_gptj(x: np.ndarray, pos: int, inv: np.ndarray, mag: float) -> np.ndarra
     return y
 
 
-class DeepseekMtpRef:
+class DeepseekMtpRef(Decisions):
     """The MTP layer `model.layers.{num_hidden_layers}` of a DeepSeek-V3 config (HF config.json names)."""
 
     def __init__(self, w: dict[str, np.ndarray], cfg: dict):
@@ -66,8 +71,9 @@ class DeepseekMtpRef:
         self.eps = float(cfg["rms_norm_eps"])
         self.H, self.C = cfg["num_attention_heads"], cfg["kv_lora_rank"]
         self.dn, self.dr, self.dv = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
-        rs = cfg.get("rope_scaling")
-        self.inv = yarn_inv_freq(self.dr, float(cfg.get("rope_theta", 10000.0)), rs)
+        rp = cfg.get("rope_parameters") or {}      # transformers 5 writes rope_parameters, older configs rope_scaling
+        rs = cfg.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+        self.inv = yarn_inv_freq(self.dr, float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0))), rs)
         self.scale = (self.dn + self.dr) ** -0.5
         self.mag = 1.0
         if rs:
@@ -78,7 +84,7 @@ class DeepseekMtpRef:
         self.n_group, self.topk_group = cfg["n_group"], cfg["topk_group"]
         self.route_scale, self.norm_topk = cfg["routed_scaling_factor"], cfg.get("norm_topk_prob", True)
         self.rows: list[tuple[int, np.ndarray, int]] = []
-        self.last_margin = math.inf   # smallest routing-decision gap of the last step (near-tie detector)
+        Decisions.__init__(self)
 
     def g(self, key: str) -> np.ndarray:
         return self.w[self.P + key]
@@ -113,25 +119,20 @@ class DeepseekMtpRef:
         o = np.einsum("ht,htd->hd", p, v)
         return o.reshape(-1) @ self.g("self_attn.o_proj.weight").T
 
-    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
-        """(expert ids, weights, margin): margin is the smallest gap at a selection boundary."""
+    def route(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(expert ids, weights)."""
         s = 1.0 / (1.0 + np.exp(-(self.g("mlp.gate.weight") @ x)))
         sel = s + self.g("mlp.gate.e_score_correction_bias")
         grp = np.sort(sel.reshape(self.n_group, -1), axis=1)[:, -2:].sum(axis=1)
-        order = np.argsort(-grp, kind="stable")
-        margins = [grp[order[self.topk_group - 1]] - grp[order[self.topk_group]]] if self.topk_group < self.n_group else []
         keep = np.zeros(self.n_group, bool)
-        keep[order[:self.topk_group]] = True
+        keep[self.pick("groups", grp, self.topk_group)] = True
         masked = np.where(np.repeat(keep, self.E // self.n_group), sel, -np.inf)
-        idx = np.argsort(-masked, kind="stable")
-        if np.isfinite(masked[idx[self.top_k]]):
-            margins.append(masked[idx[self.top_k - 1]] - masked[idx[self.top_k]])
-        idx = idx[:self.top_k]
+        idx = self.pick("experts", masked, self.top_k)
         wk = s[idx] / s[idx].sum() if self.norm_topk else s[idx]
-        return idx, wk * self.route_scale, min(margins, default=math.inf)
+        return idx, wk * self.route_scale
 
     def moe(self, x: np.ndarray) -> np.ndarray:
-        idx, wk, self.last_margin = self.route(x)
+        idx, wk = self.route(x)
         y = np.zeros_like(x)
         for e, we in zip(idx, wk):
             pe = f"mlp.experts.{e}."
@@ -144,14 +145,18 @@ class DeepseekMtpRef:
         """Prefill / catch-up: hold the row (its latent is recomputed when attended)."""
         self.rows.append((int(token), np.asarray(hidden, np.float64), int(pos)))
 
-    def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step (appends its row, attends all rows): (logits [vocab], carried hidden g)."""
-        self.write_row(token, hidden, pos)
+    def carried(self, g: np.ndarray) -> np.ndarray:
+        """The hidden carried to the next draft step: the block output g (A.2, this code's rule)."""
+        return g
+
+    def forward(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step over the rows held (its own row included): (logits [vocab], carried hidden)."""
         x = self.front(token, hidden)
         x = x + self.mla(rms(x, self.g("input_layernorm.weight"), self.eps), pos)
         x = x + self.moe(rms(x, self.g("post_attention_layernorm.weight"), self.eps))
         logits = self.w["lm_head.weight"] @ rms(x, self.g("shared_head.norm.weight"), self.eps)
-        return logits, x
+        return logits, self.carried(x)
 
     def truncate(self, rows: int) -> None:
         del self.rows[rows:]
+

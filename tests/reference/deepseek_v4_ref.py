@@ -1,9 +1,8 @@
 """Independent float64 functional reference of the DeepSeek-V4 MTP module, written from arch_math.md B.
 
-It never calls mtp_cupy kernels, twins or dequantisers: `load_weights` reads the stored tensors and
-dequantises them here (FP8 e4m3 x E8M0 128x128 blocks, FP4 e2m1 low-nibble-first x E8M0 per 32), and
-the model keeps its own list of cache rows (position, kv row), one per drafter row, so a test can mirror
-prefill / propose / trim on it.
+It never calls mtp_cupy kernels, twins, readers or dequantisers: `load_weights` reads the stored tensors
+with the references' own reader (reference/checkpoint.py), and the model keeps its own list of cache rows
+(position, kv row), one per drafter row, so a test can mirror prefill / propose / trim on it.
 
     B.3  e = rms(Embed(u); enorm);  X_j = h_proj(rms(H_j; hnorm)) + e_proj(e)   (one hidden [D]: X_j equal)
     B.2  X = hc_post(attn(rms(x; attn_norm)), X, post, comb) with (x, post, comb) = hc_pre(X; hc_attn_*),
@@ -16,44 +15,19 @@ prefill / propose / trim on it.
          experts and the shared expert clamp gate <= limit and |up| <= limit before silu(gate) * up"""
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import ml_dtypes
 import numpy as np
 
+from .checkpoint import read_weights
+from .decisions import Decisions
+
 P = "mtp.0."
-E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
-
-
-def _e8m0(s: np.ndarray) -> np.ndarray:
-    return np.exp2(np.asarray(s).view(np.uint8).astype(np.float64) - 127.0)
-
-
-def dequant(w: np.ndarray, scale: np.ndarray | None) -> np.ndarray:
-    """One stored tensor (+ its `.scale`) -> float64, decided from the stored dtypes."""
-    if scale is None:
-        return np.asarray(w).astype(np.float64)
-    s = _e8m0(scale)
-    if w.dtype == np.dtype(ml_dtypes.float8_e4m3fn):             # 128 x 128 blocks
-        blk = np.kron(s, np.ones((128, 128)))[:w.shape[0], :w.shape[1]]
-        return w.astype(np.float64) * blk
-    b = np.asarray(w).view(np.uint8)                               # two e2m1 per byte, even element low
-    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)
-    return E2M1[codes] * np.repeat(s, 32, axis=1)
 
 
 def load_weights(path) -> tuple[dict[str, np.ndarray], dict]:
-    """(float64 weights by checkpoint key (quantised projections under `<module>.weight`), config dict)."""
-    from mtp_cupy.weights.safetensors_io import Checkpoint   # file access only
-    ck = Checkpoint(path)
-    w = {}
-    for k in ck.keys():
-        if k.endswith(".scale") and ck.has(k[:-len(".scale")] + ".weight"):
-            continue
-        sk = k[:-len(".weight")] + ".scale" if k.endswith(".weight") else None
-        w[k] = dequant(ck.numpy(k), ck.numpy(sk) if sk and ck.has(sk) else None)
-    return w, json.loads((Path(path) / "config.json").read_text())
+    """(float64 weights by checkpoint key (quantised projections under `<module>.weight`), config dict), read
+    and dequantised by the references' own reader (FP8 e4m3 x E8M0 128x128 blocks, FP4 e2m1 low-nibble-first
+    x E8M0 per 32)."""
+    return read_weights(path)
 
 
 def rms(x: np.ndarray, w: np.ndarray | None, eps: float) -> np.ndarray:
@@ -80,8 +54,11 @@ def silu(x):
     return x * sigmoid(x)
 
 
-class V4MtpRef:
+class V4MtpRef(Decisions):
+    """The MTP layer `mtp.0`; the expert selection (score + bias, top-k) is a Decision."""
+
     def __init__(self, w: dict[str, np.ndarray], cfg: dict):
+        Decisions.__init__(self)
         self.w, self.cfg = w, cfg
         self.eps, self.hc_eps = cfg.get("rms_norm_eps", 1e-6), cfg.get("hc_eps", 1e-6)
         self.hc, self.D = cfg["hc_mult"], cfg["hidden_size"]
@@ -140,7 +117,6 @@ class V4MtpRef:
         qr = rms(xn @ self.g("attn.wq_a.weight").T, self.g("attn.q_norm.weight"), self.eps)
         q = rms((qr @ self.g("attn.wq_b.weight").T).reshape(H, hd), None, self.eps)
         q = rope_interleaved(q, pos, self.rot, self.theta)
-        self.rows.append((pos, self.kv_of(xn, pos)))
         K = np.stack([r for _, r in self.rows[-self.window:]])             # K == V
         s = (q @ K.T) * hd ** -0.5
         M = s.max(1, keepdims=True)
@@ -166,7 +142,7 @@ class V4MtpRef:
         if P + "ffn.gate.tid2eid" in self.w:                   # hash layer: experts fixed per token id
             idx = self.g("ffn.gate.tid2eid")[token].astype(int)
         else:
-            idx = np.argsort(-(s + self.g("ffn.gate.bias")), kind="stable")[:self.cfg["num_experts_per_tok"]]
+            idx = self.pick("experts", s + self.g("ffn.gate.bias"), self.cfg["num_experts_per_tok"])
         wts = s[idx] / s[idx].sum() * self.cfg.get("routed_scaling_factor", 1.0)
         y = sum(wt * self.expert(x, f"ffn.experts.{e}.") for e, wt in zip(idx, wts))
         return y + self.expert(x, "ffn.shared_experts.")
@@ -178,8 +154,9 @@ class V4MtpRef:
         x, post, C = self.hc_pre(X, "ffn")
         return self.hc_post(self.moe(rms(x, self.g("ffn_norm.weight"), self.eps), token), X, post, C)
 
-    def step(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step appending its cache row: (logits [vocab], output streams [hc, D] = carried hidden)."""
+    def forward(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step over the rows held (its own included): (logits [vocab], output streams [hc, D] =
+        carried hidden)."""
         X = self.block(self.streams(token, hidden), pos, token)
         y = rms(self.hc_head(X), self.g("norm.weight"), self.eps)
         return y @ self.w["head.weight"].T, X

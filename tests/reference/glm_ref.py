@@ -11,8 +11,6 @@ MLA in naive form, A.5 routing with n_group 1) with what C.2 / C.3 change:
     norms    every RMSNorm (latent ones included) uses rms_norm_eps"""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from .deepseek_ref import DeepseekMtpRef, rms, rope_gptj
@@ -38,7 +36,6 @@ class GlmMtpRef(DeepseekMtpRef):
         self.nh, self.hd, self.topk = cfg["index_n_heads"], cfg["index_head_dim"], cfg["index_topk"]
         self.index_rope = rope_gptj if cfg.get("indexer_rope_interleave", True) else rope_neox
         self.last_selected: list[int] = []
-        self.last_index_margin = math.inf   # top-k boundary gap of the last step, relative to the score spread
 
     def _xn(self, token: int, hidden) -> np.ndarray:
         return rms(self.front(token, hidden), self.g("input_layernorm.weight"), self.eps)
@@ -59,11 +56,8 @@ class GlmMtpRef(DeepseekMtpRef):
         k = np.stack([self.index_key(*r) for r in self.rows])                 # [T, hd]
         wts = (xn @ self.g("self_attn.indexer.weights_proj.weight").T) * self.nh ** -0.5
         scores = (wts @ np.maximum(q @ k.T, 0.0)) * self.hd ** -0.5           # [T]
-        order = np.argsort(-scores, kind="stable")
-        kk = min(self.topk, len(self.rows))
-        gap = scores[order[kk - 1]] - scores[order[kk]] if kk < len(self.rows) else math.inf
-        self.last_index_margin = gap / (float(np.ptp(scores)) or 1.0)
-        return sorted(order[:kk].tolist())
+        kk = min(self.topk, len(self.rows))     # a near tie is relative to the score spread
+        return sorted(int(i) for i in self.pick("index", scores, kk, float(np.ptp(scores)) or 1.0))
 
     def mla(self, xn: np.ndarray, pos: int) -> np.ndarray:
         self.last_selected = self.select(xn, pos)
@@ -74,9 +68,6 @@ class GlmMtpRef(DeepseekMtpRef):
         finally:
             self.rows = held
 
-    def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step: (logits [vocab], carried hidden = shared_head.norm output). `last_margin` becomes the
-        smallest decision gap of the step, routing or index selection (a near-tie detector for tests)."""
-        logits, g = super().step(token, hidden, pos)
-        self.last_margin = min(self.last_margin, self.last_index_margin)
-        return logits, rms(g, self.g("shared_head.norm.weight"), self.eps)
+    def carried(self, g: np.ndarray) -> np.ndarray:
+        """The hidden after shared_head.norm (C.3). Decisions of a step: the index top-k and the routing."""
+        return rms(g, self.g("shared_head.norm.weight"), self.eps)

@@ -53,6 +53,7 @@ class HfQwenMtp:
             else:
                 for p in ("gate_proj", "up_proj", "down_proj"):
                     getattr(mlp, p).weight.copy_(t[f"{m}{p}.weight"])
+        self.rows: list[tuple[int, np.ndarray, int]] = []    # (token, hidden, position) for write_row / step
 
     def run(self, tokens, hiddens, positions) -> tuple[np.ndarray, np.ndarray]:
         """Rows r = 0..T-1 pair embed(tokens[r]) with hiddens[r] at positions[r], each attending to rows
@@ -68,3 +69,16 @@ class HfQwenMtp:
             y = self.layer(x, position_embeddings=self.rotary(x, pos), attention_mask=mask, position_ids=pos)
             g = self.final(y[0])
             return (g @ self.lm_head.T).numpy(), g.numpy()
+
+    def write_row(self, token: int, hidden, pos: int) -> None:
+        self.rows.append((int(token), np.asarray(hidden, np.float64), int(pos)))
+
+    def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """A draft step after the rows held (appends its row): (logits, carried hidden) of the newest row."""
+        self.write_row(token, hidden, pos)
+        toks, hs, ps = zip(*self.rows)
+        logits, g = self.run(toks, np.stack(hs), ps)
+        return logits[-1], g[-1]
+
+    def truncate(self, rows: int) -> None:
+        del self.rows[rows:]

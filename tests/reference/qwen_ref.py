@@ -15,6 +15,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from .decisions import Decisions
+
 P = "mtp."
 L = "mtp.layers.0."
 
@@ -50,22 +52,22 @@ def e4m3(x: np.ndarray, scale: float) -> np.ndarray:
     return q.astype(np.float64) * scale
 
 
-class QwenMtpRef:
-    """One MTP decoder layer over its own K/V rows. `cfg` uses the HF config.json names."""
+class QwenMtpRef(Decisions):
+    """One MTP decoder layer over its own K/V rows. `cfg` uses the HF config.json names. The expert selection
+    is a Decision (near ties measured on the router logits, i.e. log-probability ratios)."""
 
     def __init__(self, w: dict[str, np.ndarray], cfg: dict, kv_fp8: bool = False, kv_scale: float = 1.0):
+        Decisions.__init__(self)
         self.w = {k: np.asarray(v, dtype=np.float64) for k, v in w.items()}
         self.H, self.KV = cfg["num_attention_heads"], cfg["num_key_value_heads"]
         self.hd = cfg["head_dim"]
-        self.rot = int(self.hd * cfg.get("partial_rotary_factor", 1.0))
-        self.theta = float(cfg.get("rope_theta", 10000.0))
+        rp = cfg.get("rope_parameters") or {}      # transformers 5 writes these under rope_parameters
+        self.rot = int(self.hd * cfg.get("partial_rotary_factor", rp.get("partial_rotary_factor", 1.0)))
+        self.theta = float(cfg.get("rope_theta", rp.get("rope_theta", 10000.0)))
         self.eps = float(cfg["rms_norm_eps"])
         self.top_k, self.n_exp = cfg.get("num_experts_per_tok", 0), cfg.get("num_experts", 0)
         self.norm_topk = cfg.get("norm_topk_prob", True)
         self.kv_fp8, self.kv_scale = kv_fp8, kv_scale
-        # relative gap between the k-th and (k+1)-th router probability of every MoE call: below ~1e-2,
-        # rounding elsewhere may legitimately pick the other expert, and later steps diverge
-        self.route_gaps: list[float] = []
         self.K: list[np.ndarray] = []   # [KV, hd] per row, RoPE applied, as the cache stores it
         self.V: list[np.ndarray] = []
 
@@ -87,14 +89,11 @@ class QwenMtpRef:
         return k, v
 
     def attention(self, xn: np.ndarray, pos: int) -> np.ndarray:
-        """Appends this row's K/V, then attends over every row held (causal: all earlier rows)."""
+        """Attends over every row held (causal: all earlier rows and this one's, written by step)."""
         w = self.w
         qg = (xn @ w[L + "self_attn.q_proj.weight"].T).reshape(self.H, 2 * self.hd)
         q, gate = qg[:, :self.hd], qg[:, self.hd:]
         q = rope_neox(rms1p(q, w[L + "self_attn.q_norm.weight"], self.eps), pos, self.rot, self.theta)
-        k, v = self._kv(xn, pos)
-        self.K.append(k)
-        self.V.append(v)
         K, V = np.stack(self.K), np.stack(self.V)          # [T, KV, hd]
         grp = self.H // self.KV
         o = np.empty((self.H, self.hd))
@@ -111,10 +110,7 @@ class QwenMtpRef:
         logits = w[m + "gate.weight"] @ x
         p = np.exp(logits - logits.max())
         p /= p.sum()
-        order = np.argsort(-p, kind="stable")
-        idx = order[:self.top_k]
-        if self.top_k < self.n_exp:
-            self.route_gaps.append(float((p[order[self.top_k - 1]] - p[order[self.top_k]]) / p[order[self.top_k - 1]]))
+        idx = self.pick("experts", logits, self.top_k)
         wk = p[idx] / p[idx].sum() if self.norm_topk else p[idx]
         y = np.zeros_like(x)
         for e, we in zip(idx, wk):
@@ -132,8 +128,8 @@ class QwenMtpRef:
         self.K.append(k)
         self.V.append(v)
 
-    def step(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """One draft step: (logits over the full vocab, carried hidden g)."""
+    def forward(self, token: int, hidden: np.ndarray, pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """One draft step over the rows held (its own included): (logits over the full vocab, carried g)."""
         w, e = self.w, self.eps
         x = self.front(token, hidden)
         x = x + self.attention(rms1p(x, w[L + "input_layernorm.weight"], e), pos)

@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Does the test suite catch small deliberate bugs? Each mutation below is applied, alone, to a scratch copy of
+the checkout (the files git tracks plus the untracked ones it does not ignore), the tests it names run there
+on the CPU, and the mutation counts as caught when they fail. A table of caught / missed follows; the exit
+status is non-zero if any mutation was missed, did not apply (its snippet is gone: update the list), or the
+unmutated tests failed (then nothing would mean anything). Not part of CI: about 10 minutes on 2 cores.
+
+    python scripts/mutation_check.py                   # every mutation, after a baseline run
+    python scripts/mutation_check.py -k qwen -j 2      # the mutations whose name contains "qwen", 2 at a time
+    python scripts/mutation_check.py --list
+
+Tests draw fresh random seeds (printed by the tests); `--seed N` fixes MTP_TEST_SEED for a replay."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    why: str                                  # what the bug is
+    edits: tuple[tuple[str, str, str], ...]   # (file, original snippet, mutated snippet), each must match once
+    tests: tuple[str, ...]                    # pytest arguments (relative to the checkout)
+    mpi: bool = False                         # run the tests under `mpiexec -n 2`
+
+
+def M(name, why, file, old, new, *tests, mpi=False, more=()):
+    return Mutation(name, why, ((file, old, new),) + tuple(more), tuple(tests), mpi)
+
+
+MUTATIONS = [
+    # -- the six blind spots the issue named ----------------------------------------------------------------
+    M("qwen-expert-off-by-one", "Qwen3-Next expert e loaded from the keys of expert e + 1",
+      "mtp_cupy/weights/qwen3_next.py",
+      "w.experts = {e: swiglu(expert(e), inter) for e in range(E)}",
+      "w.experts = {e: swiglu(expert((e + 1) % E), inter) for e in range(E)}",
+      "tests/test_qwen_mtp.py", "tests/test_outside_checkpoints.py"),
+    M("trim-keeps-rejected-row", "after_verify keeps one rejected row (off-by-one trim)",
+      "mtp_cupy/speculative/proposer.py",
+      "rejected = max(num_drafted - num_accepted, 0)", "rejected = max(num_drafted - num_accepted - 1, 0)",
+      "tests/test_deepseek_v3.py", "tests/test_glm_mtp.py", "tests/test_deepseek_v4.py"),
+    M("bonus-from-previous-position", "rejection sampling draws the bonus token from p[k - 1], not p[k]",
+      "mtp_cupy/speculative/sampling.py",
+      "return k, int(rng.choice(p.shape[1], p=p[k]))", "return k, int(rng.choice(p.shape[1], p=p[k - 1]))",
+      "tests/test_sampling.py"),
+    M("bonus-with-wrong-hidden", "generate pairs the bonus token with the hidden of the row after it",
+      "mtp_cupy/speculative/generate.py",
+      "hid.extend(Hv[:a + 1])", "hid.extend(list(Hv[:a]) + [Hv[min(a + 1, len(Hv) - 1)]])",
+      "tests/test_generate.py", "tests/test_sampling.py"),
+    M("glm-head-fp8-row-scales", "the FP8 head copy's per-row scales shifted by one row (head_fp8 values)",
+      "mtp_cupy/refdev/twins/quantize.py",
+      "dev.view(scale, np.float32, n)[:] = s", "dev.view(scale, np.float32, n)[:] = np.roll(s, 1)",
+      "tests/test_glm_mtp.py::test_head_fp8_drafts_match_reference"),
+    M("v4-sink-skipped", "DeepSeek-V4 attention without its per-head sinks",
+      "mtp_cupy/layers/v4_attention.py", "window=self.window, sink=w.sink,", "window=self.window, sink=NULL,",
+      "tests/test_deepseek_v4.py", "tests/test_deepseek_v4_cycles.py"),
+    # -- what the suite caught before --------------------------------------------------------------------------
+    M("concat-flipped", "the MTP front writes [hnorm(hidden) | enorm(embed)] instead of embedding first",
+      "mtp_cupy/layers/mtp_front.py",
+      "n.strided(self.d.enorm, self.emb, self.cat, m, D, 2 * D)\n"
+      "        n.strided(self.d.hnorm, hidden, self.cat.offset(2 * D), m, D, 2 * D)",
+      "n.strided(self.d.enorm, self.emb, self.cat.offset(2 * D), m, D, 2 * D)\n"
+      "        n.strided(self.d.hnorm, hidden, self.cat, m, D, 2 * D)",
+      "tests/test_deepseek_v3.py", "tests/test_qwen_mtp.py"),
+    M("routed-scaling-dropped", "MoE weights without routed_scaling_factor (V3, GLM-5, V4)",
+      "mtp_cupy/layers/moe.py", "common = dict(routed_scaling=cfg.routed_scaling_factor,",
+      "common = dict(routed_scaling=1.0,", "tests/test_deepseek_v3.py", "tests/test_deepseek_v4.py"),
+    M("glm-carries-pre-norm", "GLM-5 carries the hidden before shared_head.norm (V3's rule) to the next draft",
+      "mtp_cupy/models/glm5.py", "return self.bufs.carry   # GLM-5", "return self.bufs.x   # GLM-5",
+      "tests/test_glm_mtp.py"),
+    M("chained-rope-position", "chained draft i staged at position + 2i instead of position + i",
+      "mtp_cupy/runtime/arena.py", "s32[i, 0], s32[i, 4] = position + i, row + 1",
+      "s32[i, 0], s32[i, 4] = position + 2 * i, row + 1", "tests/test_deepseek_v3.py", "tests/test_qwen_mtp.py"),
+    # -- more ---------------------------------------------------------------------------------------------------
+    M("fp4-nibbles-swapped", "E2M1 packing high nibble first in our writer AND loader (self-consistent)",
+      "mtp_cupy/weights/quant_host.py",
+      "return ((c[..., 1::2] & 0x0F) << 4 | (c[..., 0::2] & 0x0F)).astype(np.uint8)",
+      "return ((c[..., 0::2] & 0x0F) << 4 | (c[..., 1::2] & 0x0F)).astype(np.uint8)",
+      "tests/test_outside_checkpoints.py",
+      more=(("mtp_cupy/weights/quant_host.py", "out[..., 0::2], out[..., 1::2] = p & 0x0F, p >> 4",
+             "out[..., 1::2], out[..., 0::2] = p & 0x0F, p >> 4"),)),
+    M("catch-up-hidden-shifted", "generate's catch-up prefill pairs each row with the next position's hidden",
+      "mtp_cupy/speculative/generate.py", "np.stack(hid[nxt:pos]), start_position=nxt)",
+      "np.stack(hid[nxt + 1:pos + 1]), start_position=nxt)", "tests/test_generate.py", "tests/test_sampling.py"),
+    M("resample-from-target", "after a rejection the token is drawn from p, not from norm(max(0, p - q))",
+      "mtp_cupy/speculative/sampling.py", "probs = resid / s if s > 0 else p[i]", "probs = p[i]",
+      "tests/test_sampling.py"),
+    M("refeed-trims-first-accepted", "refeed_accepted also drops the first accepted row (built from the target)",
+      "mtp_cupy/speculative/proposer.py", "refed = max(num_accepted - 1, 0) if refeed_accepted else 0",
+      "refed = num_accepted if refeed_accepted else 0", "tests/test_qwen_mtp_cycles.py"),
+    M("yarn-softmax-scale-dropped", "MLA softmax scale without YaRN's mscale(f, mscale_all_dim)^2",
+      "mtp_cupy/layers/mla.py", "return cls(inv, float(mag), scale * m_all * m_all, interleaved)",
+      "return cls(inv, float(mag), scale, interleaved)", "tests/test_deepseek_v3.py", "tests/test_outside_checkpoints.py"),
+    M("dsa-topk-one-short", "the DSA indexer keeps index_topk - 1 rows",
+      "mtp_cupy/layers/dsa.py", "p[\"sel\"], self.sel_stride, m, d.topk,", "p[\"sel\"], self.sel_stride, m, d.topk - 1,",
+      "tests/test_glm_mtp.py"),
+    M("hc-post-comb-transposed", "mHC hc_post mixes streams with C[k, j] instead of C[j, k] (NumPy twin)",
+      "mtp_cupy/refdev/twins/hyper_connection.py", "acc = acc + c[:, j, k, None] * xv[:, j]",
+      "acc = acc + c[:, k, j, None] * xv[:, j]", "tests/test_deepseek_v4.py"),
+    M("qwen-plain-norms", "Qwen3-Next norms as plain w instead of (1 + w)",
+      "mtp_cupy/models/qwen3_next.py", "Norms(gpu, weights.norms, D, self.eps, unit_offset=True)",
+      "Norms(gpu, weights.norms, D, self.eps, unit_offset=False)", "tests/test_qwen_mtp.py"),
+    M("sharded-tie-to-higher-rank", "the vocab-sharded argmax breaks cross-rank ties to the higher rank",
+      "mtp_cupy/refdev/twins/vocab_argmax.py", "        if vals[q] > vals[best]:", "        if vals[q] >= vals[best]:",
+      "tests/mpi/test_glm_sharded.py", mpi=True),
+]
+
+
+def scratch_copy(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT, check=True,
+                           capture_output=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def apply(m: Mutation, dest: Path) -> str | None:
+    """Apply every edit of m in dest; returns why it could not."""
+    for file, old, new in m.edits:
+        p = dest / file
+        text = p.read_text()
+        if text.count(old) != 1:
+            return f"{file}: the original snippet occurs {text.count(old)} times"
+        p.write_text(text.replace(old, new))
+    return None
+
+
+def run_tests(where: Path, tests, mpi: bool, args) -> tuple[int, str, float]:
+    py = args.python
+    cmd = [py, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--color=no", *tests]
+    if mpi:
+        cmd = [args.mpiexec, "-n", "2", *cmd]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPATH", None)
+    if args.seed is not None:
+        env["MTP_TEST_SEED"] = str(args.seed)
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True, timeout=args.timeout)
+        return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return -1, out + "\n[timed out]", time.perf_counter() - t0
+
+
+def check(m: Mutation, args) -> tuple[str, float, str]:
+    with tempfile.TemporaryDirectory(prefix=f"mut_{m.name}_") as d:
+        dest = Path(d)
+        scratch_copy(dest)
+        why = apply(m, dest)
+        if why:
+            return "NOT APPLIED", 0.0, why
+        rc, out, secs = run_tests(dest, m.tests, m.mpi, args)
+    if rc == -1:
+        return "caught (timeout)", secs, out[-2000:]
+    if rc == 0:
+        return "MISSED", secs, out[-2000:]
+    if rc in (1,):                             # tests failed
+        failed = [ln for ln in out.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+        return "caught", secs, failed[0] if failed else out[-500:]
+    return f"caught (pytest exit {rc})", secs, out[-1000:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-k", default="", help="only mutations whose name contains this")
+    ap.add_argument("-j", type=int, default=1, help="mutations run at once")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per mutation's test run")
+    ap.add_argument("--seed", type=int, default=None, help="MTP_TEST_SEED for every run")
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--mpiexec", default=str(Path(sys.executable).with_name("mpiexec")))
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("-v", action="store_true", help="print each mutation's test output tail")
+    args = ap.parse_args()
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:30s} {m.why}\n{'':30s} {', '.join(m.tests)}{' (mpiexec -n 2)' if m.mpi else ''}")
+        return 0
+    if not args.no_baseline:
+        for mpi in (False, True):
+            tests = sorted({t for m in chosen if m.mpi == mpi for t in m.tests})
+            if not tests:
+                continue
+            with tempfile.TemporaryDirectory(prefix="mut_baseline_") as d:
+                scratch_copy(Path(d))
+                rc, out, secs = run_tests(Path(d), tests, mpi, args)
+            print(f"baseline{' (mpi)' if mpi else ''}: {'pass' if rc == 0 else 'FAIL'} in {secs:.0f} s")
+            if rc != 0:
+                print(out[-3000:])
+                return 2
+    rows = []
+    with ThreadPoolExecutor(max(1, args.j)) as pool:
+        for m, (status, secs, detail) in zip(chosen, pool.map(lambda m: check(m, args), chosen)):
+            rows.append((m, status, secs, detail))
+            print(f"  {m.name}: {status} ({secs:.0f} s)", flush=True)
+            if args.v or not status.startswith("caught"):
+                print("    " + detail.replace("\n", "\n    "))
+    w = max(len(m.name) for m, *_ in rows)
+    print(f"\n| {'mutation':{w}s} | result | s | tests | bug |\n|{'-' * (w + 2)}|---|---|---|---|")
+    for m, status, secs, _ in rows:
+        print(f"| {m.name:{w}s} | {status} | {secs:.0f} | {' '.join(t.removeprefix('tests/') for t in m.tests)}"
+              f"{' (mpi)' if m.mpi else ''} | {m.why} |")
+    bad = [m.name for m, status, *_ in rows if not status.startswith("caught")]
+    print(f"\n{len(rows) - len(bad)} of {len(rows)} caught" + (f"; not caught: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
