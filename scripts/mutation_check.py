@@ -12,7 +12,6 @@ unmutated tests failed (then nothing would mean anything). Not part of CI: about
 Tests draw fresh random seeds (printed by the tests); `--seed N` fixes MTP_TEST_SEED for a replay."""
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import subprocess
@@ -22,6 +21,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from mtp_cupy.bench.cli import Parser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -175,16 +176,17 @@ def check(m: Mutation, args) -> tuple[str, float, str]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("-k", default="", help="only mutations whose name contains this")
-    ap.add_argument("-j", type=int, default=1, help="mutations run at once")
+    ap = Parser(__doc__)
+    ap.add_argument("-k", "--only", dest="k", default="", help="only mutations whose name contains this")
+    ap.add_argument("-j", "--jobs", dest="j", type=int, default=1, help="mutations run at once")
     ap.add_argument("--timeout", type=int, default=900, help="seconds per mutation's test run")
     ap.add_argument("--seed", type=int, default=None, help="MTP_TEST_SEED for every run")
-    ap.add_argument("--python", default=sys.executable)
-    ap.add_argument("--mpiexec", default=str(Path(sys.executable).with_name("mpiexec")))
+    ap.add_argument("--python", default=sys.executable, help="the Python that runs the tests")
+    ap.add_argument("--mpiexec", default=str(Path(sys.executable).with_name("mpiexec")),
+                    help="the mpiexec of the MPI mutations")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated run of the selected tests")
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("-v", action="store_true", help="print each mutation's test output tail")
+    ap.add_argument("--list", action="store_true", help="list the mutations and exit")
+    ap.add_argument("-v", "--verbose", dest="v", action="store_true", help="print each mutation's test output tail")
     args = ap.parse_args()
     chosen = [m for m in MUTATIONS if args.k in m.name]
     if args.list:

@@ -115,7 +115,7 @@ class _MarkovDrafter:
             self.keys, self.seen, self.last = [], {}, None
 
     def __init__(self, Q):
-        self.Q, self.max_seq_len = Q, 64
+        self.Q, self.max_seq_len, self.max_drafts = Q, 64, 8
 
     def alloc_state(self):
         return self.State()
