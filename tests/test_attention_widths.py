@@ -118,3 +118,144 @@ def test_dsa_scores_any_head_dim_cuda_vs_twin(rng, heads, hd):
     a, b = run_on_both(lambda d: _index_scores(d, q, w, pg, heads, hd, 1024, 0.1))
     for s, n in enumerate(seqs):
         assert rel_err(b[s, :n], a[s, :n]) < 1e-5
+
+
+# -- whole proposers at such widths against transformers' decoder layers ------------------------------------
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+import mtp_cupy  # noqa: E402
+from mtp_cupy.errors import ConfigError  # noqa: E402
+from width_oracles import chain_errors, oracle_for, rel as rel64, tiny  # noqa: E402
+
+TOL0, TOL = 1.5e-2, 2.5e-2     # the first draft; chained drafts (the bf16 carried hidden compounds)
+
+# (family, tiny-checkpoint dims, options, carried hidden): each an attention width off the 64-column tile
+WIDTH_CASES = {
+    "v3_mla_row48": ("deepseek_v3", dict(kv_lora_rank=32, qk_rope_head_dim=16, fmt="bf16"), {}, "pre_norm"),
+    "v3_fp8_mla_row72": ("deepseek_v3", dict(kv_lora_rank=48, qk_rope_head_dim=24, qk_nope_head_dim=48,
+                                             v_head_dim=24), {}, "pre_norm"),
+    "glm5_row48_index40": ("glm5", dict(kv_lora_rank=32, qk_rope_head_dim=16, index_head_dim=40), {}, "post_norm"),
+    "v4_head80": ("deepseek_v4", dict(head_dim=80, qk_rope_head_dim=16), {}, None),
+    "qwen_head32": ("qwen3_next", dict(head_dim=32), {}, "post_norm"),
+    "qwen_head48_fp8kv": ("qwen3_next", dict(head_dim=48), dict(quantization="stored", kv_cache_dtype="fp8",
+                                                                 kv_scale=0.25), "post_norm"),
+}
+
+
+def _load(dev, family, dims, opts, **kw):
+    return mtp_cupy.load_proposer(tiny(family, **dims), dev, max_seq_len=64, **opts, **kw)
+
+
+@pytest.mark.parametrize("case", sorted(WIDTH_CASES))
+def test_proposer_matches_transformers_at_off_tile_widths(dev, case):
+    """Prefill, then a chain of three drafts, each against transformers' layer wrapped into the MTP module
+    (the fp8-K/V case is held to the same bounds: transformers keeps K/V in float64)."""
+    family, dims, opts, carried = WIDTH_CASES[case]
+    prop = _load(dev, family, dims, opts)
+    oracle, _, _ = oracle_for(tiny(family, **dims))
+    errs, _ = chain_errors(prop, oracle, carried=carried or "post_norm")
+    assert errs[0] <= TOL0 and max(errs) <= TOL, f"{case}: {errs}"
+
+
+# -- refused at load, naming the field; nothing allocated ---------------------------------------------------
+def _config_only(tmp_path, family, **dims):
+    """A checkpoint directory with only config.json: the checks run before any tensor is read."""
+    import json
+    d = tiny(family)
+    cfg = {**json.loads((d / "config.json").read_text()), **dims}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return tmp_path
+
+
+class CountingRef:
+    """The NumPy device, counting allocations: a refused load must make none."""
+
+    def __init__(self):
+        from mtp_cupy.refdev.backend import RefBackend
+        self.dev = RefBackend()
+        self.allocs = 0
+        real = self.dev.alloc
+
+        def alloc(nbytes):
+            self.allocs += 1
+            return real(nbytes)
+        self.dev.alloc = alloc
+
+
+REFUSED = [   # (family, config fields, options, what the message must name)
+    ("deepseek_v3", dict(kv_lora_rank=20), {}, "kv_lora_rank = 20"),
+    ("deepseek_v3", dict(kv_lora_rank=512, qk_rope_head_dim=128), {}, "kv_lora_rank + qk_rope_head_dim = 640"),
+    ("deepseek_v3", dict(qk_rope_head_dim=12), {}, "qk_rope_head_dim = 12"),
+    ("deepseek_v3", dict(qk_nope_head_dim=40), {}, "qk_nope_head_dim = 40"),      # fp8: W_UK^T needs 16
+    ("deepseek_v3", dict(n_group=3), {}, "n_group = 3"),
+    ("deepseek_v3", dict(num_experts_per_tok=40), {}, "num_experts_per_tok = 40"),
+    ("glm5", dict(index_head_dim=300), {}, "index_head_dim = 300"),
+    ("glm5", dict(index_n_heads=200), {}, "index_n_heads = 200"),
+    ("deepseek_v4", dict(head_dim=520), {}, "head_dim = 520"),
+    ("deepseek_v4", dict(head_dim=84), {}, "head_dim = 84"),
+    ("deepseek_v4", dict(o_groups=3), {}, "o_groups = 3"),
+    ("deepseek_v4", dict(qk_rope_head_dim=64), dict(kv_cache_dtype="fp8"), "qk_rope_head_dim = 64"),
+    ("qwen3_next", dict(head_dim=36), {}, "head_dim = 36"),
+    ("qwen3_next", dict(head_dim=40), dict(kv_cache_dtype="fp8"), "head_dim = 40"),
+    ("qwen3_next", dict(num_key_value_heads=3), {}, "num_key_value_heads = 3"),
+    ("qwen3_next", dict(hidden_size=264), dict(quantization="nvfp4"), "hidden_size = 264"),
+]
+
+
+@pytest.mark.parametrize("family,fields,opts,names", REFUSED)
+def test_unsupported_widths_are_refused_at_load(tmp_path, family, fields, opts, names):
+    """ConfigError from load_proposer naming the field and its value and the supported range, before any device
+    allocation (a config-only directory: not one tensor is read either)."""
+    gpu = CountingRef()
+    with pytest.raises(ConfigError, match="supported") as e:
+        mtp_cupy.load_proposer(_config_only(tmp_path, family, **fields), gpu.dev, max_seq_len=64, **opts)
+    assert names in str(e.value), str(e.value)
+    assert gpu.allocs == 0 and gpu.dev.bytes_in_use == 0
+
+
+SWEEP = {   # widths a user might give a tiny test model: each either loads and drafts, or is refused at load
+    "deepseek_v3": [dict(kv_lora_rank=c, qk_rope_head_dim=r, qk_nope_head_dim=n, v_head_dim=v, fmt="bf16")
+                    for c, r, n, v in ((8, 8, 8, 8), (16, 24, 8, 40), (24, 8, 16, 12), (40, 40, 24, 8), (12, 8, 8, 8),
+                                       (16, 6, 8, 8))],
+    "deepseek_v4": [dict(head_dim=h, qk_rope_head_dim=r) for h, r in ((8, 2), (24, 8), (40, 24), (96, 32), (20, 4))],
+    "qwen3_next": [dict(head_dim=h, partial_rotary_factor=f) for h, f in ((8, 0.25), (16, 0.5), (40, 0.2),
+                                                                            (104, 0.25), (12, 0.5))],
+}
+
+
+@pytest.mark.parametrize("family", sorted(SWEEP))
+def test_never_fails_at_the_first_propose(family):
+    """Over a sweep of widths, a configuration either drafts (prefill, a batched and a single propose, an
+    after_verify) or is refused by load_proposer with a ConfigError: never a KernelError later."""
+    dev, ran = mtp_cupy.device("ref"), 0
+    for dims in SWEEP[family]:
+        try:
+            prop = _load(dev, family, dims, {}, max_batch=2)
+        except ConfigError as e:
+            assert "supported" in str(e), str(e)
+            continue
+        rng = np.random.default_rng(0)
+        D, V = prop.hidden_size, prop.vocab_size
+        sts = [prop.alloc_state() for _ in range(2)]
+        for st in sts:
+            prop.prefill(st, rng.integers(0, V, 6), rng.standard_normal((5, D)).astype(np.float32))
+        prop.propose_batch(sts, [1, 2], rng.standard_normal((2, D)).astype(np.float32), [5, 5], 2)
+        prop.after_verify(sts[0], 1)
+        prop.propose(sts[0], 3, rng.standard_normal(D).astype(np.float32), 6, 2)
+        ran += 1
+    assert ran >= 3, f"only {ran} of the {family} sweep ran"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(WIDTH_CASES))
+def test_off_tile_widths_cuda_vs_twin(case):
+    """CUDA against the NumPy device on the same checkpoint and inputs: accumulation order only."""
+    family, dims, opts, carried = WIDTH_CASES[case]
+    out = []
+    for kind in ("ref", "cuda"):
+        prop = _load(mtp_cupy.device(kind), family, dims, opts)
+        oracle, _, _ = oracle_for(tiny(family, **dims))
+        out.append(chain_errors(prop, oracle, carried=carried or "post_norm"))
+    (er, rr), (eg, rg) = out
+    assert eg[0] <= TOL0 and max(eg) <= TOL, f"{case} cuda vs transformers: {eg}"
+    assert rel64(rg.logits[0], rr.logits[0]) <= 1e-2

@@ -89,7 +89,7 @@ def check_mla_moe(cfg, dsa: bool) -> None:
         L.multiple("hidden_size", D, kg, kg, GROUPED_MAX_K, "the q_proj grouped GEMV (no q LoRA)")
     L.multiple("kv_lora_rank", C, kg, kg, ops.MAX_HEAD_DIM, "the MLA value (mla_decode v_width), kv_a_layernorm "
                "and the W_UV grouped GEMV")
-    L.multiple("qk_rope_head_dim", R, 8, 8, ops.MAX_ROW_WIDTH - C, "the MLA cache row (8-column steps)")
+    L.multiple("qk_rope_head_dim", R, 8, 8, ops.MAX_ROW_WIDTH, "the MLA cache row (8-column steps)")
     L.multiple("kv_lora_rank + qk_rope_head_dim", C + R, 8, 8, ops.MAX_ROW_WIDTH, "the MLA cache row (mla_decode)")
     L.multiple("qk_nope_head_dim", cfg.qk_nope_head_dim, kg, kg, GROUPED_MAX_K, "the W_UK^T absorption GEMV")
     L.multiple("num_attention_heads * v_head_dim", H * cfg.v_head_dim, kq, kq, 1 << 20, "o_proj")
