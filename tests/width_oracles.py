@@ -85,12 +85,14 @@ def _model(model_type: str, **kw):
 
 
 def fake_quant_fp8_blocks(x: torch.Tensor, nope: int) -> torch.Tensor:
-    """DeepSeek-V4's QAT rounding of kv[..., :nope] (act_quant(..., 64, "ue8m0", inplace=True)): per 64-block the
-    power-of-two scale s = 2^ceil(log2(max(amax, 1e-4) / 448)), the values e4m3(x / s) * s (nearest even,
-    saturating); the other columns untouched. A last partial block scales over what it has."""
+    """DeepSeek-V4's QAT rounding of kv[..., :nope] (act_quant(..., 64, "ue8m0", inplace=True)) of the bf16 kv
+    rows: per 64-block the power-of-two scale s = 2^ceil(log2(max(amax, 1e-4) / 448)), the values
+    e4m3(x / s) * s (nearest even, saturating); the other columns untouched. A last partial block scales over
+    what it has."""
     y = x.clone()
+    xb = x.to(torch.bfloat16).double()           # the official kv rows are bf16 when they are quantised
     for b0 in range(0, nope, 64):
-        blk = x[..., b0:min(nope, b0 + 64)]
+        blk = xb[..., b0:min(nope, b0 + 64)]
         amax = blk.abs().amax(-1, keepdim=True).clamp_min(1e-4)
         s = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
         q = (blk / s).clamp(-FP8_MAX, FP8_MAX).float().to(torch.float8_e4m3fn).double()
