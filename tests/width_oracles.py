@@ -18,7 +18,7 @@ FP8_MAX = 448.0
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 
-def _fp4(packed: torch.Tensor) -> torch.Tensor:
+def fp4_values(packed: torch.Tensor) -> torch.Tensor:
     """[n, k/2] bytes (low nibble the even element) -> float64 [n, k]."""
     b = packed.view(torch.uint8).to(torch.int64)
     nib = torch.stack([b & 15, b >> 4], dim=-1).flatten(-2)
@@ -51,11 +51,11 @@ def read_checkpoint(path) -> tuple[dict[str, torch.Tensor], dict]:
             out[k] = t.double() * _blocks(s.double(), n, kk, 128, 128)
         elif t.dtype in (torch.uint8, torch.int8) and base + ".weight_scale_2" in raw:
             n = t.shape[0]
-            w = _fp4(t)
+            w = fp4_values(t)
             out[k] = w * raw[base + ".weight_scale"].double().repeat_interleave(16, 1)[:, :w.shape[1]] \
                 * raw[base + ".weight_scale_2"].double().reshape(())
         elif t.dtype in (torch.uint8, torch.int8) and base + ".scale" in raw:
-            w = _fp4(t)
+            w = fp4_values(t)
             out[k] = w * raw[base + ".scale"].double().repeat_interleave(32, 1)[:, :w.shape[1]]
         else:
             out[k] = t.double()

@@ -87,9 +87,12 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         kv = f"bf16 latent rows of {cfg.kv_lora_rank + cfg.qk_rope_head_dim}" + (
             f" + bf16 indexer rows of {cfg.index_head_dim}" if cfg.has_indexer else "")
         carried = getattr(o, "carried_hidden", "post_norm")
-        return {"attention": attn, "dsa": "on" if cfg.has_indexer else "off", "kv_cache": kv,
-                "carried_hidden": carried + (" (after shared_head.norm)" if carried == "post_norm"
-                                             else " (before shared_head.norm)")}
+        props = {"attention": attn, "dsa": "on" if cfg.has_indexer else "off", "kv_cache": kv,
+                 "carried_hidden": carried + (" (after shared_head.norm)" if carried == "post_norm"
+                                              else " (before shared_head.norm)")}
+        if "carried_hidden" in cls.Options.names():
+            props["options"] = "carried_hidden: 'pre_norm' | 'post_norm'"
+        return props
 
     def __init__(self, gpu: Backend, cfg: DeepseekV3Config, weights: DeepseekV3MtpWeights, max_seq_len: int = 4096,
                  comm=None, options: DeepseekV3Options | None = None, **kw):

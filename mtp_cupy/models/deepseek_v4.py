@@ -90,8 +90,8 @@ class DeepseekV4MtpProposer(MtpProposerBase):
             f"fp8: e4m3 x {nope} in 64-blocks + UE8M0 scales, bf16 x {cfg.qk_rope_head_dim} RoPE "
             f"({ops.fp8_block_layout(hd, nope)[2]} bytes a row)")
         return {"attention": f"sliding-window MQA (window {cfg.sliding_window}) with sinks", "dsa": "off",
-                "kv_cache": kv + " (option kv_cache_dtype: 'bf16' | 'fp8')",
-                "carried_hidden": "the output hc streams [hc, D] (pre-hc_head)"}
+                "kv_cache": kv, "carried_hidden": "the output hc streams [hc, D] (pre-hc_head)",
+                "options": "kv_cache_dtype: 'bf16' | 'fp8'"}
 
     def __init__(self, gpu: Backend, cfg: DeepseekV4Config, weights: DeepseekV4MtpWeights, max_seq_len: int = 4096,
                  comm=None, options: DeepseekV4Options | None = None, **kw):

@@ -157,8 +157,8 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         return {"attention": f"gated GQA ({cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads of "
                              f"{cfg.head_dim})", "dsa": "off",
                 "kv_cache": f"{cls.kv_dtype_of(q, o)} K and V rows of {cfg.num_key_value_heads * cfg.head_dim}",
-                "formats": fmt + " (option quantization: 'stored' | 'nvfp4' | 'fp8' | 'bf16')",
-                "carried_hidden": "post_norm (after mtp.norm)"}
+                "formats": fmt, "carried_hidden": "post_norm (after mtp.norm)",
+                "options": "quantization: 'stored' | 'nvfp4' | 'fp8' | 'bf16'; kv_cache_dtype: 'bf16' | 'fp8'"}
 
     def __init__(self, gpu: Backend, cfg: Qwen3NextConfig, weights: Qwen3NextMtpWeights, max_seq_len: int = 4096,
                  comm=None, options: Qwen3NextOptions | None = None, **kw):
