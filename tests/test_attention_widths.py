@@ -259,3 +259,11 @@ def test_off_tile_widths_cuda_vs_twin(case):
     (er, rr), (eg, rg) = out
     assert eg[0] <= TOL0 and max(eg) <= TOL, f"{case} cuda vs transformers: {eg}"
     assert rel64(rg.logits[0], rr.logits[0]) <= 1e-2
+
+
+@pytest.mark.parametrize("case", ["v3_mla_row48", "v4_head80", "qwen_head32"])
+def test_off_tile_batches_draft_what_single_sequences_draft(case):
+    from width_oracles import assert_batch_equals_single
+    family, dims, opts, _ = WIDTH_CASES[case]
+    assert_batch_equals_single(lambda: _load(mtp_cupy.device("ref"), family, dims, opts, max_batch=4), [1, 9, 21],
+                               seed=7)

@@ -13,7 +13,8 @@ from mtp_cupy.errors import WeightError
 from mtp_cupy.weights import load_config
 
 pytest.importorskip("transformers")
-from width_oracles import CHAIN_T, MlaMtp, chain_errors, oracle_for, read_checkpoint, rel, tiny  # noqa: E402
+from width_oracles import (CHAIN_T, MlaMtp, assert_batch_equals_single, chain_errors, oracle_for,  # noqa: E402
+                           read_checkpoint, rel, tiny)
 
 TOL0, TOL = 1.5e-2, 2.5e-2
 
@@ -117,23 +118,7 @@ def test_missing_indexer_is_a_weight_error_before_any_allocation(tmp_path):
 def test_batch_drafts_what_single_sequences_draft():
     """Batch invariance with the indexer: three sequences of different lengths (some past index_topk) drafted
     together, bit for bit what each drafts alone."""
-    path = v32()
-    rng = np.random.default_rng(5)
-    lens = [3, 14, 25]
-    D, V = 256, 512
-    data = [(rng.integers(0, V, n + 1), rng.standard_normal((n, D)).astype(np.float32), int(rng.integers(V)),
-             rng.standard_normal(D).astype(np.float32)) for n in lens]
-    batched, single = load(path, max_batch=4), load(path, max_batch=4)
-    sts = [batched.alloc_state() for _ in lens]
-    for st, (toks, hs, _, _) in zip(sts, data):
-        batched.prefill(st, toks, hs)
-    got = batched.propose_batch(sts, [t for *_, t, _ in data], np.stack([h for *_, h in data]), lens, 3,
-                                return_logits=True)
-    for (toks, hs, tok, h), n, g in zip(data, lens, got):
-        st = single.alloc_state()
-        single.prefill(st, toks, hs)
-        one = single.propose(st, tok, h, n, 3, return_logits=True)
-        assert one.tokens == g.tokens and np.array_equal(one.logits, g.logits)
+    assert_batch_equals_single(lambda: load(v32(), max_batch=4), [3, 14, 25], seed=5)
 
 
 @pytest.mark.gpu

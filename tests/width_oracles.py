@@ -325,3 +325,23 @@ def chain_errors(prop, oracle, seed: int = 3, T: int = CHAIN_T, k: int = 3, carr
     res = prop.propose(st, int(toks[T]), hs[T - 1], T - 1, k, return_logits=True)
     want = draft_chain(oracle, toks, list(hs), res.tokens, carried)
     return [rel(res.logits[i], want[i]) for i in range(k)], res
+
+
+def assert_batch_equals_single(make, lens, seed: int, k: int = 3) -> None:
+    """Sequences of `lens` prompt rows drafted in one propose_batch on one proposer, then one at a time on
+    another (`make()` builds each): the same drafts and logits, bit for bit."""
+    batched, single = make(), make()
+    rng = np.random.default_rng(seed)
+    D, V = batched.hidden_size, batched.vocab_size
+    data = [(rng.integers(0, V, n + 1), rng.standard_normal((n, D)).astype(np.float32), int(rng.integers(V)),
+             rng.standard_normal(D).astype(np.float32)) for n in lens]
+    sts = [batched.alloc_state() for _ in lens]
+    for st, (toks, hs, _, _) in zip(sts, data):
+        batched.prefill(st, toks, hs)
+    got = batched.propose_batch(sts, [d[2] for d in data], np.stack([d[3] for d in data]), list(lens), k,
+                                return_logits=True)
+    for (toks, hs, tok, h), n, g in zip(data, lens, got):
+        st = single.alloc_state()
+        single.prefill(st, toks, hs)
+        one = single.propose(st, tok, h, n, k, return_logits=True)
+        assert one.tokens == g.tokens and np.array_equal(one.logits, g.logits), f"sequence of {n} rows"
