@@ -1,7 +1,7 @@
 """Tiny random GLM-5 (`glm_moe_dsa`) checkpoints in the real key layout.
 
-Small but faithful: separate nope/rope/v dims (rope 64 as GLM-5's, so a latent row of 64 + 64 fits the
-attention kernel's 64-column tiles), q and kv LoRA, 8 indexer heads of 64 with index_topk 8 (the sparse
+Small but faithful: separate nope/rope/v dims (rope 64 as GLM-5's: latent rows of 64 + 64; `dims` take any
+width the kernels take, multiples of 8), q and kv LoRA, 8 indexer heads of 64 with index_topk 8 (the sparse
 pick drops rows once a sequence holds more than 8; with 8 heads a row whose every relu is 0, an exact
 score tie, is rare), 16 experts top-4 with no group limit (n_group 1, GLM-5's routing), vocab 512
 (divides over 2, 4 and 8 ranks), the MTP layer at index num_hidden_layers = 2 with no embedding / head
