@@ -135,7 +135,7 @@ WIDTH_CASES = {
     "v3_fp8_mla_row72": ("deepseek_v3", dict(kv_lora_rank=48, qk_rope_head_dim=24, qk_nope_head_dim=48,
                                              v_head_dim=24), {}, "pre_norm"),
     "glm5_row48_index40": ("glm5", dict(kv_lora_rank=32, qk_rope_head_dim=16, index_head_dim=40), {}, "post_norm"),
-    "v4_head80": ("deepseek_v4", dict(head_dim=80, qk_rope_head_dim=16), {}, None),
+    "v4_head80": ("deepseek_v4", dict(head_dim=80, qk_rope_head_dim=16), dict(kv_cache_dtype="bf16"), None),
     "qwen_head32": ("qwen3_next", dict(head_dim=32), {}, "post_norm"),
     "qwen_head48_fp8kv": ("qwen3_next", dict(head_dim=48), dict(quantization="stored", kv_cache_dtype="fp8",
                                                                  kv_scale=0.25), "post_norm"),
@@ -267,3 +267,28 @@ def test_off_tile_batches_draft_what_single_sequences_draft(case):
     family, dims, opts, _ = WIDTH_CASES[case]
     assert_batch_equals_single(lambda: _load(mtp_cupy.device("ref"), family, dims, opts, max_batch=4), [1, 9, 21],
                                seed=7)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v4", "qwen3_next", "glm5"])
+@pytest.mark.parametrize("quant", [None, "fp8", "nvfp4"])
+def test_real_dims_pass_the_load_checks(family, quant):
+    """The released models' dims (the benchmarks' REAL configs) pass every load-time check, in every format."""
+    from mtp_cupy.bench.drafter import real_config
+    from mtp_cupy.families import family as fam
+    from mtp_cupy.weights import load_config
+    d = dict(real_config(family))
+    if quant == "fp8":
+        d["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    elif quant == "nvfp4":
+        d["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    cfg = load_config(d)
+    P = fam(family).proposer
+    P.check_config(cfg, P.Options())
+    if family == "deepseek_v3":
+        P.check_config(load_config({**d, "model_type": "deepseek_v32", "index_n_heads": 64, "index_head_dim": 128,
+                                    "index_topk": 2048}), P.Options())
+    if family == "deepseek_v4":
+        P.check_config(cfg, P.Options(kv_cache_dtype="fp8"))
+    if family == "qwen3_next":
+        for q in ("stored", "nvfp4", "fp8"):
+            P.check_config(cfg, P.Options(quantization=q))

@@ -114,7 +114,11 @@ class Qwen3NextOptions(ProposerOptions):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.quantization is not None and self.quantization != STORED:
-            MtpQuantization.parse(self.quantization)
+            try:
+                MtpQuantization.parse(self.quantization)
+            except ConfigError as e:
+                raise ConfigError(f"option quantization={self.quantization!r}: {e}, or 'stored' (every tensor in "
+                                  "its stored format)") from None
         if self.kv_cache_dtype is not None:
             self._choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._int("mtp_vocab_size", 0, 1 << 31)
