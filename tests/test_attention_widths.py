@@ -292,3 +292,18 @@ def test_real_dims_pass_the_load_checks(family, quant):
     if family == "qwen3_next":
         for q in ("stored", "nvfp4", "fp8"):
             P.check_config(cfg, P.Options(quantization=q))
+
+
+@pytest.mark.parametrize("case", ["v3_mla_row48", "qwen_head32"])
+def test_off_tile_graphs_replay_what_eager_runs(case):
+    from width_oracles import assert_graphs_equal_eager, ref_with_emulated_graphs
+    family, dims, opts, _ = WIDTH_CASES[case]
+    assert_graphs_equal_eager(lambda gpu: _load(gpu, family, dims, opts, max_batch=4), ref_with_emulated_graphs())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(WIDTH_CASES))
+def test_off_tile_graphs_replay_what_eager_runs_on_cuda(case):
+    from width_oracles import assert_graphs_equal_eager
+    family, dims, opts, _ = WIDTH_CASES[case]
+    assert_graphs_equal_eager(lambda gpu: _load(gpu, family, dims, opts, max_batch=4), mtp_cupy.device("cuda"))

@@ -121,6 +121,17 @@ def test_batch_drafts_what_single_sequences_draft():
     assert_batch_equals_single(lambda: load(v32(), max_batch=4), [3, 14, 25], seed=5)
 
 
+def test_graphs_replay_what_eager_runs():
+    from width_oracles import assert_graphs_equal_eager, ref_with_emulated_graphs
+    assert_graphs_equal_eager(lambda gpu: load(v32(), gpu, max_batch=4), ref_with_emulated_graphs())
+
+
+@pytest.mark.gpu
+def test_v32_graphs_replay_what_eager_runs_on_cuda():
+    from width_oracles import assert_graphs_equal_eager
+    assert_graphs_equal_eager(lambda gpu: load(v32(), gpu, max_batch=4), mtp_cupy.device("cuda"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_v32_cuda_vs_twin(fmt):

@@ -227,6 +227,13 @@ def test_batch_drafts_what_single_sequences_draft():
                                [2, 11, 19], seed=6)
 
 
+def test_graphs_replay_what_eager_runs():
+    """The fp8 path under (emulated) graph capture: the staged slabs carry every per-call value."""
+    from width_oracles import assert_graphs_equal_eager, ref_with_emulated_graphs
+    assert_graphs_equal_eager(lambda gpu: _v4(gpu, V4_CASES["head80"], "fp8", max_batch=4),
+                              ref_with_emulated_graphs())
+
+
 # -- CUDA against the twin -------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("width,nope", SHAPES)
@@ -264,3 +271,9 @@ def test_fp8_proposer_cuda_vs_twin(case):
                           for k in ("ref", "cuda")]
     assert eg[0] <= 2.5e-2 and max(eg) <= 3e-2, eg
     assert rel(rg.logits[0], rr.logits[0]) <= 1.5e-2
+
+
+@pytest.mark.gpu
+def test_fp8_graphs_replay_what_eager_runs_on_cuda():
+    from width_oracles import assert_graphs_equal_eager
+    assert_graphs_equal_eager(lambda gpu: _v4(gpu, V4_CASES["head80"], "fp8", max_batch=4), mtp_cupy.device("cuda"))

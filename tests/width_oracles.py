@@ -345,3 +345,38 @@ def assert_batch_equals_single(make, lens, seed: int, k: int = 3) -> None:
         single.prefill(st, toks, hs)
         one = single.propose(st, tok, h, n, k, return_logits=True)
         assert one.tokens == g.tokens and np.array_equal(one.logits, g.logits), f"sequence of {n} rows"
+
+
+def ref_with_emulated_graphs():
+    """A NumPy device whose capture records nothing and whose replay re-runs the launches (as test_batch_graphs)."""
+    import mtp_cupy
+    gpu = mtp_cupy.device("ref")
+    gpu.capture = lambda fn, stream: fn
+    gpu.replay = lambda graph, stream: graph()
+    return gpu
+
+
+def assert_graphs_equal_eager(make, gpu, lens=(4, 13, 22), seed: int = 8, k: int = 2) -> None:
+    """Three rounds of propose_batch (eager warm-up, capture, replay) on a graphed proposer and on an eager one
+    built by make(gpu): the same drafts and logits every round, and a graph was made."""
+    g, e = make(gpu), make(gpu)
+    g.cuda_graphs, e.cuda_graphs = True, False
+    rng = np.random.default_rng(seed)
+    D, V, B = g.hidden_size, g.vocab_size, len(lens)
+    sg, se = [g.alloc_state() for _ in lens], [e.alloc_state() for _ in lens]
+    for a, b, n in zip(sg, se, lens):
+        toks, hs = rng.integers(0, V, n + 1), rng.standard_normal((n, D)).astype(np.float32)
+        g.prefill(a, toks, hs)
+        e.prefill(b, toks, hs)
+    pos = list(lens)
+    for _ in range(3):
+        toks, hs = [int(t) for t in rng.integers(0, V, B)], rng.standard_normal((B, D)).astype(np.float32)
+        rg = g.propose_batch(sg, toks, hs, pos, k, return_logits=True)
+        re = e.propose_batch(se, toks, hs, pos, k, return_logits=True)
+        for a, b in zip(rg, re):
+            assert a.tokens == b.tokens and np.array_equal(a.logits, b.logits)
+        for p, sts in ((g, sg), (e, se)):
+            for st in sts:
+                p.after_verify(st, 1)
+        pos = [q + 1 for q in pos]
+    assert g._graphs, "no graph was captured"
