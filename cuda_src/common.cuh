@@ -77,3 +77,16 @@ __device__ __forceinline__ float e2m1_to_f(u32 n) {
     const u16 h = (u16)(((n & 8u) << 12) | ((n & 7u) << 9));
     return __half2float(__ushort_as_half(h)) * 16384.f;
 }
+
+// The blocked fp8 KV row (DeepSeek-V4's cache; kv_cache.cu writes it, paged_attention.cu reads it): a row of
+// `width` columns whose first `nope` are e4m3 codes in blocks of 64 with one UE8M0 scale byte per block and
+// whose last width - nope (the RoPE columns) stay bf16. Bytes: codes [0, nope) | zeros to rope_off |
+// bf16 [rope_off, scale_off) | scales [scale_off, scale_off + ceil(nope / 64)) | zeros to row_bytes, a multiple
+// of 16. Mirrored by mtp_cupy/ops/kv_cache.py fp8_block_layout.
+__device__ __forceinline__ u32 kv_fp8_block_rope_off(u32 nope) { return (nope + 15) / 16 * 16; }
+__device__ __forceinline__ u32 kv_fp8_block_scale_off(u32 nope, u32 width) {
+    return kv_fp8_block_rope_off(nope) + 2 * (width - nope);
+}
+__device__ __forceinline__ u32 kv_fp8_block_row_bytes(u32 nope, u32 width) {
+    return (kv_fp8_block_scale_off(nope, width) + (nope + 63) / 64 + 15) / 16 * 16;
+}

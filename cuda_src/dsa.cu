@@ -66,7 +66,30 @@ __device__ __forceinline__ void score_rows(const float* qs, const float* ws, con
     }
 }
 
-// Dynamic shared memory: (heads * head_dim + heads) floats. head_dim is 32, 64, 128 or 256.
+// Any other head_dim <= 256: lane l holds the elements l, l + 32, ... of the row (strided, conflict-free reads).
+__device__ __forceinline__ void score_rows_any(const float* qs, const float* ws, const u16* cache, const i32* table,
+                                               i32 seq_len, u32 heads, u32 hd, float scale, float* out) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (i32 j = blockIdx.x * SCORE_WARPS + warp; j < seq_len; j += gridDim.x * SCORE_WARPS) {
+        const u16* row = cache + kv_slot(table, j) * hd;
+        float k[8];
+#pragma unroll
+        for (u32 i = 0; i < 8; ++i) k[i] = lane + 32 * i < hd ? bits2f(row[lane + 32 * i]) : 0.f;
+        float acc = 0.f;
+        for (u32 h = 0; h < heads; ++h) {
+            float p = 0.f;
+#pragma unroll
+            for (u32 i = 0; i < 8; ++i)
+                if (lane + 32 * i < hd) p = fmaf(qs[h * hd + lane + 32 * i], k[i], p);
+            p = warp_sum(p);
+            acc = fmaf(ws[h], fmaxf(p, 0.f), acc);
+        }
+        if (lane == 0) out[j] = acc * scale;
+    }
+}
+
+// Dynamic shared memory: (heads * head_dim + heads) floats. head_dim 32, 64, 128 and 256 take the vector
+// paths, any other head_dim <= 256 the strided one.
 extern "C" __global__ __launch_bounds__(SCORE_WARPS * 32) void dsa_index_scores(
     const u16* q, const float* w, const u16* cache, const u8* meta, u32 meta_stride, float* scores, u32 num_seqs,
     u32 heads, u32 head_dim, u32 score_stride, float scale) {
@@ -91,7 +114,7 @@ extern "C" __global__ __launch_bounds__(SCORE_WARPS * 32) void dsa_index_scores(
         case 64: score_rows<2>(qs, ws, cache, table, seq_len, heads, scale, out); break;
         case 128: score_rows<4>(qs, ws, cache, table, seq_len, heads, scale, out); break;
         case 256: score_rows<8>(qs, ws, cache, table, seq_len, heads, scale, out); break;
-        default: break;
+        default: score_rows_any(qs, ws, cache, table, seq_len, heads, head_dim, scale, out); break;
     }
 }
 

@@ -6,7 +6,8 @@
 // block. Strides are in elements. The block's x row is staged in shared memory as fp32 (k <= 12288).
 // A row is read by `lpr` lanes (a power of two <= 32 chosen by the launcher so short rows such as W_UK^T's
 // 128 bytes keep every lane busy), and each lane group carries RPT rows at once so that RPT independent
-// 16-byte loads are in flight per lane (k % 16 == 0 and a 16-byte aligned W, checked by the launcher).
+// 16-byte loads are in flight per lane (rows of whole 16-byte loads, k % 8 bf16 / % 16 fp8, and a 16-byte
+// aligned W, checked by the launcher).
 // fp32 accumulation in a fixed order that depends on k and lpr only, one rounding on store.
 #include "common.cuh"
 

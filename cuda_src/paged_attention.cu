@@ -1,9 +1,9 @@
 // Paged decode attention: one query row per sequence over its paged KV rows, flash-decoding style.
 //
-// Pass 1 (`mla_decode_partial`, `gqa_decode_partial[_fp8]`): grid (splits, head blocks, sequences). A block
-// takes up to 32 query heads that share one KV head and a chunk of the sequence's attended positions, walks
-// the chunk in tiles of 32 cache rows (cp.async double buffering into shared memory, so every head of the
-// block reads each row once), and writes an unnormalised partial per (sequence, split, head):
+// Pass 1 (`mla_decode_partial[_fp8]`, `gqa_decode_partial[_fp8]`): grid (splits, head blocks, sequences). A
+// block takes up to 32 query heads that share one KV head and a chunk of the sequence's attended positions,
+// walks the chunk in tiles of 32 cache rows (cp.async double buffering into shared memory, so every head of
+// the block reads each row once), and writes an unnormalised partial per (sequence, split, head):
 //     ws_o[s][c][h][0:dv]   = sum_j exp(s_j - m) v_j      (f32)
 //     ws_ml[s][c][h][0:2]   = (m, l = sum_j exp(s_j - m))  (m = -inf, l = 0 for an empty split)
 // Pass 2 (`attn_combine`) merges the splits in a fixed order (+ the optional attention sink), so the result
@@ -18,6 +18,15 @@
 // The math runs on bf16 tensor cores (mma.sync m16n8k16, f32 accumulation): S = Q K^T, with the head dim
 // split over four warps per 16 heads (Q fragments stay in registers) and summed in a fixed order; the
 // probabilities P are split into bf16 hi + lo parts for P V, so P keeps ~16 mantissa bits.
+//
+// Widths: q, the cache rows and the outputs keep their real widths dk / dv (multiples of 8; 16 for fp8
+// caches); the shared-memory tiles are padded to the 64-column mma tile with zeros written once per block
+// (cp.async and the fp8 conversion only ever write the real columns), and Q fragments past dk load as zeros,
+// so the dot products are exact and no extra byte is stored or read from global memory.
+//
+// KV formats: bf16 rows; fp8 e4m3 rows times a per-tensor kv_scale (`gqa_decode_partial_fp8`); and the
+// blocked fp8 row of `mla_decode_partial_fp8` (DeepSeek-V4's cache, kv_cache.cu): columns [0, nope) as e4m3 in
+// blocks of 64 with a UE8M0 scale each, columns [nope, dk) bf16, converted exactly to bf16 in shared memory.
 #include "common.cuh"
 #include "meta.cuh"
 
@@ -83,15 +92,22 @@ struct AttnArgs {
     u32 heads, h0, h_end, dk, dv;
     float smul, vmul;             // score multiplier (scale * kv_scale), value multiplier (kv_scale)
     u32 window; const i32* sel; u32 sel_stride, splits, min_chunk;
+    u32 nope;                     // KV_FP8_BLOCK: columns [0, nope) are the e4m3 blocks (kv_fp8_block_layout)
 };
 
-// Shared memory (bytes; the launcher's _smem_bytes mirrors this):
+enum { KV_BF16 = 0, KV_FP8 = 1, KV_FP8_BLOCK = 2 };
+
+__device__ __forceinline__ u32 pad64(u32 x) { return (x + 63) / 64 * 64; }
+
+// Shared memory (bytes; the launcher's _smem_bytes mirrors this), with dkp / dvp = dk / dv rounded up to 64:
 //   Sp  f32 [4][32][SP_STRIDE]                 S partials of the four head-dim quarters
-//   K   bf16 [NBF][32][dk + 8]                 NBF = 2 (bf16 caches, double buffered) or 1 (fp8: converted)
-//   V   bf16 [NBF][32][dv + 8]                 only with a separate V cache
-//   stage u8 [2][32][dk (+ dv)]                fp8 only: raw rows landing from cp.async
+//   K   bf16 [NBF][32][dkp + 8]                NBF = 2 (bf16 caches, double buffered) or 1 (fp8: converted)
+//   V   bf16 [NBF][32][dvp + 8]                only with a separate V cache
+//   stage u8 [2][32][stage_row]                fp8 only: raw rows landing from cp.async (dk (+ dv) bytes, or
+//                                              the blocked row's row_bytes)
 //   Phi, Plo bf16 [32][P_STRIDE]; alpha f32 [32]; rowok i32 [2][32]
-template <bool FP8>
+// Columns [dk, dkp) of K and [dv, dvp) of V are zeroed once and never written again.
+template <int KVF>
 __device__ __forceinline__ void attend_split(const AttnArgs& a) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -108,17 +124,28 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
         return;
     }
 
+    constexpr bool RAW = KVF != KV_BF16;   // rows land raw in `stage` and are converted into K / V
     const bool sep_v = a.vc != nullptr;
-    const u32 NBF = FP8 ? 1 : 2, ks_ = a.dk + 8, vs_ = a.dv + 8, esz = FP8 ? 1 : 2;
+    const u32 dkp = pad64(a.dk), dvp = pad64(a.dv);
+    const u32 NBF = RAW ? 1 : 2, ks_ = dkp + 8, vs_ = dvp + 8, esz = KVF == KV_BF16 ? 2 : 1;
     float* Sp = (float*)smem;
     __nv_bfloat16* Kt = (__nv_bfloat16*)(smem + 4 * HEADS * SP_STRIDE * 4);
     __nv_bfloat16* Vt = Kt + NBF * TILE * ks_;
     u8* stage = (u8*)(Vt + (sep_v ? NBF * TILE * vs_ : 0));
-    const u32 stage_row = a.dk + (sep_v ? a.dv : 0);
-    __nv_bfloat16* Phi = (__nv_bfloat16*)(stage + (FP8 ? 2 * TILE * stage_row : 0));
+    const u32 stage_row = KVF == KV_FP8_BLOCK ? (u32)a.row_bytes : a.dk + (sep_v ? a.dv : 0);
+    __nv_bfloat16* Phi = (__nv_bfloat16*)(stage + (RAW ? 2 * TILE * stage_row : 0));
     __nv_bfloat16* Plo = Phi + HEADS * P_STRIDE;
     float* alpha_s = (float*)(Plo + HEADS * P_STRIDE);
     i32* rowok = (i32*)(alpha_s + HEADS);
+
+    // The tile padding: zero once; the loads and conversions below write only the real columns.
+    const __nv_bfloat16 zero = f2bf(0.f);
+    if (dkp > a.dk)
+        for (u32 i = tid; i < NBF * TILE * (dkp - a.dk); i += THREADS)
+            Kt[(i / (dkp - a.dk)) * ks_ + a.dk + i % (dkp - a.dk)] = zero;
+    if (sep_v && dvp > a.dv)
+        for (u32 i = tid; i < NBF * TILE * (dvp - a.dv); i += THREADS)
+            Vt[(i / (dvp - a.dv)) * vs_ + a.dv + i % (dvp - a.dv)] = zero;
 
     // Tile loader: thread -> (row = tid / 8, 16-byte chunks tid % 8, +8, ...) so 8 lanes copy 128 contiguous bytes.
     auto load_tile = [&](u32 buf, i32 p0) {
@@ -133,36 +160,37 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
         u64 off = 0;
         if (r >= 0) off = kv_slot(sp.table, r) * a.row_bytes + a.col_bytes;
         const u32 nb = r >= 0 ? 16 : 0;
-        const u32 kch = a.dk * esz / 16, vch = a.dv * esz / 16;
+        const u32 kch = KVF == KV_FP8_BLOCK ? stage_row / 16 : a.dk * esz / 16, vch = a.dv * esz / 16;
         for (u32 i = sub; i < kch; i += 8) {
-            const u32 dst = FP8 ? smem_addr(stage + (buf * TILE + row) * stage_row + 16 * i)
+            const u32 dst = RAW ? smem_addr(stage + (buf * TILE + row) * stage_row + 16 * i)
                                 : smem_addr(Kt + (buf * TILE + row) * ks_ + 8 * i);
             cp_async16(dst, a.kc + off + 16 * i, nb);
         }
         if (sep_v)
             for (u32 i = sub; i < vch; i += 8) {
-                const u32 dst = FP8 ? smem_addr(stage + (buf * TILE + row) * stage_row + a.dk + 16 * i)
+                const u32 dst = RAW ? smem_addr(stage + (buf * TILE + row) * stage_row + a.dk + 16 * i)
                                     : smem_addr(Vt + (buf * TILE + row) * vs_ + 8 * i);
                 cp_async16(dst, a.vc + off + 16 * i, nb);
             }
     };
 
-    // Q fragments (mma A operand): warp (hg, qt) owns heads hg*16 .. +15 and head-dim quarter qt.
-    const u32 hg = warp >> 2, qt = warp & 3, KS = a.dk / 64;
+    // Q fragments (mma A operand): warp (hg, qt) owns heads hg*16 .. +15 and head-dim quarter qt; columns
+    // past dk are zeros (dk is even, so a pair is wholly inside or outside).
+    const u32 hg = warp >> 2, qt = warp & 3, KS = dkp / 64;
     const u32 hA = a.h0 + hg * 16 + g, hB = hA + 8;
     const __nv_bfloat16* qs = a.q + (u64)s * a.q_seq_stride;
     u32 qf[MAX_KSTEPS][4];
 #pragma unroll
     for (u32 ks = 0; ks < MAX_KSTEPS; ++ks) {
         const u32 d = (qt * KS + ks) * 16 + 2 * t4;
-        const bool on = ks < KS;
-        qf[ks][0] = on && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d) : 0u;
-        qf[ks][1] = on && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d) : 0u;
-        qf[ks][2] = on && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d + 8) : 0u;
-        qf[ks][3] = on && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d + 8) : 0u;
+        const bool lo = ks < KS && d < a.dk, hi = ks < KS && d + 8 < a.dk;
+        qf[ks][0] = lo && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d) : 0u;
+        qf[ks][1] = lo && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d) : 0u;
+        qf[ks][2] = hi && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d + 8) : 0u;
+        qf[ks][3] = hi && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d + 8) : 0u;
     }
 
-    const u32 VW = a.dv / 4, NTV = VW / 8;  // this warp's value columns [qt*VW, qt*VW + VW)
+    const u32 VW = dvp / 4, NTV = VW / 8;  // this warp's value columns [qt*VW, qt*VW + VW)
     float o[MAX_NTILES][4];
 #pragma unroll
     for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
@@ -177,7 +205,7 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
     load_tile(0, p_begin);
     cp_commit();
     for (u32 t = 0; t < ntiles; ++t) {
-        const u32 buf = t & 1, bb = FP8 ? 0 : buf;
+        const u32 buf = t & 1, bb = RAW ? 0 : buf;
         if (t + 1 < ntiles) {
             load_tile(buf ^ 1, p_begin + (i32)((t + 1) * TILE));
             cp_commit();
@@ -186,7 +214,7 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
             cp_wait<0>();
         }
         __syncthreads();
-        if (FP8) {  // e4m3 -> bf16 is exact; kv_scale is applied through smul / vmul
+        if (KVF == KV_FP8) {  // e4m3 -> bf16 is exact; kv_scale is applied through smul / vmul
             const u32 per_row = stage_row / 16;
             for (u32 i = tid; i < TILE * per_row; i += THREADS) {
                 const u32 row = i / per_row, col = (i % per_row) * 16;
@@ -201,6 +229,36 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
                 __nv_bfloat16* dst = col < a.dk ? Kt + row * ks_ + col : Vt + row * vs_ + (col - a.dk);
                 *(uint4*)dst = make_uint4(w[0], w[1], w[2], w[3]);
                 *(uint4*)(dst + 8) = make_uint4(w[4], w[5], w[6], w[7]);
+            }
+            __syncthreads();
+        }
+        if (KVF == KV_FP8_BLOCK) {  // e4m3 x 2^k and the bf16 RoPE columns -> bf16, both exact
+            const u32 cpr = a.dk / 8, rope_off = kv_fp8_block_rope_off(a.nope);
+            const u32 scale_off = kv_fp8_block_scale_off(a.nope, a.dk);
+            for (u32 i = tid; i < TILE * cpr; i += THREADS) {
+                const u32 row = i / cpr, c0 = (i % cpr) * 8;
+                const u8* sr = stage + (buf * TILE + row) * stage_row;
+                __nv_bfloat16* dst = Kt + row * ks_ + c0;
+                if (c0 + 8 <= a.nope) {          // 8 e4m3 codes of one 64-block
+                    const uint2 raw = *(const uint2*)(sr + c0);
+                    const float sc = e8m0_to_f(sr[scale_off + c0 / 64]);
+                    const u32 src[2] = {raw.x, raw.y};
+                    u32 w[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const u32 word = src[e >> 1] >> (16 * (e & 1));
+                        w[e] = pack_bf16(fp8_to_f((u8)(word & 0xFF)) * sc, fp8_to_f((u8)(word >> 8)) * sc);
+                    }
+                    *(uint4*)dst = make_uint4(w[0], w[1], w[2], w[3]);
+                } else if (c0 >= a.nope && (c0 - a.nope) % 8 == 0) {   // 8 bf16 RoPE columns
+                    *(uint4*)dst = *(const uint4*)(sr + rope_off + 2 * (c0 - a.nope));
+                } else {                          // a chunk across the nope / RoPE boundary
+                    for (u32 e = 0; e < 8; ++e) {
+                        const u32 col = c0 + e;
+                        dst[e] = col < a.nope ? f2bf(fp8_to_f(sr[col]) * e8m0_to_f(sr[scale_off + col / 64]))
+                                              : *(const __nv_bfloat16*)(sr + rope_off + 2 * (col - a.nope));
+                    }
+                }
             }
             __syncthreads();
         }
@@ -305,8 +363,8 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
 
 #pragma unroll
     for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
-        if (nt < NTV) {
-            const u32 col = qt * VW + nt * 8 + 2 * t4;
+        const u32 col = qt * VW + nt * 8 + 2 * t4;
+        if (nt < NTV && col < a.dv) {   // the padded value columns are not stored
             if (hA < a.h_end)
                 *(float2*)(a.ws_o + (part + hA) * a.dv + col) = make_float2(o[nt][0] * a.vmul, o[nt][1] * a.vmul);
             if (hB < a.h_end)
@@ -317,30 +375,51 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
         *(float2*)(a.ws_ml + (part + a.h0 + sh) * 2) = make_float2(m_run, l_run);
 }
 
-// MLA / V4 / DSA: one KV head; cache rows of row_width bf16, V = the first v_width columns of each row.
-// q bf16 [num_seqs, heads, row_width]; grid (splits, ceil(heads / 32), num_seqs).
-extern "C" __global__ __launch_bounds__(THREADS, 1) void
-mla_decode_partial(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, float* ws_o,
-                   float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
-                   const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk) {
+// MLA / V4 / DSA: one KV head; V = the first v_width columns of each row. q bf16 [num_seqs, heads, row_width];
+// grid (splits, ceil(heads / 32), num_seqs). `mla_decode_partial`: rows of row_width bf16;
+// `mla_decode_partial_fp8`: blocked fp8 rows of kv_fp8_block_row_bytes(nope, row_width) bytes.
+template <int KVF>
+__device__ __forceinline__ void mla_entry(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride,
+                                          float* ws_o, float* ws_ml, u32 heads, u32 row_width, u32 v_width,
+                                          float scale, u32 window, const i32* sel, u32 sel_stride, u32 splits,
+                                          u32 min_chunk, u32 nope) {
     AttnArgs a;
     a.q = q; a.q_seq_stride = (u64)heads * row_width; a.q_head_stride = row_width;
-    a.kc = cache; a.vc = nullptr; a.row_bytes = (u64)row_width * 2; a.col_bytes = 0;
+    a.kc = cache; a.vc = nullptr;
+    a.row_bytes = KVF == KV_FP8_BLOCK ? (u64)kv_fp8_block_row_bytes(nope, row_width) : (u64)row_width * 2;
+    a.col_bytes = 0;
     a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml;
     a.heads = heads; a.h0 = blockIdx.y * HEADS; a.h_end = min(heads, a.h0 + HEADS);
     a.dk = row_width; a.dv = v_width; a.smul = scale; a.vmul = 1.f;
     a.window = window; a.sel = sel; a.sel_stride = sel_stride; a.splits = splits; a.min_chunk = min_chunk;
-    attend_split<false>(a);
+    a.nope = nope;
+    attend_split<KVF>(a);
+}
+
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+mla_decode_partial(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, float* ws_o,
+                   float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
+                   const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk) {
+    mla_entry<KV_BF16>(q, cache, meta, meta_stride, ws_o, ws_ml, heads, row_width, v_width, scale, window, sel,
+                       sel_stride, splits, min_chunk, 0);
+}
+
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+mla_decode_partial_fp8(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, float* ws_o,
+                       float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
+                       const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk, u32 nope) {
+    mla_entry<KV_FP8_BLOCK>(q, cache, meta, meta_stride, ws_o, ws_ml, heads, row_width, v_width, scale, window, sel,
+                            sel_stride, splits, min_chunk, nope);
 }
 
 // Gated-GQA: K and V caches with rows of kv_heads * head_dim; q head h reads KV head h / (q_heads / kv_heads).
 // A block takes min(32, group) q heads of one KV head; grid (splits, q_heads / that, num_seqs).
-template <bool FP8>
+template <int KVF>
 __device__ __forceinline__ void gqa_entry(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache,
                                           const u8* v_cache, const u8* meta, u32 meta_stride, float* ws_o,
                                           float* ws_ml, u32 q_heads, u32 kv_heads, u32 head_dim, float scale,
                                           float kv_scale, u32 splits, u32 min_chunk) {
-    const u32 group = q_heads / kv_heads, hpb = min(group, (u32)HEADS), esz = FP8 ? 1 : 2;
+    const u32 group = q_heads / kv_heads, hpb = min(group, (u32)HEADS), esz = KVF == KV_FP8 ? 1 : 2;
     AttnArgs a;
     a.q = q; a.q_seq_stride = q_row_stride; a.q_head_stride = head_dim;
     a.kc = k_cache; a.vc = v_cache;
@@ -349,24 +428,24 @@ __device__ __forceinline__ void gqa_entry(const __nv_bfloat16* q, u32 q_row_stri
     a.col_bytes = (u64)(a.h0 / group) * head_dim * esz;
     a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml;
     a.heads = q_heads; a.dk = head_dim; a.dv = head_dim; a.smul = scale * kv_scale; a.vmul = kv_scale;
-    a.window = 0; a.sel = nullptr; a.sel_stride = 0; a.splits = splits; a.min_chunk = min_chunk;
-    attend_split<FP8>(a);
+    a.window = 0; a.sel = nullptr; a.sel_stride = 0; a.splits = splits; a.min_chunk = min_chunk; a.nope = 0;
+    attend_split<KVF>(a);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void
 gqa_decode_partial(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache,
                    const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
                    u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
-    gqa_entry<false>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
-                     head_dim, scale, kv_scale, splits, min_chunk);
+    gqa_entry<KV_BF16>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
+                       head_dim, scale, kv_scale, splits, min_chunk);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void
 gqa_decode_partial_fp8(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache,
                        const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
                        u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
-    gqa_entry<true>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
-                    head_dim, scale, kv_scale, splits, min_chunk);
+    gqa_entry<KV_FP8>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
+                      head_dim, scale, kv_scale, splits, min_chunk);
 }
 
 // out[s, h, :dv] = sum_c w_c O_c / (sum_c w_c l_c + exp(sink_h - M)), w_c = exp(m_c - M), M = max(m_c, sink_h).

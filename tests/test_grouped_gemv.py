@@ -76,9 +76,12 @@ def test_grouped_gemv_errors(ref, rng):
     bad = Linear("nvfp4", 64, 32, W.weight, W.weight)
     with pytest.raises(KernelError, match="dequantise"):
         ops.grouped_gemv(ref, x.ptr, bad, y.ptr, groups=1, n=8)
-    odd = Linear("bf16", 64, 24, W.weight)
-    with pytest.raises(KernelError, match="multiple of 16"):
+    odd = Linear("bf16", 64, 20, W.weight)                   # bf16 rows: whole 16-byte loads of 8
+    with pytest.raises(KernelError, match="multiple of 8"):
         ops.grouped_gemv(ref, x.ptr, odd, y.ptr, groups=1, n=8)
+    odd8 = Linear("fp8_block", 64, 24, W.weight, W.weight)   # fp8 rows: of 16
+    with pytest.raises(KernelError, match="multiple of 16"):
+        ops.grouped_gemv(ref, x.ptr, odd8, y.ptr, groups=1, n=8)
 
 
 # Real dims: V3 absorption (W_UK^T [128 heads, 512, 128]), W_UV in place in kv_b_proj [32768, 512]

@@ -349,6 +349,8 @@ def _kv_cache(dev, mem):
     for dtype in ("bf16", "fp8"):
         ops.reshape_and_cache(dev, mem(2 * 3 * 24), 24, slots, 16, mem(2 * 7 * 40), 3, 8, 40, 12, dtype=dtype,
                               scale=2.0)
+    ops.reshape_and_cache_fp8_blocks(dev, mem(2 * 3 * 88), 88, slots, 16,
+                                     mem(7 * ops.fp8_block_layout(80, 64)[2]), 3, 80, 64)
 
 
 @exercise
@@ -415,6 +417,8 @@ def _paged_attention(dev, mem):
     ops.mla_decode(dev, mem(2 * 2 * 3 * 128), mem(2 * 16 * 128), meta, 768, mem(2 * 2 * 3 * 64), 2, 3, 128, 64,
                    0.125, window=5, sink=mem(4 * 3), sel=mem.put(np.array([[0, 1, -1, 2]] * 2, np.int32)),
                    sel_stride=4)
+    ops.mla_decode(dev, mem(2 * 2 * 3 * 80), mem(16 * ops.fp8_block_layout(80, 64)[2]), meta, 768,
+                   mem(2 * 2 * 3 * 80), 2, 3, 80, 80, 0.125, window=5, sink=mem(4 * 3), kv_dtype="fp8", nope=64)
     for kv_dtype in ("bf16", "fp8"):
         ops.gqa_decode(dev, mem(2 * 2 * 4 * 64 + 64), 4 * 64 + 32, mem(2 * 16 * 2 * 64), mem(2 * 16 * 2 * 64), meta,
                        768, mem(2 * 2 * 4 * 64), 2, 4, 2, 64, 0.125, kv_dtype=kv_dtype, kv_scale=0.5)

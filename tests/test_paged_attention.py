@@ -166,8 +166,10 @@ def test_launchers_reject_bad_shapes(ref):
         ops.mla_decode(ref, 256, 256, 256, META_STRIDE, 256, 1, 4, 128, 192, 0.1)
     with pytest.raises(KernelError, match="multiple of kv_heads"):
         ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 6, 4, 64, 0.1)
-    with pytest.raises(KernelError, match="head_dim"):
-        ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 96, 0.1)
+    with pytest.raises(KernelError, match="head_dim"):     # widths need not fill the 64-column tile, but 8
+        ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 100, 0.1)
+    with pytest.raises(KernelError, match="head_dim"):     # fp8 caches: 16-byte rows
+        ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 40, 0.1, kv_dtype="fp8")
 
 
 def test_every_kernel_has_a_twin():

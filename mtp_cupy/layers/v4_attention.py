@@ -8,16 +8,21 @@ ratio 0: no compressor, no indexer).
     inverse RoPE on o's last rot_dim dims;  out = wo_b(grouped wo_a(o))  (wo_a: o_groups blocks of rows,
     each applied to its own head group)
 
-The cache holds one bf16 row of head_dim per drafter row. The official QAT simulation (fp8 fake-quantisation
-of kv[:-rot_dim] in 64-wide blocks before caching) is NOT applied: rows are cached as bf16, which is what
-vLLM's bf16 path and transformers do; the difference is the fp8 rounding of the nope dims (<= 2^-4 relative
-per element). Per-row positions and slots come from the metadata slabs (`pos u32 @0, slot i64 @8`)."""
+The cache holds one row of head_dim per drafter row, in one of two dtypes (`kv_dtype`):
+  bf16   rows as computed (vLLM's bf16 path, transformers);
+  fp8    the official inference's numerics: the non-RoPE columns [0, head_dim - rot_dim) as e4m3 in 64-wide
+         blocks with a power-of-two (UE8M0) scale each, the RoPE columns bf16 (`ops.reshape_and_cache_fp8_blocks`,
+         the layout of `ops.fp8_block_layout`). DeepSeek's QAT simulation rounds kv[..., :-rd] exactly so before
+         caching (act_quant(kv[..., :-rd], 64, "ue8m0", inplace=True)), and the attention reads the rows back
+         exactly, so the drafter sees the values the model was trained with and reads about half the bytes
+         (592 instead of 1024 per row at head_dim 512).
+Per-row positions and slots come from the metadata slabs (`pos u32 @0, slot i64 @8`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .. import ops
-from ..cache.paged import PagedKvCache
+from ..cache.paged import CacheSpec, PagedKvCache
 from ..errors import ConfigError
 from ..runtime.arena import carve
 from ..runtime.backend import Backend
@@ -50,11 +55,24 @@ class V4AttentionDims:
     o_groups: int
     window: int
     eps: float
+    kv_dtype: str = "bf16"       # "bf16" | "fp8" (the blocked fp8 rows above)
+
+    @property
+    def nope(self) -> int:
+        """Columns quantised by the fp8 cache: all but the RoPE ones."""
+        return self.head_dim - self.rot_dim
+
+    def cache_spec(self) -> CacheSpec:
+        """The paged cache this attention writes and reads: bf16 rows of head_dim, or the blocked fp8 rows as
+        raw bytes."""
+        if self.kv_dtype == "fp8":
+            return CacheSpec(CACHE, ops.fp8_block_layout(self.head_dim, self.nope)[2], "u8")
+        return CacheSpec(CACHE, self.head_dim, "bf16")
 
     @classmethod
-    def from_config(cls, cfg) -> "V4AttentionDims":
+    def from_config(cls, cfg, kv_dtype: str = "bf16") -> "V4AttentionDims":
         return cls(cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim, cfg.rope.theta, cfg.o_groups,
-                   cfg.sliding_window, float(cfg.rms_norm_eps))
+                   cfg.sliding_window, float(cfg.rms_norm_eps), kv_dtype)
 
 
 class V4Attention:
@@ -68,8 +86,11 @@ class V4Attention:
         for name, (lin, n, k) in want.items():
             if (lin.n, lin.k) != (n, k):
                 raise ConfigError(f"{name} is [{lin.n}, {lin.k}]; [{n}, {k}] expected")
-        if kv.specs[CACHE].row_width != hd:
-            raise ConfigError(f"cache rows of {kv.specs[CACHE].row_width}; {hd} expected")
+        want = dims.cache_spec()
+        got = kv.specs.get(CACHE)
+        if got is None or (got.row_width, got.dtype) != (want.row_width, want.dtype):
+            raise ConfigError(f"V4 attention cache {CACHE!r}: rows {None if got is None else (got.row_width, got.dtype)}"
+                              f"; {(want.row_width, want.dtype)} expected for kv_dtype {dims.kv_dtype!r}")
         self.gpu, self.kv, self.w, self.d, self.inv = gpu, kv, w, dims, bool(invariant)
         self.H, self.hd, self.rot, self.G, self.window, self.eps = H, hd, dims.rot_dim, G, int(dims.window), dims.eps
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
@@ -102,7 +123,11 @@ class V4Attention:
         ops.linear(gpu, xn, self.w.wkv, kv, m, stream=stream, invariant=self.inv)
         ops.rms_norm(gpu, kv, self.w.kv_norm, kv, m, hd, self.eps, stream=stream)
         self._rope(kv, pos, pos_stride, m, 1, False, stream)
-        ops.reshape_and_cache(gpu, kv, hd, slots, slot_stride, self.kv.base(CACHE), m, hd, hd, 0, stream=stream)
+        if self.d.kv_dtype == "fp8":
+            ops.reshape_and_cache_fp8_blocks(gpu, kv, hd, slots, slot_stride, self.kv.base(CACHE), m, hd, self.d.nope,
+                                             stream=stream)
+        else:
+            ops.reshape_and_cache(gpu, kv, hd, slots, slot_stride, self.kv.base(CACHE), m, hd, hd, 0, stream=stream)
 
     def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                 stream=None) -> None:
@@ -117,7 +142,8 @@ class V4Attention:
         self._rope(p["q"], meta, meta_stride, m, H, False, stream)
         self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.mla_decode(gpu, p["q"], self.kv.base(CACHE), meta, meta_stride, p["o"], m, H, hd, hd, float(hd) ** -0.5,
-                       window=self.window, sink=w.sink, stream=stream, invariant=self.inv)
+                       window=self.window, sink=w.sink, kv_dtype=self.d.kv_dtype, nope=self.d.nope, stream=stream,
+                       invariant=self.inv)
         self._rope(p["o"], meta, meta_stride, m, H, True, stream)
         ops.grouped_gemv(gpu, p["o"], w.wo_a, p["z"], self.G, w.wo_a.n // self.G, m=m, stream=stream)
         ops.linear(gpu, p["z"], w.wo_b, out, m, stream=stream, invariant=self.inv)

@@ -2,16 +2,23 @@
 
 One draft step (A.2):
     x  = eh_proj([enorm(embed(token)) | hnorm(hidden)])          layers/mtp_front.py (embedding half first)
-    x += MLA(input_layernorm(x))                                 over the proposer's own paged latent cache
+    x += MLA(input_layernorm(x))                                 over the proposer's own paged latent cache;
+                                                                 V3.2 (a config with the DSA indexer): DSA-MLA,
+                                                                 the indexer's top-k rows only (layers/dsa.py,
+                                                                 its own indexer cache, half-split RoPE unless
+                                                                 indexer_rope_interleave)
     x += MoE(post_attention_layernorm(x))                        noaux_tc: sigmoid scores, correction bias for
                                                                  selection, group-limited top-k, shared expert
-    g  = x                                                       the hidden carried to the next draft (vLLM's
-                                                                 choice: pre-shared_head.norm)
-    logits = head(shared_head.norm(g))                           f32 over the first `mtp_vocab_size` rows
+    h  = shared_head.norm(x)
+    logits = head(h)                                             f32 over the first `mtp_vocab_size` rows
+    carried hidden: option carried_hidden, "pre_norm" (x, vLLM's earlier rule; the default for now) or
+                    "post_norm" (h: vLLM since PR #45895, SGLang, transformers' MtpModel; arch_math.md E)
 
 Prefill writes every prompt row in one batched pass (front, input_layernorm, then the latent rows: kv_a,
-kv_a_layernorm, RoPE, cache write) with no attention: a drafter latent row depends only on its own (token,
-hidden) pair. The embedding is not zeroed at position 0 (SGLang; vLLM masks it)."""
+kv_a_layernorm, RoPE, cache write; with DSA also the indexer key rows) with no attention: a drafter row
+depends only on its own (token, hidden) pair. The embedding is not zeroed at position 0 (SGLang; vLLM masks
+it). Configurations the kernels cannot take are refused at load, before anything is allocated
+(models/limits.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +26,7 @@ from dataclasses import dataclass
 from .. import ops
 from ..cache.paged import CacheSpec, PagedKvCache
 from ..errors import ConfigError
+from ..layers.dsa import INDEX_CACHE, DsaIndexer, DsaMlaAttention, IndexerDims
 from ..layers.mla import MlaAttention, MlaDims, MlaRope, MlaWeights
 from ..layers.moe import MoE, MoeConfig
 from ..layers.mtp_front import FrontDims, FrontWeights, MtpFront
@@ -29,15 +37,23 @@ from ..speculative.base import MtpProposerBase
 from ..speculative.options import ProposerOptions, opt
 from ..weights.config import DeepseekV3Config
 from ..weights.deepseek_v3 import DeepseekV3MtpWeights, load_deepseek_v3
+from .limits import check_mla_moe
+
+
+CARRIED_HIDDEN = ("pre_norm", "post_norm")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV3Options(ProposerOptions):
     mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
+    carried_hidden: str = opt("pre_norm", "the hidden the next draft step receives: 'pre_norm' (the block output "
+                                          "before shared_head.norm, vLLM's earlier rule) or 'post_norm' (after "
+                                          "it: vLLM since PR #45895, SGLang, transformers)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._int("mtp_vocab_size", 0, 1 << 31)
+        self._choice("carried_hidden", CARRIED_HIDDEN)
 
 
 class DeepseekV3MtpProposer(MtpProposerBase):
@@ -46,18 +62,49 @@ class DeepseekV3MtpProposer(MtpProposerBase):
     config_class = DeepseekV3Config
     graph_safe = True
 
-    @staticmethod
-    def load_weights(gpu, path, cfg, options, comm=None) -> DeepseekV3MtpWeights:
+    @classmethod
+    def check_config(cls, cfg, options) -> None:
+        """ConfigError (naming the config field, its value and the supported range) for anything the kernels
+        cannot take; runs before anything is allocated."""
+        if cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc":
+            raise ConfigError(f"{cls.family} MTP supports scoring_func sigmoid / topk_method noaux_tc, got "
+                              f"{cfg.scoring_func} / {cfg.topk_method}")
+        check_mla_moe(cfg, dsa=cfg.has_indexer)
+
+    @classmethod
+    def load_weights(cls, gpu, path, cfg, options, comm=None) -> DeepseekV3MtpWeights:
+        cls.check_config(cfg, options)
         return load_deepseek_v3(gpu, path, cfg, options.progress)
+
+    @classmethod
+    def properties(cls, cfg, options=None) -> dict[str, str]:
+        """What this proposer runs for `cfg` with `options` (default options): attention, KV cache, carried
+        hidden (`python -m mtp_cupy info`)."""
+        o = options or cls.Options()
+        attn = "MLA" if not cfg.has_indexer else (
+            f"DSA-MLA (indexer {cfg.index_n_heads} heads x {cfg.index_head_dim}, top-{cfg.index_topk}, "
+            f"{'interleaved' if cfg.indexer_rope_interleave else 'half-split'} RoPE)")
+        kv = f"bf16 latent rows of {cfg.kv_lora_rank + cfg.qk_rope_head_dim}" + (
+            f" + bf16 indexer rows of {cfg.index_head_dim}" if cfg.has_indexer else "")
+        carried = getattr(o, "carried_hidden", "post_norm")
+        props = {"attention": attn, "dsa": "on" if cfg.has_indexer else "off", "kv_cache": kv,
+                 "carried_hidden": carried + (" (after shared_head.norm)" if carried == "post_norm"
+                                              else " (before shared_head.norm)")}
+        if "carried_hidden" in cls.Options.names():
+            props["options"] = "carried_hidden: 'pre_norm' | 'post_norm'"
+        return props
 
     def __init__(self, gpu: Backend, cfg: DeepseekV3Config, weights: DeepseekV3MtpWeights, max_seq_len: int = 4096,
                  comm=None, options: DeepseekV3Options | None = None, **kw):
         o = self.options_of(options, kw)
-        if cfg.scoring_func != "sigmoid" or cfg.topk_method != "noaux_tc":
-            raise ConfigError(f"{self.family} MTP supports scoring_func sigmoid / topk_method noaux_tc, got "
-                              f"{cfg.scoring_func} / {cfg.topk_method}")
+        self.check_config(cfg, o)
         self.cfg, self.w, self.eps, self.options = cfg, weights, float(cfg.rms_norm_eps), o
         self.inv = o.batch_invariant
+        self.dsa = cfg.has_indexer
+        if self.dsa and weights.indexer is None:
+            raise ConfigError(f"{cfg.model_type} config has a DSA indexer (index_topk {cfg.index_topk}) but the "
+                              "weights hold none")
+        self.idx_dims = IndexerDims.from_config(cfg) if self.dsa else None
         self._setup_shard(cfg, weights, comm, o)
         D, B, rows = cfg.hidden_size, o.max_batch, max(o.max_batch, o.max_prefill_rows)
         self.dims = MlaDims.from_config(cfg, heads=self._local_heads())
@@ -83,19 +130,29 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         return None
 
     def _cache_specs(self) -> list[CacheSpec]:
-        return [CacheSpec("latent", self.dims.row_width, "bf16")]
+        specs = [CacheSpec("latent", self.dims.row_width, "bf16")]
+        if self.dsa:
+            specs.append(CacheSpec(INDEX_CACHE, self.idx_dims.head_dim, "bf16"))
+        return specs
 
     def _regions(self) -> dict[str, int]:
         return {}
 
     def _attention(self, w: MlaWeights, rope: MlaRope, kv: PagedKvCache, rows: int):
-        return MlaAttention(self.gpu, w, self.dims, rope, kv, max_rows=self.options.max_batch, max_kv_rows=rows, invariant=self.inv)
+        B = self.options.max_batch
+        if not self.dsa:
+            return MlaAttention(self.gpu, w, self.dims, rope, kv, max_rows=B, max_kv_rows=rows, invariant=self.inv)
+        self.indexer = DsaIndexer(self.gpu, self.w.indexer, self.idx_dims, rope, kv, self.max_seq_len,
+                                  self.cfg.q_lora_rank, max_rows=B, max_kv_rows=rows, invariant=self.inv)
+        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=B, max_kv_rows=rows,
+                               invariant=self.inv)
 
     def _head(self):
         return self.w.head.rows(0, self.vocab_eff)
 
     def _carry(self):
-        return self.bufs.x   # g: the next step's front reads it (hnorm) before eh_proj overwrites x
+        # the next step's front reads it (hnorm) before eh_proj overwrites x and input_layernorm xn
+        return self.bufs.xn if self.options.carried_hidden == "post_norm" else self.bufs.x
 
     # -- the step --------------------------------------------------------------------------------
     def _block(self, ids, hidden, m: int, meta, meta_stride: int, normed) -> None:

@@ -8,7 +8,8 @@ One draft step (B.3):
     block: X = hc_post(attn(attn_norm(hc_pre(X))), X);  X = hc_post(moe(ffn_norm(hc_pre(X))), X)
         with V4 sliding-window + sink attention over the proposer's own paged cache (layers/v4_attention)
         and the sqrtsoftplus MoE (clamped SwiGLU, shared expert; routed by tid2eid[token] when the
-        checkpoint's MTP layer is a hash layer)
+        checkpoint's MTP layer is a hash layer); option kv_cache_dtype: the cache rows bf16 (default for now)
+        or fp8 (the official numerics: e4m3 non-RoPE columns in 64-blocks with UE8M0 scales, B.4)
     carried hidden for the next draft = the output streams X [hc, D]
     logits = head(norm(hc_head(X))) in f32 over the first `mtp_vocab_size` rows (the first stream when the
         checkpoint has no mHC head; a low-rank head is refused at load)
@@ -23,13 +24,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops
-from ..cache.paged import CacheSpec, PagedKvCache
+from ..cache.paged import PagedKvCache
 from ..errors import ConfigError, InputError
 from ..layers.mhc import Mhc
 from ..layers.moe import MoE, MoeConfig
 from ..layers.mtp_front import FrontDims, FrontWeights, MtpFront
 from ..layers.norm import Norms
-from ..layers.v4_attention import CACHE, V4Attention, V4AttentionDims, V4AttentionWeights
+from ..layers.v4_attention import V4Attention, V4AttentionDims, V4AttentionWeights
 from ..runtime.backend import Backend
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
@@ -37,8 +38,10 @@ from ..speculative.base import MtpProposerBase
 from ..speculative.options import ProposerOptions, opt
 from ..weights.config import DeepseekV4Config
 from ..weights.deepseek_v4 import DeepseekV4MtpWeights, load_deepseek_v4
+from .limits import check_v4
 
 HIDDEN_FORMS = ("streams", "single")
+KV_CACHE_DTYPES = ("bf16", "fp8")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,11 +50,16 @@ class DeepseekV4Options(ProposerOptions):
     device_hidden: str = opt("streams", "what a device-pointer hidden holds: 'streams' (the target's [hc, D] "
                                         "pre-hc_head streams) or 'single' (one [D] hidden); host arrays say "
                                         "which by their shape")
+    kv_cache_dtype: str = opt("bf16", "the MTP layer's KV rows: 'bf16', or 'fp8' (the official inference's "
+                                      "numerics, which the model was trained with: the non-RoPE columns e4m3 in "
+                                      "64-wide blocks with power-of-two UE8M0 scales, the RoPE columns bf16; "
+                                      "about half the bytes)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._int("mtp_vocab_size", 0, 1 << 31)
         self._choice("device_hidden", HIDDEN_FORMS)
+        self._choice("kv_cache_dtype", KV_CACHE_DTYPES)
 
 
 class DeepseekV4MtpProposer(MtpProposerBase):
@@ -60,21 +68,42 @@ class DeepseekV4MtpProposer(MtpProposerBase):
     config_class = DeepseekV4Config
     graph_safe = True
 
-    @staticmethod
-    def load_weights(gpu, path, cfg, options, comm=None) -> DeepseekV4MtpWeights:
+    @classmethod
+    def check_config(cls, cfg, options) -> None:
+        """ConfigError (naming the config field, its value and the supported range) for anything the kernels
+        cannot take; runs before anything is allocated."""
+        if cfg.scoring_func != "sqrtsoftplus":
+            raise ConfigError(f"deepseek_v4 MTP supports scoring_func sqrtsoftplus, got {cfg.scoring_func}")
+        check_v4(cfg, options.kv_cache_dtype)
+
+    @classmethod
+    def load_weights(cls, gpu, path, cfg, options, comm=None) -> DeepseekV4MtpWeights:
+        cls.check_config(cfg, options)
         return load_deepseek_v4(gpu, path, cfg, options.progress)
+
+    @classmethod
+    def properties(cls, cfg, options=None) -> dict[str, str]:
+        """What this proposer runs for `cfg` with `options` (default options) (`python -m mtp_cupy info`)."""
+        o = options or cls.Options()
+        hd, nope = cfg.head_dim, cfg.head_dim - cfg.qk_rope_head_dim
+        kv = f"bf16 rows of {hd} ({2 * hd} bytes)" if o.kv_cache_dtype == "bf16" else (
+            f"fp8: e4m3 x {nope} in 64-blocks + UE8M0 scales, bf16 x {cfg.qk_rope_head_dim} RoPE "
+            f"({ops.fp8_block_layout(hd, nope)[2]} bytes a row)")
+        return {"attention": f"sliding-window MQA (window {cfg.sliding_window}) with sinks", "dsa": "off",
+                "kv_cache": kv, "carried_hidden": "the output hc streams [hc, D] (pre-hc_head)",
+                "options": "kv_cache_dtype: 'bf16' | 'fp8'"}
 
     def __init__(self, gpu: Backend, cfg: DeepseekV4Config, weights: DeepseekV4MtpWeights, max_seq_len: int = 4096,
                  comm=None, options: DeepseekV4Options | None = None, **kw):
         o = self.options_of(options, kw)
-        if cfg.scoring_func != "sqrtsoftplus":
-            raise ConfigError(f"deepseek_v4 MTP supports scoring_func sqrtsoftplus, got {cfg.scoring_func}")
+        self.check_config(cfg, o)
         self.cfg, self.w, self.eps, self.inv = cfg, weights, float(cfg.rms_norm_eps), o.batch_invariant
         D, hc, B = cfg.hidden_size, cfg.hc_mult, o.max_batch
         R = max(B, o.max_prefill_rows)            # rows of one pass: a prefill chunk or a batch
         self.hc, self.device_hidden = hc, o.device_hidden
         self._streams_in = self.device_hidden == "streams"
-        kv = PagedKvCache(gpu, CacheSpec(CACHE, cfg.head_dim, "bf16"), num_blocks=self.kv_blocks(o, max_seq_len))
+        adims = V4AttentionDims.from_config(cfg, o.kv_cache_dtype)
+        kv = PagedKvCache(gpu, adims.cache_spec(), num_blocks=self.kv_blocks(o, max_seq_len))
         super().__init__(gpu, cfg.vocab_size, D, max_seq_len, kv, o,
                          extra_regions={"prefill_hidden": 2 * hc * D * R, "X": 2 * hc * D * R,
                                         **{n: 2 * D * R for n in ("ep", "x", "xn", "f")}})
@@ -87,7 +116,7 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         a, n = weights.attn, weights.norms
         self.attn = V4Attention(gpu, V4AttentionWeights(a["wq_a"], a["wq_b"], a["wkv"], a["wo_a"], a["wo_b"],
                                                         n["attn.q_norm"], n["attn.kv_norm"], weights.attn_sink),
-                                V4AttentionDims.from_config(cfg), kv, max_rows=B, max_kv_rows=R, invariant=self.inv)
+                                adims, kv, max_rows=B, max_kv_rows=R, invariant=self.inv)
         self.moe = MoE(gpu, MoeConfig.from_config(cfg, hashed=int(weights.tid2eid) != 0), weights.router,
                        weights.experts, bias=weights.router_bias, shared=weights.shared, tid2eid=weights.tid2eid,
                        max_rows=B, vocab=cfg.vocab_size, invariant=self.inv)

@@ -25,10 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .. import ops
-from ..cache.paged import CacheSpec
 from ..errors import ConfigError
-from ..layers.dsa import INDEX_CACHE, DsaIndexer, DsaMlaAttention, IndexerDims
-from ..layers.mla import MlaRope, MlaWeights
 from ..runtime.ptr import DevicePtr
 from ..speculative.options import ProposerOptions, opt
 from ..speculative.vocab_argmax import EXCHANGES, ShardedArgmax
@@ -64,9 +61,17 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
     config_class = GlmMoeDsaConfig
     shardable = True
 
-    @staticmethod
-    def load_weights(gpu, path, cfg, options, comm=None) -> Glm5MtpWeights:
+    @classmethod
+    def load_weights(cls, gpu, path, cfg, options, comm=None) -> Glm5MtpWeights:
+        cls.check_config(cfg, options)
         return load_glm5(gpu, path, cfg, _shard_of(comm), options.progress)
+
+    @classmethod
+    def check_config(cls, cfg, options) -> None:
+        if not cfg.has_indexer or not cfg.q_lora_rank:
+            raise ConfigError(f"glm_moe_dsa config: index_topk = {cfg.index_topk}, q_lora_rank = {cfg.q_lora_rank}: "
+                              "the GLM-5 MTP layer needs its DSA indexer (index_topk > 0) and a q LoRA")
+        super().check_config(cfg, options)
 
     # -- hooks -----------------------------------------------------------------------------------
     def _setup_shard(self, cfg, weights, comm, options) -> None:
@@ -75,23 +80,13 @@ class Glm5MtpProposer(DeepseekV3MtpProposer):
         self.comm = comm if comm is not None and comm.world > 1 else None
         self.head_v0, self.head_n = weights.head_v0, weights.head.n
         self.head_sharded = self.comm is not None and self.head_n != cfg.vocab_size
-        self.idx_dims = IndexerDims.from_config(cfg)
 
     def _local_heads(self) -> int:
         return self.w.heads[1]
 
-    def _cache_specs(self) -> list[CacheSpec]:
-        return [CacheSpec("latent", self.dims.row_width, "bf16"), CacheSpec(INDEX_CACHE, self.idx_dims.head_dim, "bf16")]
-
     def _regions(self) -> dict[str, int]:
         D, V, B = self.cfg.hidden_size, self.cfg.vocab_size, self.options.max_batch
         return {"carry": 2 * D * B, "hlog": 2 * self.head_n * B, "full": 2 * V if self.head_sharded else 0}
-
-    def _attention(self, w: MlaWeights, rope: MlaRope, kv, rows: int):
-        B = self.options.max_batch
-        self.indexer = DsaIndexer(self.gpu, self.w.indexer, self.idx_dims, rope, kv, self.max_seq_len,
-                                  self.cfg.q_lora_rank, max_rows=B, max_kv_rows=rows, invariant=self.inv)
-        return DsaMlaAttention(self.gpu, w, self.dims, rope, kv, self.indexer, max_rows=B, max_kv_rows=rows, invariant=self.inv)
 
     def _head(self):
         self.xchg = ShardedArgmax(self.gpu, self.comm, self.head_v0, self.head_n, self.options.head_exchange,

@@ -5,13 +5,23 @@ gated attention over the head's own paged K/V cache -> residual -> post_attentio
 top-k, sigmoid-gated shared expert) or dense FFN -> residual -> mtp.norm -> LM head (f32 logits over the
 first `mtp_vocab_size` rows). The post-mtp.norm hidden is carried to the next draft step.
 
-`quantization` is the precision the projections run at: a BF16 checkpoint is quantised on the device at load
-(fp8 -> fp8_row, nvfp4 -> nvfp4); tensors a checkpoint already stores as FP8/NVFP4 are taken as stored. The
-router and the shared-expert gate stay BF16. An NVFP4 head scores with an NVFP4 copy of lm_head (as the
-seed) and keeps its K/V in FP8; BF16 and FP8 heads keep K/V in BF16."""
+Formats (option `quantization`):
+  "stored"           every tensor runs in the format the checkpoint stores it (dtype, scales; what a ModelOpt
+                     checkpoint lists in exclude_modules stays BF16), the LM head as stored, K/V in BF16: the
+                     checkpoint's own numerics.
+  "nvfp4" / "fp8" / "bf16"  the seed's MtpQuantization: BF16 projections are quantised on the device at load
+                     (nvfp4 -> nvfp4, fp8 -> fp8_row); tensors already FP8/NVFP4 stay as stored; an NVFP4 head
+                     scores with an NVFP4 copy of lm_head and keeps K/V in FP8. A lossy speed trade: on an NVFP4
+                     checkpoint whose MTP block is quantised but whose fc and head are BF16 it moves the logits
+                     by about 35% (relative) from the checkpoint's numerics.
+  None (default)     for now the checkpoint's declared algorithm as an MtpQuantization (the seed's rule; a
+                     warning names what it re-quantises); flipping the default to "stored" is one line
+                     (`DEFAULT_QUANTIZATION`).
+The router and the shared-expert gate always stay as stored. `kv_cache_dtype` overrides the K/V dtype."""
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 
 from .. import ops
@@ -28,6 +38,9 @@ from ..speculative.base import MtpProposerBase
 from ..speculative.options import ProposerOptions, opt
 from ..weights.config import Qwen3NextConfig
 from ..weights.qwen3_next import Qwen3NextMtpWeights, load_qwen3_next
+from .limits import check_qwen3_next
+
+log = logging.getLogger("mtp_cupy")
 
 
 class MtpQuantization(enum.Enum):
@@ -62,25 +75,52 @@ class MtpQuantization(enum.Enum):
 
 
 def default_quantization(cfg: Qwen3NextConfig) -> MtpQuantization:
-    """What the checkpoint itself stores: NVFP4 / FP8 checkpoints run at their format, others at BF16."""
+    """The MtpQuantization of the checkpoint's declared algorithm: NVFP4 / FP8 checkpoints at their format,
+    others at BF16 (the seed's rule)."""
     algo = (cfg.quant.algo if cfg.quant else "").upper()
     return MtpQuantization.NVFP4 if "NVFP4" in algo else MtpQuantization.FP8 if "FP8" in algo else MtpQuantization.BF16
+
+
+STORED = "stored"
+# What quantization=None means. "checkpoint" = default_quantization(cfg) (the seed's rule, today); the
+# issue-17 default is STORED (every tensor as stored, BF16 K/V).
+DEFAULT_QUANTIZATION = "checkpoint"
+KV_CACHE_DTYPES = ("bf16", "fp8")
+
+
+def quantization_mode(cfg: Qwen3NextConfig, option: str | None, dense_ffn: bool) -> MtpQuantization | None:
+    """The MtpQuantization the head runs at, or None for "stored" (each tensor in its stored format)."""
+    mode = DEFAULT_QUANTIZATION if option is None else option
+    if mode == STORED:
+        return None
+    q = default_quantization(cfg) if mode == "checkpoint" else MtpQuantization.parse(mode)
+    return q.effective_for_head(dense_ffn)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3NextOptions(ProposerOptions):
     max_prefill_rows: int = opt(512, "drafter rows written per batched prefill pass")
-    quantization: str | None = opt(None, "precision of the projections: 'nvfp4' ('fp4'), 'fp8', 'bf16' "
-                                         "(default: the checkpoint's own format)")
+    quantization: str | None = opt(None, "'stored' (every tensor in the format the checkpoint stores it, "
+                                         "BF16 K/V), or quantise BF16 projections at load: 'nvfp4' ('fp4'; "
+                                         "also an NVFP4 head and FP8 K/V), 'fp8', 'bf16' (default: for now the "
+                                         "checkpoint's declared format as one of those)")
     mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
+    kv_cache_dtype: str | None = opt(None, "K/V rows 'bf16' or 'fp8' (e4m3 times kv_scale) (default: fp8 under "
+                                           "an nvfp4 quantization, else bf16)")
     kv_scale: float = opt(1.0, "scale of FP8 K/V cache rows")
     refeed_accepted: bool = opt(False, "after_verify also drops accepted rows built from a drafter hidden (the "
                                        "caller re-feeds them from the target)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.quantization is not None:
-            MtpQuantization.parse(self.quantization)
+        if self.quantization is not None and self.quantization != STORED:
+            try:
+                MtpQuantization.parse(self.quantization)
+            except ConfigError as e:
+                raise ConfigError(f"option quantization={self.quantization!r}: {e}, or 'stored' (every tensor in "
+                                  "its stored format)") from None
+        if self.kv_cache_dtype is not None:
+            self._choice("kv_cache_dtype", KV_CACHE_DTYPES)
         self._int("mtp_vocab_size", 0, 1 << 31)
         if not isinstance(self.kv_scale, (int, float)) or not self.kv_scale > 0:
             raise ConfigError(f"option kv_scale={self.kv_scale!r} must be a positive number")
@@ -94,22 +134,54 @@ class Qwen3NextMtpProposer(MtpProposerBase):
     config_class = Qwen3NextConfig
     graph_safe = True
 
+    @classmethod
+    def check_config(cls, cfg, options, dense_ffn: bool | None = None) -> None:
+        """ConfigError (naming the config field, its value and the supported range) for anything the kernels
+        cannot take at these options; runs before anything is allocated."""
+        dense = (not cfg.mtp_is_moe) if dense_ffn is None else dense_ffn
+        q = quantization_mode(cfg, options.quantization, dense)
+        check_qwen3_next(cfg, cls.kv_dtype_of(q, options), q.linear_fmt if q is not None else None, dense)
+
     @staticmethod
-    def load_weights(gpu, path, cfg, options, comm=None) -> Qwen3NextMtpWeights:
+    def kv_dtype_of(q: MtpQuantization | None, options) -> str:
+        return options.kv_cache_dtype or (q.kv_dtype if q is not None else "bf16")
+
+    @classmethod
+    def load_weights(cls, gpu, path, cfg, options, comm=None) -> Qwen3NextMtpWeights:
+        cls.check_config(cfg, options)
         return load_qwen3_next(gpu, path, cfg, options.progress)
+
+    @classmethod
+    def properties(cls, cfg, options=None) -> dict[str, str]:
+        """What this proposer runs for `cfg` with `options` (default options) (`python -m mtp_cupy info`)."""
+        o = options or cls.Options()
+        q = quantization_mode(cfg, o.quantization, not cfg.mtp_is_moe)
+        fmt = "each tensor as stored" if q is None else (
+            f"{q.value}: BF16 projections quantised at load" + (", NVFP4 head" if q is MtpQuantization.NVFP4 else ""))
+        return {"attention": f"gated GQA ({cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads of "
+                             f"{cfg.head_dim})", "dsa": "off",
+                "kv_cache": f"{cls.kv_dtype_of(q, o)} K and V rows of {cfg.num_key_value_heads * cfg.head_dim}",
+                "formats": fmt, "carried_hidden": "post_norm (after mtp.norm)",
+                "options": "quantization: 'stored' | 'nvfp4' | 'fp8' | 'bf16'; kv_cache_dtype: 'bf16' | 'fp8'"}
 
     def __init__(self, gpu: Backend, cfg: Qwen3NextConfig, weights: Qwen3NextMtpWeights, max_seq_len: int = 4096,
                  comm=None, options: Qwen3NextOptions | None = None, **kw):
         o = self.options_of(options, kw)
-        q = default_quantization(cfg) if o.quantization is None else MtpQuantization.parse(o.quantization)
-        self.quantization = q.effective_for_head(weights.dense_ffn)
+        self.check_config(cfg, o, weights.dense_ffn)
+        self.quantization = quantization_mode(cfg, o.quantization, weights.dense_ffn)
         self.cfg, self.w, self.refeed_accepted, self.inv = cfg, weights, o.refeed_accepted, o.batch_invariant
         D, V = cfg.hidden_size, cfg.vocab_size
         B, self.eps = o.max_batch, float(cfg.rms_norm_eps)
-        weights.quantize(gpu, self.quantization.linear_fmt)
-        if self.quantization is MtpQuantization.NVFP4 and weights.lm_head.fmt == "bf16":
-            weights.lm_head = ops.quantize_linear(gpu, weights.lm_head, "nvfp4")
-        kvw, kv_dtype = cfg.num_key_value_heads * cfg.head_dim, self.quantization.kv_dtype
+        if self.quantization is not None:
+            done = weights.quantize(gpu, self.quantization.linear_fmt)
+            if self.quantization is MtpQuantization.NVFP4 and weights.lm_head.fmt == "bf16":
+                weights.lm_head = ops.quantize_linear(gpu, weights.lm_head, "nvfp4")
+                done.append("lm_head")
+            if done and o.quantization is None and cfg.quant is not None:
+                log.warning("qwen3_next: quantising %s (stored BF16) to %s at load%s; quantization='stored' keeps "
+                            "the checkpoint's formats", ", ".join(done), self.quantization.linear_fmt,
+                            " and the K/V cache to FP8" if self.kv_dtype_of(self.quantization, o) == "fp8" else "")
+        kvw, kv_dtype = cfg.num_key_value_heads * cfg.head_dim, self.kv_dtype_of(self.quantization, o)
         kv = PagedKvCache(gpu, [CacheSpec("k", kvw, kv_dtype), CacheSpec("v", kvw, kv_dtype)],
                           num_blocks=self.kv_blocks(o, max_seq_len))
         rows = max(B, o.max_prefill_rows)

@@ -1,11 +1,17 @@
 """Launchers for cuda_src/dsa.cu: DSA indexer scores over the paged indexer cache and the top-k selection."""
 from ._util import blocks_for, launch, need
 
-__all__ = ["dsa_index_scores", "dsa_topk"]
+__all__ = ["dsa_index_scores", "dsa_topk", "index_smem_bytes"]
 
 SCORE_WARPS = 8      # as in dsa.cu
 TOPK_THREADS = 512
 SMEM_LIMIT = 48 * 1024
+MAX_HEAD_DIM = 256   # eight elements of a row per lane (the vector paths: 32, 64, 128, 256; any other width strided)
+
+
+def index_smem_bytes(heads: int, head_dim: int) -> int:
+    """Shared memory of dsa_index_scores: the sequence's q and weights as f32."""
+    return 4 * heads * (head_dim + 1)
 
 
 def dsa_index_scores(gpu, q, w, cache, meta, meta_stride, scores, num_seqs, heads, head_dim, score_stride, scale,
@@ -14,8 +20,8 @@ def dsa_index_scores(gpu, q, w, cache, meta, meta_stride, scores, num_seqs, head
     (seq_len and the block table from the metadata slab at meta + s * meta_stride). q bf16
     [num_seqs, heads, head_dim], w f32 [num_seqs, heads], cache rows bf16 [head_dim]; scores f32
     [num_seqs, score_stride] (rows past seq_len are not written; seq_len must be <= score_stride)."""
-    need(head_dim in (32, 64, 128, 256), f"dsa_index_scores: head_dim {head_dim} must be 32, 64, 128 or 256")
-    smem = 4 * heads * (head_dim + 1)
+    need(1 <= head_dim <= MAX_HEAD_DIM, f"dsa_index_scores: head_dim {head_dim} must be in [1, {MAX_HEAD_DIM}]")
+    smem = index_smem_bytes(heads, head_dim)
     need(0 < heads and smem <= SMEM_LIMIT, f"dsa_index_scores: {heads} heads x {head_dim} do not fit shared memory")
     need(num_seqs >= 1 and score_stride >= 1, "dsa_index_scores: need at least one sequence and one score column")
     launch(gpu, "dsa", "dsa_index_scores").grid(blocks_for(score_stride, 2 * SCORE_WARPS, 1024), num_seqs) \

@@ -45,7 +45,9 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
     need(groups >= 1 and m >= 1 and n >= 1, f"{name}: groups {groups}, m {m}, n {n} must be >= 1")
     need(row0 >= 0 and group_rows >= 0 and row0 + (groups - 1) * group_rows + n <= W.n,
          f"{name}: rows up to {row0 + (groups - 1) * group_rows + n} exceed the weight's {W.n}")
-    need(k % 16 == 0 and int(W.weight) % 16 == 0, f"{name}: k {k} must be a multiple of 16 and W 16-byte aligned")
+    vec = 8 if W.fmt == "bf16" else 16          # elements per 16-byte load of a row
+    need(k % vec == 0 and int(W.weight) % 16 == 0,
+         f"{name}: k {k} must be a multiple of {vec} ({W.fmt} rows of whole 16-byte loads) and W 16-byte aligned")
     need(k <= MAX_K, f"{name}: k {k} > {MAX_K} (x is staged in shared memory)")
     need(out_dtype in ("bf16", "f32"), f"{name}: out_dtype {out_dtype!r} is not bf16/f32")
     need(min(xgs, ygs, xrs, yrs) >= 0, f"{name}: negative stride")

@@ -12,8 +12,9 @@ import weakref
 from ..runtime.ptr import NULL, DevicePtr
 from ..runtime.slab import TABLE_OFFSET
 from ._util import launch, need
+from .kv_cache import fp8_block_layout
 
-__all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes"]
+__all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes", "MAX_ROW_WIDTH", "MAX_HEAD_DIM"]
 
 _HEADS = 32            # query heads per block (kernel HEADS)
 _THREADS = 256
@@ -21,18 +22,25 @@ _MAX_SPLITS = 64       # kernel MAX_SPLITS
 _MIN_CHUNK = 64        # positions per split at least: below this the partials cost more than they save
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
 _COMBINE_THREADS = 128
+MAX_ROW_WIDTH = 576    # dk: nine 16-wide k-steps per head-dim quarter (kernel MAX_KSTEPS)
+MAX_HEAD_DIM = 512     # dv (and GQA head_dim): sixteen 8-wide n-tiles per quarter (kernel MAX_NTILES)
 
 _ws: "weakref.WeakKeyDictionary[object, dict[int, object]]" = weakref.WeakKeyDictionary()
 
 
-def _smem_bytes(dk: int, dv: int, sep_v: bool, fp8: bool) -> int:
-    """Mirrors the shared-memory map above attend_split in paged_attention.cu."""
+def _pad64(x: int) -> int:
+    return -(-x // 64) * 64
+
+
+def _smem_bytes(dk: int, dv: int, sep_v: bool, fp8: bool, stage_row: int | None = None) -> int:
+    """Mirrors the shared-memory map above attend_split in paged_attention.cu (tiles padded to 64 columns;
+    `stage_row`: the raw bytes per staged fp8 row, default dk (+ dv))."""
     nbf = 1 if fp8 else 2
-    b = 4 * 32 * 40 * 4 + nbf * 32 * (dk + 8) * 2
+    b = 4 * 32 * 40 * 4 + nbf * 32 * (_pad64(dk) + 8) * 2
     if sep_v:
-        b += nbf * 32 * (dv + 8) * 2
+        b += nbf * 32 * (_pad64(dv) + 8) * 2
     if fp8:
-        b += 2 * 32 * (dk + (dv if sep_v else 0))
+        b += 2 * 32 * (stage_row if stage_row is not None else dk + (dv if sep_v else 0))
     return b + 2 * 32 * 40 * 2 + 32 * 4 + 2 * 32 * 4
 
 
@@ -96,8 +104,9 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     group = q_heads // kv_heads
     hpb = min(group, _HEADS)
     need(group % hpb == 0, f"{name}: a GQA group of {group} heads must be <= 32 or a multiple of 32")
-    need(head_dim % 64 == 0 and 64 <= head_dim <= 512,
-         f"{name}: head_dim {head_dim} must be a multiple of 64 in [64, 512]")
+    step = 16 if kv_dtype == "fp8" else 8
+    need(head_dim % step == 0 and step <= head_dim <= MAX_HEAD_DIM,
+         f"{name}: head_dim {head_dim} must be a multiple of {step} in [{step}, {MAX_HEAD_DIM}]")
     need(q_row_stride % 2 == 0 and int(q) % 4 == 0, f"{name}: q rows must be 4-byte aligned (stride {q_row_stride})")
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
     if num_seqs == 0:
@@ -112,28 +121,39 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
 
 
 def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width, v_width, scale, window=0,
-               sink=NULL, sel=NULL, sel_stride=0, stream=None, *, workspace=None, invariant=False):
+               sink=NULL, sel=NULL, sel_stride=0, kv_dtype="bf16", nope=0, stream=None, *, workspace=None,
+               invariant=False):
     """Single-KV-head decode attention (MLA latent 576 / V4 512): q bf16 [num_seqs, heads, row_width] against
-    cache rows of row_width bf16; value = the first v_width columns of each row. window > 0: only the last
-    `window` rows; sink f32 [heads]: exp(sink_h) joins the denominator; sel i32 [num_seqs, sel_stride]:
-    only those logical rows (-1 or rows outside [0, seq_len) / the window are skipped). out bf16
-    [num_seqs, heads, v_width]; a sequence that attends nothing gets zeros."""
-    name = "mla_decode_partial"
+    cache rows of row_width columns; value = the first v_width columns of each row. kv_dtype "bf16": rows of
+    row_width bf16; "fp8": DeepSeek-V4's blocked rows (`ops.kv_cache.fp8_block_layout(row_width, nope)`:
+    columns [0, nope) e4m3 in 64-blocks with UE8M0 scales, the rest bf16). window > 0: only the last `window`
+    rows; sink f32 [heads]: exp(sink_h) joins the denominator; sel i32 [num_seqs, sel_stride]: only those
+    logical rows (-1 or rows outside [0, seq_len) / the window are skipped). out bf16 [num_seqs, heads,
+    v_width]; a sequence that attends nothing gets zeros. Widths need not be multiples of the kernel's
+    64-column tile (multiples of 8)."""
+    fp8 = kv_dtype == "fp8"
+    name = "mla_decode_partial" + ("_fp8" if fp8 else "")
     _check_common(name, meta, meta_stride, num_seqs, scale)
+    need(kv_dtype in ("bf16", "fp8"), f"{name}: kv_dtype {kv_dtype!r} is not bf16/fp8")
     need(heads >= 1, f"{name}: heads {heads} must be >= 1")
-    need(row_width % 64 == 0 and 64 <= row_width <= 576,
-         f"{name}: row_width {row_width} must be a multiple of 64 in [64, 576]")
-    need(v_width % 64 == 0 and 64 <= v_width <= min(row_width, 512),
-         f"{name}: v_width {v_width} must be a multiple of 64 in [64, min(row_width, 512)]")
+    need(row_width % 8 == 0 and 8 <= row_width <= MAX_ROW_WIDTH,
+         f"{name}: row_width {row_width} must be a multiple of 8 in [8, {MAX_ROW_WIDTH}]")
+    need(v_width % 8 == 0 and 8 <= v_width <= min(row_width, MAX_HEAD_DIM),
+         f"{name}: v_width {v_width} must be a multiple of 8 in [8, min(row_width, {MAX_HEAD_DIM})]")
+    need(not fp8 or 0 < nope <= row_width, f"{name}: nope {nope} must be in [1, row_width {row_width}]")
     need(window >= 0, f"{name}: window {window} < 0")
     need(not sel or sel_stride >= 1, f"{name}: sel needs sel_stride >= 1")
     need(int(q) % 4 == 0 and int(cache) % 16 == 0, f"{name}: q must be 4-byte and the cache 16-byte aligned")
     if num_seqs == 0:
         return
     blocks = -(-heads // _HEADS)
+    stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
     k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks,
-                                    _smem_bytes(row_width, v_width, False, False), workspace, invariant)
+                                    _smem_bytes(row_width, v_width, False, fp8, stage), workspace, invariant)
     k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs) \
         .arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window).arg_ptr(sel) \
-        .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(_MIN_CHUNK).launch(stream)
+        .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(_MIN_CHUNK)
+    if fp8:
+        k.arg_u32(nope)
+    k.launch(stream)
     _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, v_width, splits, stream)

@@ -66,10 +66,22 @@ class _MlaMoeConfig(ModelConfig):
         return self.num_hidden_layers >= self.first_k_dense_replace
 
 
+# DeepSeek-V3.2's indexer when its config.json leaves the fields out (transformers' DeepseekV32Config defaults)
+V32_INDEXER_DEFAULTS = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV3Config(_MlaMoeConfig):
+    """DeepSeek-V3/R1/V3.1 (`deepseek_v3`) and V3.2 (`deepseek_v32`: every layer, the MTP layer included,
+    carries the DSA indexer; its RoPE is half-split unless `indexer_rope_interleave`)."""
     family: ClassVar[str] = "deepseek_v3"
     model_types: ClassVar[tuple[str, ...]] = ("deepseek_v3", "deepseek_v32")
+
+    @classmethod
+    def from_dict(cls, d: dict, hf_quant: dict | None = None, where: str = "config.json") -> "DeepseekV3Config":
+        if d.get("model_type") == "deepseek_v32":
+            d = {**d, **{k: v for k, v in V32_INDEXER_DEFAULTS.items() if d.get(k) is None}}
+        return super().from_dict(d, hf_quant, where)
 
 
 @dataclass(frozen=True, kw_only=True)

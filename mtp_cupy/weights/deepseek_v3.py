@@ -2,7 +2,9 @@
 
 The MTP module is `model.layers.{num_hidden_layers}.*`. The embedding and LM head are the target's
 (`model.embed_tokens.weight`, `lm_head.weight`); the layer's own copies (`embed_tokens`, `shared_head.head`)
-are the fallback when a checkpoint holds only the MTP layer. Each projection's format comes from its
+are the fallback when a checkpoint holds only the MTP layer. DeepSeek-V3.2 (`deepseek_v32`) reads its layer's
+own copies first (its MTP layer ships them, as vLLM loads them) and its DSA indexer
+(`self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`, arch_math.md C.1). Each projection's format comes from its
 safetensors dtype (FP8 block + weight_scale_inv, BF16 eh_proj, or a BF16 layer inside an FP8/NVFP4
 model), never from config.json.
 
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..layers.dsa import IndexerWeights
 from ..runtime.backend import Backend
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import DevicePtr
@@ -29,6 +32,7 @@ GROUPED_FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")   # what ops.grouped_g
 NORMS = ("enorm", "hnorm", "input_layernorm", "post_attention_layernorm", "shared_head.norm")
 ATTN_NORMS = ("q_a_layernorm", "kv_a_layernorm")
 PROJ = ("gate_proj", "up_proj", "down_proj")
+INDEXER_PROJ = ("wq_b", "wk", "weights_proj")
 
 
 def mtp_keys(cfg: DeepseekV3Config) -> dict[str, str]:
@@ -41,7 +45,35 @@ def mtp_keys(cfg: DeepseekV3Config) -> dict[str, str]:
             "embed_copy": p + "embed_tokens.weight", "head_copy": p + "shared_head.head.weight"}
     keys.update({n: f"{p}{n}.weight" for n in NORMS})
     keys.update({n: f"{a}{n}.weight" for n in ATTN_NORMS})
+    i = a + "indexer."                 # the DSA lightning indexer (V3.2, GLM-5; arch_math.md C.1)
+    keys.update({"wq_b": i + "wq_b", "wk": i + "wk", "weights_proj": i + "weights_proj",
+                 "k_norm": i + "k_norm.weight", "k_norm_bias": i + "k_norm.bias"})
     return keys
+
+
+def indexer_tensor_keys(cfg: DeepseekV3Config) -> list[str]:
+    """The tensors a DSA indexer needs (weights of its three projections, the LayerNorm's weight and bias)."""
+    K = mtp_keys(cfg)
+    return [K[r] + ".weight" for r in INDEXER_PROJ] + [K["k_norm"], K["k_norm_bias"]]
+
+
+def require_indexer(ckpt: Checkpoint, cfg: DeepseekV3Config) -> None:
+    """WeightError naming the first missing indexer tensor, read from the headers before anything is loaded."""
+    from ..errors import WeightError
+    for key in indexer_tensor_keys(cfg):
+        if not ckpt.has(key) and not ckpt.has(key.removesuffix(".weight") + ".weight_scale_inv"):
+            raise WeightError(f"config.json gives the MTP layer a DSA indexer (index_topk {cfg.index_topk}) but the "
+                              "checkpoint has no indexer tensor there", key)
+
+
+def load_indexer(wl: WeightLoader, cfg: DeepseekV3Config) -> tuple[IndexerWeights, list]:
+    """The MTP layer's indexer (replicated on every rank) and the buffers that own its norm vectors."""
+    K = mtp_keys(cfg)
+    D, nh, hd = cfg.hidden_size, cfg.index_n_heads, cfg.index_head_dim
+    kn, kb = (wl.tensor(K[n], (hd,), as_dtype="bf16") for n in ("k_norm", "k_norm_bias"))
+    w = IndexerWeights(wq_b=wl.linear(K["wq_b"], nh * hd, cfg.q_lora_rank), wk=wl.linear(K["wk"], hd, D),
+                       k_norm=kn.ptr, k_norm_bias=kb.ptr, weights_proj=wl.linear(K["weights_proj"], nh, D))
+    return w, [kn, kb]
 
 
 def expert_keys(cfg: DeepseekV3Config, e: int | None) -> tuple[str, str, str]:
@@ -75,6 +107,7 @@ class DeepseekV3MtpWeights:
     experts: dict[int, tuple[Linear, Linear, Linear]]
     shared: tuple[Linear, Linear, Linear] | None
     owners: list = field(default_factory=list, repr=False)
+    indexer: IndexerWeights | None = None   # the DSA indexer (DeepSeek-V3.2; GLM-5's subclass always has one)
 
 
 def _grouped(wl: WeightLoader, prefix: str, n: int, k: int) -> Linear:
@@ -116,13 +149,19 @@ def transpose_uk(gpu: Backend, ckpt: Checkpoint, prefix: str, H: int, nope: int,
 def load_deepseek_v3(gpu: Backend, path, cfg: DeepseekV3Config, progress: bool | None = None) -> DeepseekV3MtpWeights:
     """The MTP layer of the checkpoint at `path` on `gpu`, every projection in its stored format."""
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(Path(path))
+    if cfg.has_indexer:
+        require_indexer(ckpt, cfg)
     K = mtp_keys(cfg)
     D, V, H = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads
     C, dn, dr, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
     E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
     with WeightLoader(gpu, ckpt, progress=progress, total=ckpt.nbytes_total(cfg.mtp_prefix)) as wl:
-        embed_key = first_present(ckpt, *cfg.embed_keys, K["embed_copy"])
-        head_key = first_present(ckpt, *cfg.head_keys, K["head_copy"])
+        if cfg.model_type == "deepseek_v32":   # V3.2's MTP layer ships its own embedding and head: those first
+            embed_key = first_present(ckpt, K["embed_copy"], *cfg.embed_keys)
+            head_key = first_present(ckpt, K["head_copy"], *cfg.head_keys)
+        else:
+            embed_key = first_present(ckpt, *cfg.embed_keys, K["embed_copy"])
+            head_key = first_present(ckpt, *cfg.head_keys, K["head_copy"])
         embed = wl.tensor(embed_key, (V, D), as_dtype="bf16")
         head = wl.linear(head_key.removesuffix(".weight"), V, D)
         norms = {n: wl.tensor(K[n], (D,), as_dtype="bf16") for n in NORMS}
@@ -142,6 +181,10 @@ def load_deepseek_v3(gpu: Backend, path, cfg: DeepseekV3Config, progress: bool |
         for e in range(E):
             g, u, d = expert_keys(cfg, e)
             experts[e] = (wl.linear(g, inter, D), wl.linear(u, inter, D), wl.linear(d, D, inter))
+        indexer = None
+        if cfg.has_indexer:
+            indexer, own = load_indexer(wl, cfg)
+            owners += own
         return DeepseekV3MtpWeights(
             embed=embed.ptr, head=head, norms={n: b.ptr for n, b in norms.items()},
             eh_proj=wl.linear(K["eh_proj"], D, 2 * D),
@@ -151,4 +194,5 @@ def load_deepseek_v3(gpu: Backend, path, cfg: DeepseekV3Config, progress: bool |
             w_uk_t=transpose_uk(gpu, ckpt, K["kv_b_proj"], H, dn, dv, C),
             kv_b=_grouped(wl, K["kv_b_proj"], H * (dn + dv), C),
             o_proj=wl.linear(K["o_proj"], D, H * dv),
-            router=wl.linear(K["gate"], E, D), bias=bias.ptr, experts=experts, shared=shared, owners=owners)
+            router=wl.linear(K["gate"], E, D), bias=bias.ptr, experts=experts, shared=shared, owners=owners,
+            indexer=indexer)

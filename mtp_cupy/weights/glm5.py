@@ -31,8 +31,8 @@ from ..layers.dsa import IndexerWeights
 from ..runtime.backend import Backend
 from ..runtime.dtypes import BF16
 from .config import GlmMoeDsaConfig
-from .deepseek_v3 import (GROUPED_FORMATS, NORMS, DeepseekV3MtpWeights, expert_keys, first_present, mtp_keys,
-                          transpose_uk)
+from .deepseek_v3 import (GROUPED_FORMATS, NORMS, DeepseekV3MtpWeights, expert_keys, first_present, load_indexer,
+                          mtp_keys, require_indexer, transpose_uk)
 from .linear import FORMATS, Linear
 from .loader import WeightLoader, dequant_linear, detect_linear
 from .safetensors_io import Checkpoint
@@ -41,12 +41,8 @@ BLOCK = 128
 
 
 def glm_keys(cfg: GlmMoeDsaConfig) -> dict[str, str]:
-    """Role -> key (prefix for projections): the DeepSeek-V3 roles plus the indexer's."""
-    k = mtp_keys(cfg)
-    i = cfg.mtp_prefix + "self_attn.indexer."
-    k.update({"wq_b": i + "wq_b", "wk": i + "wk", "weights_proj": i + "weights_proj",
-              "k_norm": i + "k_norm.weight", "k_norm_bias": i + "k_norm.bias"})
-    return k
+    """Role -> key (prefix for projections): the DeepSeek-V3 roles, the indexer's among them."""
+    return mtp_keys(cfg)
 
 
 @dataclass(frozen=True)
@@ -127,10 +123,11 @@ def load_glm5(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Shard(),
     if not cfg.mtp_is_moe:
         raise ConfigError(f"the MTP layer {cfg.num_hidden_layers} is dense (first_k_dense_replace "
                           f"{cfg.first_k_dense_replace}); only a MoE MTP layer is supported")
+    require_indexer(ckpt, cfg)
     K = glm_keys(cfg)
     D, V, H, ql = cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads, cfg.q_lora_rank
     C, dn, dr, dv = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
-    E, inter, nh, hd = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.index_n_heads, cfg.index_head_dim
+    E, inter = cfg.n_routed_experts, cfg.moe_intermediate_size
     h0, hl = shard.split(H, "attention heads")
     e0, el = shard.split(E, "routed experts")
     si = inter * cfg.n_shared_experts
@@ -142,7 +139,6 @@ def load_glm5(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Shard(),
         norms = {n: wl.tensor(K[n], (D,), as_dtype="bf16") for n in NORMS}
         norms["q_a_layernorm"] = wl.tensor(K["q_a_layernorm"], (ql,), as_dtype="bf16")
         norms["kv_a_layernorm"] = wl.tensor(K["kv_a_layernorm"], (C,), as_dtype="bf16")
-        kn, kb = (wl.tensor(K[n], (hd,), as_dtype="bf16") for n in ("k_norm", "k_norm_bias"))
         bias = wl.tensor(K["bias"], (E,), as_dtype="f32")
         experts = {}
         for e in range(e0, e0 + el):
@@ -153,9 +149,7 @@ def load_glm5(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Shard(),
             g, u, d = expert_keys(cfg, None)
             shared = (load_part(wl, g, si, D, rows=(s0, sl)), load_part(wl, u, si, D, rows=(s0, sl)),
                       load_part(wl, d, D, si, cols=(s0, sl)))
-        indexer = IndexerWeights(wq_b=wl.linear(K["wq_b"], nh * hd, ql), wk=wl.linear(K["wk"], hd, D),
-                                 k_norm=kn.ptr, k_norm_bias=kb.ptr,
-                                 weights_proj=wl.linear(K["weights_proj"], nh, D))
+        indexer, own = load_indexer(wl, cfg)
         return Glm5MtpWeights(
             embed=embed.ptr, head=load_part(wl, head_key, V, D, rows=(v0, vn)),
             norms={n: b.ptr for n, b in norms.items()}, eh_proj=wl.linear(K["eh_proj"], D, 2 * D),
@@ -168,4 +162,4 @@ def load_glm5(gpu: Backend, path, cfg: GlmMoeDsaConfig, shard: Shard = Shard(),
                            allow=GROUPED_FORMATS),
             o_proj=load_part(wl, K["o_proj"], D, H * dv, cols=(h0 * dv, hl * dv)),
             router=wl.linear(K["gate"], E, D), bias=bias.ptr, experts=experts, shared=shared,
-            owners=[embed, *norms.values(), kn, kb, bias], indexer=indexer, shard=shard, heads=(h0, hl), head_v0=v0)
+            owners=[embed, *norms.values(), *own, bias], indexer=indexer, shard=shard, heads=(h0, hl), head_v0=v0)

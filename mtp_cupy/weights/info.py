@@ -1,5 +1,7 @@
-"""`python -m mtp_cupy info <ckpt>`: what a checkpoint's MTP head is, in which formats, and how many bytes
-one batch-1 draft step must read, all computed from the checkpoint's own headers (no tensor data read)."""
+"""`python -m mtp_cupy info <ckpt>`: what a checkpoint's MTP head is, in which formats, how many bytes one
+batch-1 draft step must read, all computed from the checkpoint's own headers (no tensor data read), and what
+its proposer runs by default (attention and DSA on/off, KV cache dtype and layout, the carried-hidden rule,
+the options that change them: the family's `properties(cfg)`)."""
 from __future__ import annotations
 
 import re
@@ -55,8 +57,13 @@ def describe(path: str | Path) -> dict[str, Any]:
     if not keys:
         raise WeightError(f"no MTP tensors under {prefix!r} (num_mtp_layers = {cfg.num_mtp_layers})",
                           file=str(path))
-    embed = _first(ckpt, cfg.embed_keys) or _first(ckpt, (prefix + "embed_tokens.weight",))
-    head = _first(ckpt, cfg.head_keys) or _first(ckpt, (prefix + "shared_head.head.weight",))
+    own = (prefix + "embed_tokens.weight",), (prefix + "shared_head.head.weight",)
+    if cfg.model_type == "deepseek_v32":     # its MTP layer's own copies load first (weights/deepseek_v3.py)
+        embed = _first(ckpt, own[0]) or _first(ckpt, cfg.embed_keys)
+        head = _first(ckpt, own[1]) or _first(ckpt, cfg.head_keys)
+    else:
+        embed = _first(ckpt, cfg.embed_keys) or _first(ckpt, own[0])
+        head = _first(ckpt, cfg.head_keys) or _first(ckpt, own[1])
     if head is None and cfg.tie_word_embeddings:
         head = embed
 
@@ -86,8 +93,10 @@ def describe(path: str | Path) -> dict[str, Any]:
     head_bytes = ckpt.info(head).nbytes if head is not None else 0
     step = {"embedding_row": embed_row, "mtp_layer_without_experts": dense,
             "routed_experts": round(top_k * per_expert), "lm_head": head_bytes}
+    from ..families import by_model_type
+    run = by_model_type(cfg.model_type).proposer.properties(cfg)   # what the proposer runs by default
     return {
-        "path": str(path), "family": cfg.family, "model_type": cfg.model_type,
+        "path": str(path), "family": cfg.family, "model_type": cfg.model_type, "runs": run,
         "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": getattr(cfg, "num_key_value_heads", None),
@@ -123,6 +132,12 @@ def format_info(d: dict[str, Any]) -> str:
         f"{_size(d['mtp_bytes'])}",
         f"  projections   {fmts}",
         f"  embed / head  {d['embed_key']} / {d['head_key']}",
+    ]
+    run = d.get("runs", {})
+    labels = {"attention": "attention", "dsa": "DSA", "kv_cache": "KV cache", "formats": "formats",
+              "carried_hidden": "carried", "options": "options"}
+    lines += [f"  {labels[k]:<13} {run[k]}" for k in labels if k in run]
+    lines += [
         f"  draft step    {_size(d['bytes_per_draft_step'])} of weights read per batch-1 step:",
     ]
     lines += [f"                  {k:<27} {_size(v)}" for k, v in d["step_breakdown"].items()]

@@ -62,19 +62,26 @@ class Qwen3NextMtpWeights:
     shared: tuple[Linear, Linear, Linear] | None = None
     owners: list = field(default_factory=list, repr=False)
 
-    def quantize(self, gpu: Backend, fmt: str) -> None:
+    def quantize(self, gpu: Backend, fmt: str) -> list[str]:
         """BF16 projections -> `fmt` on the device (fp8_row / nvfp4); stored FP8/NVFP4 ones stay as they are.
-        The router and the shared-expert gate stay BF16: they pick experts, and they are tiny."""
+        The router and the shared-expert gate stay BF16: they pick experts, and they are tiny. Returns the
+        roles quantised (experts counted once)."""
         if fmt == "bf16":
-            return
+            return []
         from ..ops import quantize_linear
+        done: list[str] = []
 
-        def q(w: Linear) -> Linear:
-            return quantize_linear(gpu, w, fmt) if w.fmt == "bf16" else w
-        self.linears = {r: q(w) for r, w in self.linears.items()}
-        self.experts = {e: tuple(q(w) for w in gud) for e, gud in self.experts.items()}
+        def q(w: Linear, role: str) -> Linear:
+            if w.fmt != "bf16":
+                return w
+            if role not in done:
+                done.append(role)
+            return quantize_linear(gpu, w, fmt)
+        self.linears = {r: q(w, r) for r, w in self.linears.items()}
+        self.experts = {e: tuple(q(w, "experts") for w in gud) for e, gud in self.experts.items()}
         if self.shared is not None:
-            self.shared = tuple(q(w) for w in self.shared)
+            self.shared = tuple(q(w, "shared_expert") for w in self.shared)
+        return done
 
 
 def _first_key(ckpt, keys: tuple[str, ...], what: str) -> str:

@@ -5,9 +5,11 @@ f32 output and (m, l)); the combine twin merges them in float64 and rounds once 
 follow the kernel's chunk rule, so the only GPU-vs-twin difference is accumulation order."""
 import numpy as np
 
+from ...ops.kv_cache import fp8_block_layout
 from ...runtime.dtypes import BF16, FP8
 from ..access import kv_slots, meta_slab, slab_seq_len, slab_table
 from ..registry import twin
+from .kv_cache import decode_fp8_blocks
 
 TILE = 32  # the kernel's tile: chunks are whole tiles
 
@@ -60,16 +62,36 @@ def _write_splits(dev, ws_o, ws_ml, s, splits, min_chunk, heads, h_sel, scores, 
         dev.view(ws_o.offset(4 * base * dv), np.float32, (heads, dv))[h_sel] = p @ vals[p0:p1]
 
 
-@twin("paged_attention", "mla_decode_partial")
-def mla_decode_partial(dev, q, cache, meta, meta_stride, ws_o, ws_ml, num_seqs, heads, row_width, v_width, scale,
-                       window, sel, sel_stride, splits, min_chunk):
+def _mla(dev, q, meta, meta_stride, ws_o, ws_ml, num_seqs, heads, row_width, v_width, scale, window, sel,
+         sel_stride, splits, min_chunk, rows_of):
+    """rows_of(slab, rows) -> float64 [len(rows), row_width] (masked rows zero)."""
     qv = dev.view(q, BF16, (num_seqs, heads, row_width)).astype(np.float64)
     for s in range(num_seqs):
         seq_len, lo, n, slab = _seq(dev, meta, meta_stride, s, window, bool(sel), sel_stride)
         rows = _rows(dev, sel, sel_stride, s, seq_len, lo, n)
-        kv = _gather(dev, cache, slab, rows, 2 * row_width, 0, row_width, BF16)
+        kv = rows_of(slab, rows)
         sc = np.where(rows >= 0, qv[s] @ kv.T * scale, -np.inf)
         _write_splits(dev, ws_o, ws_ml, s, splits, min_chunk, heads, np.arange(heads), sc, kv[:, :v_width])
+
+
+@twin("paged_attention", "mla_decode_partial")
+def mla_decode_partial(dev, q, cache, meta, meta_stride, ws_o, ws_ml, num_seqs, heads, row_width, v_width, scale,
+                       window, sel, sel_stride, splits, min_chunk):
+    _mla(dev, q, meta, meta_stride, ws_o, ws_ml, num_seqs, heads, row_width, v_width, scale, window, sel, sel_stride,
+         splits, min_chunk, lambda slab, rows: _gather(dev, cache, slab, rows, 2 * row_width, 0, row_width, BF16))
+
+
+@twin("paged_attention", "mla_decode_partial_fp8")
+def mla_decode_partial_fp8(dev, q, cache, meta, meta_stride, ws_o, ws_ml, num_seqs, heads, row_width, v_width,
+                           scale, window, sel, sel_stride, splits, min_chunk, nope):
+    """The blocked fp8 rows (kv_cache twin) decoded exactly, then the bf16 path's math."""
+    row_bytes = fp8_block_layout(row_width, nope)[2]
+
+    def rows_of(slab, rows):
+        raw = _gather(dev, cache, slab, rows, row_bytes, 0, row_bytes, np.dtype(np.uint8)).astype(np.uint8)
+        return decode_fp8_blocks(raw, row_width, nope)
+    _mla(dev, q, meta, meta_stride, ws_o, ws_ml, num_seqs, heads, row_width, v_width, scale, window, sel, sel_stride,
+         splits, min_chunk, rows_of)
 
 
 def _gqa(dev, q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, num_seqs, q_heads, kv_heads,

@@ -2,9 +2,9 @@
 
 Small but structurally faithful: heads with separate nope/rope/v dims, a q LoRA, a latent narrower than
 the model, group-limited routing (16 experts, 4 groups, top-2 groups, top-4), YaRN as V3's, and the MTP
-layer at index num_hidden_layers = 2 (a MoE layer: first_k_dense_replace = 1). The latent and rope dims
-are multiples of 64 (mla_decode's row tiles): cache rows of 128; q_b's per-head rows (96) cross its
-128-row FP8 scale blocks, as at real dims."""
+layer at index num_hidden_layers = 2 (a MoE layer: first_k_dense_replace = 1). Cache rows of 128 (latent
+64 + rope 64; any multiple of 8 runs: `dims` override them); q_b's per-head rows (96) cross its 128-row FP8
+scale blocks, as at real dims. model_type "deepseek_v32" adds the MTP layer's DSA indexer."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,19 +35,51 @@ def quantised(w: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
     return {".weight": w.astype(BF16)}
 
 
-def tiny_config(fmt: str = "fp8", **dims) -> dict:
-    """config.json of a tiny DeepSeek-V3 (HF names; unknown keys in `dims` are an error)."""
-    bad = set(dims) - set(TINY_DIMS) - {"rope_scaling"}
+# DeepSeek-V3.2 (model_type deepseek_v32): the same layer plus the DSA indexer. 8 indexer heads of 64 and
+# index_topk 8, so the sparse pick drops rows once a sequence holds more than 8 (as GLM-5's tiny checkpoint)
+TINY_V32 = dict(index_n_heads=8, index_head_dim=128, index_topk=8)
+
+
+def tiny_config(fmt: str = "fp8", model_type: str = "deepseek_v3", **dims) -> dict:
+    """config.json of a tiny DeepSeek-V3 (model_type deepseek_v3) or V3.2 (deepseek_v32, with the indexer
+    fields of TINY_V32; its indexer RoPE is half-split: indexer_rope_interleave false) (HF names; unknown keys
+    in `dims` are an error)."""
+    v32 = model_type == "deepseek_v32"
+    known = set(TINY_DIMS) | ({"index_n_heads", "index_head_dim", "index_topk", "indexer_rope_interleave"} if v32
+                              else set())
+    bad = set(dims) - known - {"rope_scaling"}
     if bad:
-        raise ValueError(f"unknown dims {sorted(bad)}; known: {sorted(TINY_DIMS)} and rope_scaling")
-    c = {"rope_scaling": dict(TINY_YARN), **TINY_DIMS, **dims}
-    c.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_act="silu",
-             scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True, num_nextn_predict_layers=1,
-             tie_word_embeddings=False, rope_interleave=True, max_position_embeddings=163840,
-             torch_dtype="bfloat16", num_key_value_heads=c["num_attention_heads"])
+        raise ValueError(f"unknown dims {sorted(bad)}; known: {sorted(known)} and rope_scaling")
+    c = {"rope_scaling": dict(TINY_YARN), **TINY_DIMS, **(TINY_V32 if v32 else {}), **dims}
+    c.update(model_type=model_type, architectures=["DeepseekV32ForCausalLM" if v32 else "DeepseekV3ForCausalLM"],
+             hidden_act="silu", scoring_func="sigmoid", topk_method="noaux_tc", norm_topk_prob=True,
+             num_nextn_predict_layers=1, tie_word_embeddings=False, rope_interleave=True,
+             max_position_embeddings=163840, torch_dtype="bfloat16", num_key_value_heads=c["num_attention_heads"])
+    if v32:
+        c.setdefault("indexer_rope_interleave", False)
     if fmt == "fp8":
         c["quantization_config"] = dict(FP8_QUANT)
     return c
+
+
+def indexer_tensors(cfg: dict, seed: int, fmt: str) -> dict[str, np.ndarray]:
+    """The MTP layer's DSA indexer (V3.2, GLM-5): wq_b and wk in `fmt` (weights_proj always BF16), the
+    LayerNorm k_norm with a bias."""
+    c = DeepseekV3Config.from_dict({**cfg, "model_type": "deepseek_v3"})
+    K = mtp_keys(c)
+    rng = np.random.default_rng(seed + 7919)
+    D, nh, hd, ql = c.hidden_size, c.index_n_heads, c.index_head_dim, c.q_lora_rank
+
+    def lin(n: int, k: int) -> np.ndarray:
+        return (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+
+    out: dict[str, np.ndarray] = {}
+    for role, w, as_fmt in (("wq_b", lin(nh * hd, ql), fmt), ("wk", lin(hd, D), fmt),
+                            ("weights_proj", lin(nh, D), "bf16")):
+        out.update({K[role] + suf: a for suf, a in quantised(w, as_fmt).items()})
+    out[K["k_norm"]] = (1.0 + 0.1 * rng.standard_normal(hd)).astype(BF16)
+    out[K["k_norm_bias"]] = (0.1 * rng.standard_normal(hd)).astype(BF16)
+    return out
 
 
 def tiny_tensors(cfg: dict, seed: int, fmt: str, top_level: bool = True, layer_copies: bool = True) -> dict[str, np.ndarray]:
@@ -99,12 +131,24 @@ def tiny_tensors(cfg: dict, seed: int, fmt: str, top_level: bool = True, layer_c
 
 
 def write_tiny_checkpoint(path, seed: int = 0, fmt: str = "fp8", top_level: bool = True, layer_copies: bool = True,
-                          **dims) -> Path:
+                          model_type: str = "deepseek_v3", distinct_copies: bool = False, **dims) -> Path:
     """A small random DeepSeek-V3 MTP checkpoint (config.json + model.safetensors) in the real key layout
     and dtypes at `path`. fmt "fp8": block-FP8 projections with weight_scale_inv (eh_proj, router, norms,
     embedding and head BF16, the correction bias F32); "bf16": every projection BF16. top_level /
-    layer_copies choose which embedding/head copies exist; `dims` override TINY_DIMS (HF names)."""
+    layer_copies choose which embedding/head copies exist (`distinct_copies`: the layer's copies get values of
+    their own, so a test sees which one loads); model_type "deepseek_v32" adds the DSA indexer to the MTP
+    layer; `dims` override TINY_DIMS (and TINY_V32) (HF names)."""
     if fmt not in ("fp8", "bf16"):
         raise ValueError(f"fmt {fmt!r}: choose fp8 or bf16")
-    cfg = tiny_config(fmt, **dims)
-    return Path(write_checkpoint(path, tiny_tensors(cfg, seed, fmt, top_level, layer_copies), config=cfg))
+    if model_type not in DeepseekV3Config.model_types:
+        raise ValueError(f"model_type {model_type!r}: choose one of {DeepseekV3Config.model_types}")
+    cfg = tiny_config(fmt, model_type, **dims)
+    tensors = tiny_tensors(cfg, seed, fmt, top_level, layer_copies)
+    if model_type == "deepseek_v32":
+        tensors.update(indexer_tensors(cfg, seed, fmt))
+    if distinct_copies and layer_copies:
+        K, rng = mtp_keys(DeepseekV3Config.from_dict(cfg)), np.random.default_rng(seed + 104729)
+        for key in (K["embed_copy"], K["head_copy"]):
+            tensors[key] = (rng.standard_normal(tensors[key].shape) * (1.0 if key == K["embed_copy"] else 3.0)
+                            / (1.0 if key == K["embed_copy"] else np.sqrt(tensors[key].shape[1]))).astype(BF16)
+    return Path(write_checkpoint(path, tensors, config=cfg))

@@ -1,7 +1,7 @@
 """Tiny random GLM-5 (`glm_moe_dsa`) checkpoints in the real key layout.
 
-Small but faithful: separate nope/rope/v dims (rope 64 as GLM-5's, so a latent row of 64 + 64 fits the
-attention kernel's 64-column tiles), q and kv LoRA, 8 indexer heads of 64 with index_topk 8 (the sparse
+Small but faithful: separate nope/rope/v dims (rope 64 as GLM-5's: latent rows of 64 + 64; `dims` take any
+width the kernels take, multiples of 8), q and kv LoRA, 8 indexer heads of 64 with index_topk 8 (the sparse
 pick drops rows once a sequence holds more than 8; with 8 heads a row whose every relu is 0, an exact
 score tie, is rare), 16 experts top-4 with no group limit (n_group 1, GLM-5's routing), vocab 512
 (divides over 2, 4 and 8 ranks), the MTP layer at index num_hidden_layers = 2 with no embedding / head
@@ -10,14 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
-from ...runtime.dtypes import BF16
-from ...weights import quant_host as qh
-from ...weights.config import GlmMoeDsaConfig
-from ...weights.glm5 import BLOCK, glm_keys
+from ...weights.glm5 import BLOCK
 from ...weights.writer import write_checkpoint
-from .deepseek_v3 import tiny_tensors as v3_tiny_tensors
+from .deepseek_v3 import indexer_tensors, tiny_tensors as v3_tiny_tensors
 
 TINY_DIMS = dict(hidden_size=256, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
                  qk_rope_head_dim=64, v_head_dim=32, index_n_heads=8, index_head_dim=64, index_topk=8,
@@ -52,21 +47,5 @@ def write_tiny_checkpoint(path, seed: int = 0, fmt: str = "bf16", **dims) -> Pat
         raise ValueError(f"fmt {fmt!r}: choose fp8 or bf16")
     cfg = tiny_config(fmt, **dims)
     tensors = v3_tiny_tensors(cfg, seed, fmt, top_level=True, layer_copies=False)
-    c = GlmMoeDsaConfig.from_dict(cfg)
-    K = glm_keys(c)
-    rng = np.random.default_rng(seed + 7919)
-    D, nh, hd, ql = c.hidden_size, c.index_n_heads, c.index_head_dim, c.q_lora_rank
-
-    def lin(n: int, k: int) -> np.ndarray:
-        return (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
-
-    for role, w, as_fmt in (("wq_b", lin(nh * hd, ql), fmt), ("wk", lin(hd, D), fmt),
-                            ("weights_proj", lin(nh, D), "bf16")):
-        if as_fmt == "fp8":
-            q, s = qh.quant_fp8_block(w)
-            tensors.update({K[role] + ".weight": q, K[role] + ".weight_scale_inv": s})
-        else:
-            tensors[K[role] + ".weight"] = w.astype(BF16)
-    tensors[K["k_norm"]] = (1.0 + 0.1 * rng.standard_normal(hd)).astype(BF16)
-    tensors[K["k_norm_bias"]] = (0.1 * rng.standard_normal(hd)).astype(BF16)
+    tensors.update(indexer_tensors(cfg, seed, fmt))
     return Path(write_checkpoint(path, tensors, config=cfg))
