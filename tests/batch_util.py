@@ -73,8 +73,17 @@ def watch_ties(prop) -> list[np.ndarray]:
         z = gpu.read(moe.logits, np.float32, (m, c.n_experts)).astype(np.float64)
         key = {"softmax": lambda: z, "sigmoid_grouped": lambda: 1 / (1 + np.exp(-z)) + bias,
                "sqrtsoftplus": lambda: np.sqrt(np.logaddexp(0, z)) + bias}[c.routing]()
+        gap = np.full(m, np.inf)
+        if c.routing == "sigmoid_grouped" and c.n_group > 1:    # the group limit is a choice of its own
+            grp = -np.sort(-key.reshape(m, c.n_group, -1), axis=2)[:, :, :2].sum(2)       # [m, n_group]
+            order = np.argsort(-grp, axis=1, kind="stable")
+            g_sorted = np.take_along_axis(grp, order, 1)
+            gap = g_sorted[:, c.topk_group - 1] - g_sorted[:, c.topk_group]
+            keep = np.zeros((m, c.n_group), bool)
+            np.put_along_axis(keep, order[:, :c.topk_group], True, 1)
+            key = np.where(np.repeat(keep, c.n_experts // c.n_group, 1), key, -np.inf)
         srt = -np.sort(-key, axis=1)
-        gap = srt[:, c.top_k - 1] - srt[:, c.top_k]
+        gap = np.minimum(gap, srt[:, c.top_k - 1] - srt[:, c.top_k])
         if hasattr(prop, "indexer"):
             ix = prop.indexer
             sc = gpu.read(ix.ptr["scores"], np.float32, (m, ix.score_stride)).astype(np.float64)
