@@ -17,6 +17,11 @@ ARGMAX_TIE = 0.05    # top-2 logit gap (in logit std) below which a different dr
 NOT_QUANTISED = ("mtp.layers.0.mlp.gate.weight", "mtp.layers.0.mlp.shared_expert_gate.weight")
 
 
+def run_quant(prop) -> str:
+    """The quantization a proposer runs at, as ref_weights takes it ("stored" when each tensor is as stored)."""
+    return "stored" if prop.quantization is None else prop.quantization.value
+
+
 def ref_weights(path, quantization: str = "bf16") -> dict[str, np.ndarray]:
     """The weights a Qwen3-Next proposer running at `quantization` (its effective one) computes with, float64
     under the checkpoint's keys, from the file: stored FP8 / NVFP4 tensors as stored; at fp8 / nvfp4 every

@@ -10,7 +10,7 @@ import helpers
 import mtp_cupy
 from deepseek_util import ref_weights as mla_ref_weights
 from helpers import write_rows
-from qwen_util import ref_weights as qwen_ref_weights
+from qwen_util import ref_weights as qwen_ref_weights, run_quant
 from reference.checkpoint import E4M3, RawCheckpoint, read_weights
 
 pytest.importorskip("transformers")
@@ -37,7 +37,7 @@ def _reference(family: str, path, prop):
     if family == "glm5":
         return GlmMtpRef(mla_ref_weights(path), cfg)
     if family == "qwen3_next":
-        q = prop.quantization.value
+        q = run_quant(prop)
         return QwenMtpRef(qwen_ref_weights(path, q), cfg, kv_fp8=q == "nvfp4")
     return V4MtpRef(read_weights(path)[0], cfg)
 

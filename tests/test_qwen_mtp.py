@@ -12,14 +12,17 @@ from mtp_cupy.models.qwen3_next import MtpQuantization
 from mtp_cupy.runtime.dtypes import bf16_round
 import helpers
 from helpers import write_rows
-from qwen_util import ARGMAX_TIE, ROUTE_TIE, check_chain, ref_weights, rel, snapshot, tiny_ckpt
+from qwen_util import (ARGMAX_TIE, ROUTE_TIE, check_chain, ref_weights, rel, run_quant, snapshot,
+                       tiny_ckpt)
 from reference.qwen_ref import QwenMtpRef
 
 T, K, D, V = 40, 4, 256, 512
 TOL0, TOL = 1.2e-2, 2e-2   # logits vs float64: first draft; chained drafts (the bf16 carried hidden compounds)
-# (checkpoint format, quantization option, dense FFN): stored formats and on-device quantisation
+# (checkpoint format, quantization option, dense FFN): on-device quantisation, and stored formats (None = the
+# default, "stored": an NVFP4 checkpoint's BF16 fc and head stay BF16, K/V BF16)
 CASES = [("bf16", "bf16", False), ("bf16", "fp8", False), ("bf16", "nvfp4", False), ("fp8", None, False),
-         ("nvfp4", None, False), ("bf16", "bf16", True), ("bf16", "nvfp4", True)]
+         ("nvfp4", None, False), ("bf16", "bf16", True), ("bf16", "nvfp4", True), ("fp8", "fp8", False),
+         ("nvfp4", "nvfp4", False)]
 
 
 def _load(ckpt_quant, quant, dense=False, gpu=None, max_seq_len=256, **kw):
@@ -35,13 +38,13 @@ def _inputs(rng):
 
 def _ref_weights(ckpt_quant, prop, dense=False):
     """The reference's weights, read from the checkpoint file (never from the proposer's device)."""
-    return ref_weights(tiny_ckpt(ckpt_quant, dense), prop.quantization.value)
+    return ref_weights(tiny_ckpt(ckpt_quant, dense), run_quant(prop))
 
 
 @pytest.mark.parametrize("ckpt_quant,quant,dense", CASES)
 def test_matches_float64_reference(rng, ckpt_quant, quant, dense):
     prop = _load(ckpt_quant, quant, dense)
-    want = MtpQuantization.parse(quant or ckpt_quant).effective_for_head(dense)
+    want = None if quant is None else MtpQuantization.parse(quant).effective_for_head(dense)
     assert prop.quantization is want
     assert prop.kv.specs["k"].dtype == ("fp8" if want is MtpQuantization.NVFP4 else "bf16")
     if want is MtpQuantization.NVFP4:
@@ -55,7 +58,7 @@ def test_matches_float64_reference(rng, ckpt_quant, quant, dense):
     check_chain(res, ref, tok, h, T, TOL0, TOL, f"{ckpt_quant}/{quant}/dense={dense}")
 
 
-@pytest.mark.parametrize("ckpt_quant,quant,dense", CASES[:6])
+@pytest.mark.parametrize("ckpt_quant,quant,dense", CASES[:6] + CASES[7:])
 def test_matches_transformers(rng, ckpt_quant, quant, dense):
     """The whole draft chain against transformers' layer wrapped by hand (no FP8 K/V there, so NVFP4 heads
     are held to the reference's bound plus the e4m3 K/V rounding transformers does not model)."""
@@ -163,5 +166,6 @@ def test_typed_errors_leave_state_unchanged(rng):
 
 def test_load_proposer_dispatches_to_qwen():
     prop = mtp_cupy.load_proposer(tiny_ckpt("nvfp4"), gpu=mtp_cupy.device("ref"), max_seq_len=64)
-    assert isinstance(prop, qwen_mtp.Qwen3NextMtpProposer) and prop.quantization is MtpQuantization.NVFP4
-    assert prop.w.linears["fc"].fmt == "nvfp4" and prop.w.router.fmt == "bf16"   # fc was stored BF16
+    assert isinstance(prop, qwen_mtp.Qwen3NextMtpProposer) and prop.quantization is None   # as stored
+    assert prop.w.linears["fc"].fmt == "bf16" and prop.w.linears["q_proj"].fmt == "nvfp4"
+    assert prop.kv.specs["k"].dtype == "bf16"

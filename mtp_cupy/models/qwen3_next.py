@@ -6,7 +6,7 @@ top-k, sigmoid-gated shared expert) or dense FFN -> residual -> mtp.norm -> LM h
 first `mtp_vocab_size` rows). The post-mtp.norm hidden is carried to the next draft step.
 
 Formats (option `quantization`):
-  "stored"           every tensor runs in the format the checkpoint stores it (dtype, scales; what a ModelOpt
+  "stored" (default) every tensor runs in the format the checkpoint stores it (dtype, scales; what a ModelOpt
                      checkpoint lists in exclude_modules stays BF16), the LM head as stored, K/V in BF16: the
                      checkpoint's own numerics.
   "nvfp4" / "fp8" / "bf16"  the seed's MtpQuantization: BF16 projections are quantised on the device at load
@@ -14,9 +14,6 @@ Formats (option `quantization`):
                      scores with an NVFP4 copy of lm_head and keeps K/V in FP8. A lossy speed trade: on an NVFP4
                      checkpoint whose MTP block is quantised but whose fc and head are BF16 it moves the logits
                      by about 35% (relative) from the checkpoint's numerics.
-  None (default)     for now the checkpoint's declared algorithm as an MtpQuantization (the seed's rule; a
-                     warning names what it re-quantises); flipping the default to "stored" is one line
-                     (`DEFAULT_QUANTIZATION`).
 The router and the shared-expert gate always stay as stored. `kv_cache_dtype` overrides the K/V dtype."""
 from __future__ import annotations
 
@@ -74,36 +71,21 @@ class MtpQuantization(enum.Enum):
         return "fp8" if self is MtpQuantization.NVFP4 else "bf16"
 
 
-def default_quantization(cfg: Qwen3NextConfig) -> MtpQuantization:
-    """The MtpQuantization of the checkpoint's declared algorithm: NVFP4 / FP8 checkpoints at their format,
-    others at BF16 (the seed's rule)."""
-    algo = (cfg.quant.algo if cfg.quant else "").upper()
-    return MtpQuantization.NVFP4 if "NVFP4" in algo else MtpQuantization.FP8 if "FP8" in algo else MtpQuantization.BF16
-
-
 STORED = "stored"
-# What quantization=None means. "checkpoint" = default_quantization(cfg) (the seed's rule, today); the
-# issue-17 default is STORED (every tensor as stored, BF16 K/V).
-DEFAULT_QUANTIZATION = "checkpoint"
 KV_CACHE_DTYPES = ("bf16", "fp8")
 
 
-def quantization_mode(cfg: Qwen3NextConfig, option: str | None, dense_ffn: bool) -> MtpQuantization | None:
+def quantization_mode(option: str, dense_ffn: bool) -> MtpQuantization | None:
     """The MtpQuantization the head runs at, or None for "stored" (each tensor in its stored format)."""
-    mode = DEFAULT_QUANTIZATION if option is None else option
-    if mode == STORED:
-        return None
-    q = default_quantization(cfg) if mode == "checkpoint" else MtpQuantization.parse(mode)
-    return q.effective_for_head(dense_ffn)
+    return None if option == STORED else MtpQuantization.parse(option).effective_for_head(dense_ffn)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Qwen3NextOptions(ProposerOptions):
     max_prefill_rows: int = opt(512, "drafter rows written per batched prefill pass")
-    quantization: str | None = opt(None, "'stored' (every tensor in the format the checkpoint stores it, "
-                                         "BF16 K/V), or quantise BF16 projections at load: 'nvfp4' ('fp4'; "
-                                         "also an NVFP4 head and FP8 K/V), 'fp8', 'bf16' (default: for now the "
-                                         "checkpoint's declared format as one of those)")
+    quantization: str = opt(STORED, "'stored' (every tensor in the format the checkpoint stores it, BF16 "
+                                     "K/V), or quantise BF16 projections at load, a lossy speed trade: "
+                                     "'nvfp4' ('fp4'; also an NVFP4 head and FP8 K/V), 'fp8', 'bf16'")
     mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
     kv_cache_dtype: str | None = opt(None, "K/V rows 'bf16' or 'fp8' (e4m3 times kv_scale) (default: fp8 under "
                                            "an nvfp4 quantization, else bf16)")
@@ -113,7 +95,7 @@ class Qwen3NextOptions(ProposerOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.quantization is not None and self.quantization != STORED:
+        if self.quantization != STORED:
             try:
                 MtpQuantization.parse(self.quantization)
             except ConfigError as e:
@@ -139,7 +121,7 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         """ConfigError (naming the config field, its value and the supported range) for anything the kernels
         cannot take at these options; runs before anything is allocated."""
         dense = (not cfg.mtp_is_moe) if dense_ffn is None else dense_ffn
-        q = quantization_mode(cfg, options.quantization, dense)
+        q = quantization_mode(options.quantization, dense)
         check_qwen3_next(cfg, cls.kv_dtype_of(q, options), q.linear_fmt if q is not None else None, dense)
 
     @staticmethod
@@ -155,7 +137,7 @@ class Qwen3NextMtpProposer(MtpProposerBase):
     def properties(cls, cfg, options=None) -> dict[str, str]:
         """What this proposer runs for `cfg` with `options` (default options) (`python -m mtp_cupy info`)."""
         o = options or cls.Options()
-        q = quantization_mode(cfg, o.quantization, not cfg.mtp_is_moe)
+        q = quantization_mode(o.quantization, not cfg.mtp_is_moe)
         fmt = "each tensor as stored" if q is None else (
             f"{q.value}: BF16 projections quantised at load" + (", NVFP4 head" if q is MtpQuantization.NVFP4 else ""))
         return {"attention": f"gated GQA ({cfg.num_attention_heads} q / {cfg.num_key_value_heads} kv heads of "
@@ -168,7 +150,7 @@ class Qwen3NextMtpProposer(MtpProposerBase):
                  comm=None, options: Qwen3NextOptions | None = None, **kw):
         o = self.options_of(options, kw)
         self.check_config(cfg, o, weights.dense_ffn)
-        self.quantization = quantization_mode(cfg, o.quantization, weights.dense_ffn)
+        self.quantization = quantization_mode(o.quantization, weights.dense_ffn)
         self.cfg, self.w, self.refeed_accepted, self.inv = cfg, weights, o.refeed_accepted, o.batch_invariant
         D, V = cfg.hidden_size, cfg.vocab_size
         B, self.eps = o.max_batch, float(cfg.rms_norm_eps)
@@ -177,10 +159,10 @@ class Qwen3NextMtpProposer(MtpProposerBase):
             if self.quantization is MtpQuantization.NVFP4 and weights.lm_head.fmt == "bf16":
                 weights.lm_head = ops.quantize_linear(gpu, weights.lm_head, "nvfp4")
                 done.append("lm_head")
-            if done and o.quantization is None and cfg.quant is not None:
-                log.warning("qwen3_next: quantising %s (stored BF16) to %s at load%s; quantization='stored' keeps "
-                            "the checkpoint's formats", ", ".join(done), self.quantization.linear_fmt,
-                            " and the K/V cache to FP8" if self.kv_dtype_of(self.quantization, o) == "fp8" else "")
+            if done:
+                log.info("qwen3_next: quantised %s (stored BF16) to %s at load%s", ", ".join(done),
+                         self.quantization.linear_fmt,
+                         " and the K/V cache to FP8" if self.kv_dtype_of(self.quantization, o) == "fp8" else "")
         kvw, kv_dtype = cfg.num_key_value_heads * cfg.head_dim, self.kv_dtype_of(self.quantization, o)
         kv = PagedKvCache(gpu, [CacheSpec("k", kvw, kv_dtype), CacheSpec("v", kvw, kv_dtype)],
                           num_blocks=self.kv_blocks(o, max_seq_len))

@@ -9,7 +9,9 @@ from mtp_cupy.runtime.dtypes import bf16_round
 from qwen_util import devices_agree, head_weights, tiny_ckpt
 
 pytestmark = pytest.mark.gpu
-CASES = [("bf16", "bf16"), ("bf16", "fp8"), ("bf16", "nvfp4"), ("fp8", None), ("nvfp4", None)]
+# quantization None = the default, "stored"
+CASES = [("bf16", "bf16"), ("bf16", "fp8"), ("bf16", "nvfp4"), ("fp8", "fp8"), ("nvfp4", "nvfp4"), ("fp8", None),
+         ("nvfp4", None)]
 T, K, D, V = 40, 4, 256, 512
 
 
