@@ -141,7 +141,7 @@ def test_fp8_partial_edge_blocks_decode_exactly(dev, rng):
     ("deepseek_v3", dict(model_type="deepseek_v32"), ["DSA           on", "half-split RoPE",
                                                       "+ bf16 indexer rows of 128", "shared_head.head.weight"]),
     ("glm5", {}, ["DSA           on", "interleaved RoPE", "carried       post_norm (after shared_head.norm)"]),
-    ("deepseek_v4", {}, ["DSA           off", "KV cache      bf16 rows of 64", "options       kv_cache_dtype"]),
+    ("deepseek_v4", {}, ["DSA           off", "KV cache      fp8: e4m3 x 48 in 64-blocks", "options       kv_cache_dtype"]),
     ("qwen3_next", dict(quant="nvfp4"), ["KV cache      ", "formats       ", "carried       post_norm (after mtp.norm)",
                                          "quantization: 'stored'"]),
 ])

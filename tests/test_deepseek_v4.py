@@ -1,6 +1,8 @@
 """DeepSeek-V4 MTP proposer on tiny random checkpoints (real key layout and formats) against the independent
 float64 reference (tests/reference/deepseek_v4_ref.py): prefill + propose chains for both hidden forms,
-after_verify trims mirrored on the reference, the head variants, and every error path leaving state as it was."""
+after_verify trims mirrored on the reference, the head variants, and every error path leaving state as it was.
+The reference keeps bf16 KV rows, so the chains against it run kv_cache_dtype="bf16"; the fp8 default is held
+to the official rounding in test_v4_fp8_kv.py."""
 import tempfile
 
 import numpy as np
@@ -56,7 +58,7 @@ def check_chain(prop, st, ref: V4MtpRef, token: int, h, position: int, k: int) -
 @pytest.mark.parametrize("form", ["streams", "single"])
 def test_prefill_and_propose_cycles_match_reference(ref, rng, form):
     path, w, cfg = ckpt()
-    prop = v4.from_checkpoint(path, ref, max_seq_len=64)
+    prop = v4.from_checkpoint(path, ref, kv_cache_dtype="bf16", max_seq_len=64)
     st = prop.alloc_state()
     model = V4MtpRef(w, cfg)
     n = 12                                             # longer than the window (8): old rows drop out
@@ -83,7 +85,7 @@ def test_prefill_and_propose_cycles_match_reference(ref, rng, form):
 
 def test_forward_one_without_hc_head_takes_first_stream(ref, rng):
     path, w, cfg = ckpt(seed=2, hc_head=False)
-    prop = v4.from_checkpoint(path, ref, max_seq_len=32)
+    prop = v4.from_checkpoint(path, ref, kv_cache_dtype="bf16", max_seq_len=32)
     assert prop.w.hc_head is None
     st = prop.alloc_state()
     check_chain(prop, st, V4MtpRef(w, cfg), 5, hidden(rng, cfg, "streams"), 0, 2)
@@ -92,7 +94,7 @@ def test_forward_one_without_hc_head_takes_first_stream(ref, rng):
 def test_hash_routed_mtp_layer(ref, rng):
     """A checkpoint whose MTP layer is a hash layer (tid2eid, no bias) routes by the step's input token."""
     path, w, cfg = ckpt(seed=8, hash_routed=True)
-    prop = v4.from_checkpoint(path, ref, max_seq_len=32)
+    prop = v4.from_checkpoint(path, ref, kv_cache_dtype="bf16", max_seq_len=32)
     assert prop.moe.cfg.routing == "hash"
     check_chain(prop, prop.alloc_state(), V4MtpRef(w, cfg), 9, hidden(rng, cfg, "single"), 0, 3)
 

@@ -40,7 +40,8 @@ def test_random_cycles_keep_invariants(ref, rng):
     a routing near tie), the rows kept derived from the calls (a verify of a drafts out of k keeps the a
     accepted drafts' rows), exhaustion typed and leaving the state as it was, no block leaked."""
     path, w, cfg = ckpt(seed=7, **SMALL)
-    prop = v4.from_checkpoint(path, ref, max_seq_len=160, max_drafts=3, max_sequences=1, max_prefill_rows=8)
+    prop = v4.from_checkpoint(path, ref, kv_cache_dtype="bf16", max_seq_len=160, max_drafts=3,  # bf16 mirrors
+                              max_sequences=1, max_prefill_rows=8)
     S = 4
     states = [prop.alloc_state() for _ in range(S)]
     mirrors = [V4MtpRef(w, cfg) for _ in range(S)]

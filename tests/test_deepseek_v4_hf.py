@@ -118,7 +118,7 @@ def test_proposer_matches_transformers(ref, rng, tiny, form):
         model.write_row(int(tokens[r + 1]), hiddens[r].astype(np.float64), r)
     outs = [want] + [lg for lg, _ in model.candidates(int(tokens[S]), hiddens[S - 1].astype(np.float64), S - 1,
                                                        1e-2)[1:]]
-    prop = from_checkpoint(path, ref, max_seq_len=32)
+    prop = from_checkpoint(path, ref, max_seq_len=32, kv_cache_dtype="bf16")
     st = prop.alloc_state()
     prop.prefill(st, tokens[:S], hiddens[:S - 1])
     res = prop.propose(st, int(tokens[S]), hiddens[S - 1], S - 1, 1, return_logits=True)

@@ -205,10 +205,14 @@ def test_proposer_matches_transformers_with_the_official_rounding(dev, case):
 
 
 def test_option_and_refusals():
-    """kv_cache_dtype is "bf16" by default for now (flipping it is one line: DeepseekV4Options.kv_cache_dtype);
+    """kv_cache_dtype is "fp8" by default (the official numerics; "bf16" by option);
     a bad value, or fp8 with no non-RoPE column, is a ConfigError naming it, before any allocation."""
     from mtp_cupy.models.deepseek_v4 import DeepseekV4MtpProposer
     from test_attention_widths import CountingRef
+    assert DeepseekV4MtpProposer.Options().kv_cache_dtype == "fp8"
+    default = mtp_cupy.load_proposer(tiny("deepseek_v4"), mtp_cupy.device("ref"), max_seq_len=64)
+    hd, rot = default.cfg.head_dim, default.cfg.qk_rope_head_dim
+    assert default.kv.specs["kv"].row_bytes == layout(hd, hd - rot)[2]
     with pytest.raises(ConfigError, match="kv_cache_dtype='int8'.*bf16, fp8"):
         DeepseekV4MtpProposer.Options(kv_cache_dtype="int8")
     gpu = CountingRef()

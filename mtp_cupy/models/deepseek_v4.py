@@ -8,8 +8,8 @@ One draft step (B.3):
     block: X = hc_post(attn(attn_norm(hc_pre(X))), X);  X = hc_post(moe(ffn_norm(hc_pre(X))), X)
         with V4 sliding-window + sink attention over the proposer's own paged cache (layers/v4_attention)
         and the sqrtsoftplus MoE (clamped SwiGLU, shared expert; routed by tid2eid[token] when the
-        checkpoint's MTP layer is a hash layer); option kv_cache_dtype: the cache rows bf16 (default for now)
-        or fp8 (the official numerics: e4m3 non-RoPE columns in 64-blocks with UE8M0 scales, B.4)
+        checkpoint's MTP layer is a hash layer); option kv_cache_dtype: the cache rows fp8 (default: the
+        official numerics, e4m3 non-RoPE columns in 64-blocks with UE8M0 scales, B.4) or bf16
     carried hidden for the next draft = the output streams X [hc, D]
     logits = head(norm(hc_head(X))) in f32 over the first `mtp_vocab_size` rows (the first stream when the
         checkpoint has no mHC head; a low-rank head is refused at load)
@@ -50,10 +50,10 @@ class DeepseekV4Options(ProposerOptions):
     device_hidden: str = opt("streams", "what a device-pointer hidden holds: 'streams' (the target's [hc, D] "
                                         "pre-hc_head streams) or 'single' (one [D] hidden); host arrays say "
                                         "which by their shape")
-    kv_cache_dtype: str = opt("bf16", "the MTP layer's KV rows: 'bf16', or 'fp8' (the official inference's "
-                                      "numerics, which the model was trained with: the non-RoPE columns e4m3 in "
-                                      "64-wide blocks with power-of-two UE8M0 scales, the RoPE columns bf16; "
-                                      "about half the bytes)")
+    kv_cache_dtype: str = opt("fp8", "the MTP layer's KV rows: 'fp8' (the official inference's numerics, which "
+                                     "the model was trained with: the non-RoPE columns e4m3 in 64-wide blocks "
+                                     "with power-of-two UE8M0 scales, the RoPE columns bf16; about half the "
+                                     "bytes), or 'bf16'")
 
     def __post_init__(self) -> None:
         super().__post_init__()
