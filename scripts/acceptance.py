@@ -26,15 +26,19 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=positive_int, default=64, help="bytes (tokens) per prompt")
     ap.add_argument("--new-tokens", type=positive_int, default=48, help="tokens generated per prompt")
     ap.add_argument("--ks", type=int_list, default="1,2,3,4", help="drafts per step K, comma list")
+    ap.add_argument("--carried-hidden", choices=("pre_norm", "post_norm"), default=None,
+                    help="the hidden the drafter carries to its next step (default: the proposer's, post_norm)")
     ap.add_argument("--json", help="write the counters per K (vLLM names) to this file (default: none)")
     a = ap.parse_args()
     gpu = mtp_cupy.device(a.device)
     ck = mtp_cupy.DEFAULT_CHECKPOINT
     max_len = a.prompt_len + a.new_tokens + 8
     target = DeepseekV3Target(gpu, ck, max_seq_len=max_len)
-    drafter = mtp_cupy.load_proposer(ck, gpu=gpu, max_seq_len=max_len)
+    opts = {} if a.carried_hidden is None else {"carried_hidden": a.carried_hidden}
+    drafter = mtp_cupy.load_proposer(ck, gpu=gpu, max_seq_len=max_len, **opts)
     ps, rows = held_out_prompts(a.prompts, a.prompt_len), {}
-    print(f"{len(ps)} held-out prompts of {a.prompt_len} bytes, {a.new_tokens} new tokens each; device {gpu.name}")
+    print(f"{len(ps)} held-out prompts of {a.prompt_len} bytes, {a.new_tokens} new tokens each; device {gpu.name}; "
+          f"carried hidden {drafter.options.carried_hidden}")
     print("| K | mean acceptance length | acceptance per position | drafts | accepted |")
     print("|---|---|---|---|---|")
     for k in a.ks:

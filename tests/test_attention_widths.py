@@ -135,11 +135,12 @@ from width_oracles import chain_errors, oracle_for, rel as rel64, tiny  # noqa: 
 
 TOL0, TOL = 1.5e-2, 2.5e-2     # the first draft; chained drafts (the bf16 carried hidden compounds)
 
-# (family, tiny-checkpoint dims, options, carried hidden): each an attention width off the 64-column tile
+# (family, tiny-checkpoint dims, options, the carried hidden at those options): each an attention width off the
+# 64-column tile
 WIDTH_CASES = {
-    "v3_mla_row48": ("deepseek_v3", dict(kv_lora_rank=32, qk_rope_head_dim=16, fmt="bf16"), {}, "pre_norm"),
+    "v3_mla_row48": ("deepseek_v3", dict(kv_lora_rank=32, qk_rope_head_dim=16, fmt="bf16"), {}, "post_norm"),
     "v3_fp8_mla_row72": ("deepseek_v3", dict(kv_lora_rank=48, qk_rope_head_dim=24, qk_nope_head_dim=48,
-                                             v_head_dim=24), {}, "pre_norm"),
+                                             v_head_dim=24), {}, "post_norm"),
     "glm5_row48_index40": ("glm5", dict(kv_lora_rank=32, qk_rope_head_dim=16, index_head_dim=40), {}, "post_norm"),
     "v4_head80": ("deepseek_v4", dict(head_dim=80, qk_rope_head_dim=16), dict(kv_cache_dtype="bf16"), None),
     "qwen_head32": ("qwen3_next", dict(head_dim=32), {}, "post_norm"),

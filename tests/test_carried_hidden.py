@@ -1,6 +1,6 @@
 """Issue 17.3: the hidden DeepSeek-V3/R1/V3.2's MTP carries to its next draft step (docs/model_math.md E):
-option carried_hidden "pre_norm" (the block output g, vLLM's earlier rule; the default for now) or "post_norm"
-(shared_head.norm(g): vLLM since PR #45895, SGLang, transformers' MtpModel). Each against transformers' layer
+option carried_hidden "post_norm" (shared_head.norm(g), the default: vLLM since PR #45895, SGLang, transformers'
+MtpModel) or "pre_norm" (the block output g, vLLM's earlier rule). Each against transformers' layer
 wrapped into the MTP module carrying that hidden; GLM-5 carries the post-norm hidden whatever the option."""
 import pytest
 
@@ -37,13 +37,12 @@ def test_carried_hidden_matches_transformers(dev, ckpt, carried):
 
 def test_default_option_and_validation():
     """A bad value is a ConfigError naming the option and the choices; `properties` (info) states the rule in
-    force, the default's (for now "pre_norm"; flipping it is one line: DeepseekV3Options.carried_hidden) when no
-    options are given."""
+    force, the default's ("post_norm", the rule today's engines carry) when no options are given."""
     with pytest.raises(ConfigError, match="carried_hidden='final'.*pre_norm, post_norm"):
         DeepseekV3MtpProposer.Options(carried_hidden="final")
     cfg = mtp_cupy.weights.load_config(tiny("deepseek_v3"))
-    default = DeepseekV3MtpProposer.Options().carried_hidden
-    assert DeepseekV3MtpProposer.properties(cfg)["carried_hidden"].startswith(default + " (")
+    assert DeepseekV3MtpProposer.Options().carried_hidden == "post_norm"
+    assert DeepseekV3MtpProposer.properties(cfg)["carried_hidden"] == "post_norm (after shared_head.norm)"
     for value, where in (("pre_norm", "before"), ("post_norm", "after")):
         opts = DeepseekV3MtpProposer.Options(carried_hidden=value)
         assert DeepseekV3MtpProposer.properties(cfg, opts)["carried_hidden"] == f"{value} ({where} shared_head.norm)"

@@ -130,14 +130,14 @@ def test_fp8_partial_edge_blocks_decode_exactly(dev, rng):
         want = x.astype(np.float64) @ w[P + name + ".weight"].numpy().T
         assert rel(get(dev, y, "f32", (3, L.n)), want) < 1e-5, name
     from width_oracles import MlaMtp
-    errs, _ = chain_errors(prop, MlaMtp(w, cfg), seed=4, carried="pre_norm")   # seed 3: a routing near-tie
+    errs, _ = chain_errors(prop, MlaMtp(w, cfg), seed=4)   # seed 3: a routing near-tie
     assert errs[0] <= TOL0 and max(errs) <= TOL, errs
 
 
 # -- info --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family,dims,expect", [
     ("deepseek_v3", {}, ["DSA           off", "KV cache      bf16 latent rows of 128",
-                         "carried       pre_norm (before shared_head.norm)", "options       carried_hidden"]),
+                         "carried       post_norm (after shared_head.norm)", "options       carried_hidden"]),
     ("deepseek_v3", dict(model_type="deepseek_v32"), ["DSA           on", "half-split RoPE",
                                                       "+ bf16 indexer rows of 128", "shared_head.head.weight"]),
     ("glm5", {}, ["DSA           on", "interleaved RoPE", "carried       post_norm (after shared_head.norm)"]),

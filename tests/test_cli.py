@@ -2,6 +2,7 @@
 for an error, its one line on stderr (no traceback, nothing started before the check)."""
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -157,8 +158,13 @@ def test_generate_on_the_cpu_says_why_drafting_does_not_pay(home):
     rc, out, err = run(home, "generate", "--max-new-tokens", "12", "--device", "ref")
     assert rc == 0, err
     assert out.startswith("import os\nimport sys")
-    assert any("speedup" in ln and "identical to target-only (greedy)" in ln for ln in err)
-    assert any(ln.startswith("note: on the NumPy device drafting costs more than it saves") for ln in err)
+    line = next(ln for ln in err if "speedup" in ln)
+    assert "identical to target-only (greedy)" in line
+    # the run measures its own speedup (about 0.95x with the embedded model, so either side can happen): the
+    # note explains a loss, and only a loss
+    speedup = float(re.search(r"speedup ([0-9.]+)x", line).group(1))
+    noted = any(ln.startswith("note: on the NumPy device drafting costs more than it saves") for ln in err)
+    assert noted == (speedup < 1.0) or speedup == 1.0, (speedup, err)   # 1.00: printed rounded, a tie
 
 
 @pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v3", "qwen3_next", "glm5"])

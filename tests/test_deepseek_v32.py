@@ -37,10 +37,10 @@ def test_matches_transformers_deepseek_v32_with_rows_dropped(dev, fmt):
     assert type(prop.mla).__name__ == "DsaMlaAttention" and "index_k" in prop.kv.specs
     assert cfg.index_topk == 8 < CHAIN_T and not cfg.indexer_rope_interleave
     oracle, w, c = oracle_for(path)
-    errs, res = chain_errors(prop, oracle, carried="pre_norm")
+    errs, res = chain_errors(prop, oracle)
     assert errs[0] <= TOL0 and max(errs) <= TOL, errs
     dense = MlaMtp(w, {**c, "index_topk": 10 ** 6})        # the same layer attending every row
-    far, _ = chain_errors(load(path, dev), dense, carried="pre_norm")
+    far, _ = chain_errors(load(path, dev), dense)
     assert far[0] > 10 * errs[0], (far, errs)
 
 
@@ -50,7 +50,7 @@ def test_dsa_equals_dense_mla_while_rows_fit_topk():
     path = v32(index_topk=32)
     oracle, w, c = oracle_for(path)
     dense = MlaMtp(w, {**c, "index_topk": 10 ** 6})
-    errs, _ = chain_errors(load(path), dense, T=12, carried="pre_norm")
+    errs, _ = chain_errors(load(path), dense, T=12)
     assert max(errs) <= TOL, errs
 
 
@@ -139,7 +139,7 @@ def test_v32_cuda_vs_twin(fmt):
     first-draft logits within accumulation-order noise, and both against transformers."""
     path = v32(fmt)
     oracle, _, _ = oracle_for(path)
-    (er, rr), (eg, rg) = [chain_errors(load(path, mtp_cupy.device(k)), oracle, carried="pre_norm")
+    (er, rr), (eg, rg) = [chain_errors(load(path, mtp_cupy.device(k)), oracle)
                           for k in ("ref", "cuda")]
     assert eg[0] <= TOL0 and max(eg) <= TOL, eg
     assert rel(rg.logits[0], rr.logits[0]) <= 1e-2

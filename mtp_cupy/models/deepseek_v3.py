@@ -11,8 +11,9 @@ One draft step (A.2):
                                                                  selection, group-limited top-k, shared expert
     h  = shared_head.norm(x)
     logits = head(h)                                             f32 over the first `mtp_vocab_size` rows
-    carried hidden: option carried_hidden, "pre_norm" (x, vLLM's earlier rule; the default for now) or
-                    "post_norm" (h: vLLM since PR #45895, SGLang, transformers' MtpModel; arch_math.md E)
+    carried hidden: option carried_hidden, "post_norm" (h, the default: vLLM since PR #45895, SGLang,
+                    transformers' MtpModel; hnorm was fitted on the target's final-normed hidden) or
+                    "pre_norm" (x, vLLM's earlier rule) (docs/model_math.md E)
 
 Prefill writes every prompt row in one batched pass (front, input_layernorm, then the latent rows: kv_a,
 kv_a_layernorm, RoPE, cache write; with DSA also the indexer key rows) with no attention: a drafter row
@@ -46,9 +47,9 @@ CARRIED_HIDDEN = ("pre_norm", "post_norm")
 @dataclass(frozen=True, kw_only=True)
 class DeepseekV3Options(ProposerOptions):
     mtp_vocab_size: int = opt(0, "score only the first n vocab rows (0 = the whole vocab)")
-    carried_hidden: str = opt("pre_norm", "the hidden the next draft step receives: 'pre_norm' (the block output "
-                                          "before shared_head.norm, vLLM's earlier rule) or 'post_norm' (after "
-                                          "it: vLLM since PR #45895, SGLang, transformers)")
+    carried_hidden: str = opt("post_norm", "the hidden the next draft step receives: 'post_norm' (after "
+                                           "shared_head.norm: vLLM since PR #45895, SGLang, transformers) or "
+                                           "'pre_norm' (the block output before it, vLLM's earlier rule)")
 
     def __post_init__(self) -> None:
         super().__post_init__()

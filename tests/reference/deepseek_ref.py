@@ -6,7 +6,8 @@ with kv_b_proj), recomputed every step from the list of rows held, each kept as 
 (token, hidden, position): a drafter KV row depends only on its own input pair.
 
     A.2  x = eh_proj([rms(embed(u); enorm), rms(h; hnorm)]);  x += MLA(rms(x; input_layernorm));
-         x += MoE(rms(x; post_attention_layernorm));  g = x (carried);  logits = rms(g; shared_head.norm) @ head.T
+         x += MoE(rms(x; post_attention_layernorm));  g = x;  h = rms(g; shared_head.norm);  logits = h @ head.T
+         carried: h ("post_norm", the default, as vLLM / SGLang carry it) or g ("pre_norm")
     A.3  q = q_b(rms(q_a(x); q_a_layernorm)) per head [nope | rope]; a = kv_a(x); c = rms(a[:C]; kv_a_layernorm);
          k_pe = rope(a[C:]); k_nope/v = kv_b(c) per head [W_UK | W_UV]; scale = d_qk^-0.5 * m^2
     A.4  YaRN inv_freq, interleaved (GPT-J) pairs, cos/sin times mscale(f, mscale) / mscale(f, mscale_all_dim)
@@ -65,7 +66,10 @@ def rope_gptj(x: np.ndarray, pos: int, inv: np.ndarray, mag: float) -> np.ndarra
 class DeepseekMtpRef(Decisions):
     """The MTP layer `model.layers.{num_hidden_layers}` of a DeepSeek-V3 config (HF config.json names)."""
 
-    def __init__(self, w: dict[str, np.ndarray], cfg: dict):
+    def __init__(self, w: dict[str, np.ndarray], cfg: dict, carried_hidden: str = "post_norm"):
+        if carried_hidden not in ("pre_norm", "post_norm"):
+            raise ValueError(f"carried_hidden {carried_hidden!r}: expected 'pre_norm' or 'post_norm'")
+        self.carried_hidden = carried_hidden
         self.w = {k: np.asarray(v, dtype=np.float64) for k, v in w.items()}
         self.P = f"model.layers.{cfg['num_hidden_layers']}."
         self.eps = float(cfg["rms_norm_eps"])
@@ -146,8 +150,8 @@ class DeepseekMtpRef(Decisions):
         self.rows.append((int(token), np.asarray(hidden, np.float64), int(pos)))
 
     def carried(self, g: np.ndarray) -> np.ndarray:
-        """The hidden carried to the next draft step: the block output g (A.2, this code's rule)."""
-        return g
+        """The hidden carried to the next draft step (A.2): rms(g; shared_head.norm), or g itself for pre_norm."""
+        return g if self.carried_hidden == "pre_norm" else rms(g, self.g("shared_head.norm.weight"), self.eps)
 
     def forward(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
         """One draft step over the rows held (its own row included): (logits [vocab], carried hidden)."""

@@ -84,13 +84,15 @@ class TorchMtpWrapper:
 
 
 class TorchDeepseekMtp(TorchMtpWrapper):
-    def __init__(self, w: dict[str, np.ndarray], cfg: dict):
+    def __init__(self, w: dict[str, np.ndarray], cfg: dict, carried_hidden: str = "post_norm"):
+        self.carried_hidden = carried_hidden
         self._load_layer("deepseek_v3", w, cfg, DIMS, rope_interleave=True, rope_parameters=rope_parameters(cfg))
 
     @torch.no_grad()
     def step(self, token: int, hidden, pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """(logits, carried pre-norm hidden g) of a draft step appended after the rows held."""
+        """(logits, carried hidden: the shared_head.norm output, or the block output g for pre_norm) of a draft
+        step appended after the rows held."""
         self.write_row(token, hidden, pos)
         g = self._last_row(causal=False)
-        logits = self._rms(g, "shared_head.norm.weight") @ self.t["lm_head.weight"].T
-        return logits.numpy(), g.numpy()
+        h = self._rms(g, "shared_head.norm.weight")
+        return (h @ self.t["lm_head.weight"].T).numpy(), (g if self.carried_hidden == "pre_norm" else h).numpy()
