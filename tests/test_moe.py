@@ -722,7 +722,13 @@ def test_moe_mma_real_dims_cuda_vs_twin(rng, model, B):
     ids = skewed_ids(rng, B, MMA_TOP_K, ex.E, hot=range(0, ex.E, 37), p_hot=0.5)
     x = bf16(rng.standard_normal((B, ex.D)))
     hin = bf16(rng.standard_normal((B * MMA_TOP_K, ex.I)))
-    (p_ref, h_ref, y_ref), (p_gpu, h_gpu, y_gpu) = run_on_both(lambda dev: ex.run(dev, ex.on(dev)[1], ids, x, hin))
+    def run(dev):
+        lins, tabs = ex.on(dev)
+        res = ex.run(dev, tabs, ids, x, hin)
+        del lins  # the Linears own the weight buffers the tables point into: alive until here
+        return res
+
+    (p_ref, h_ref, y_ref), (p_gpu, h_gpu, y_gpu) = run_on_both(run)
     assert p_gpu == p_ref
     absent = ~ex.local[ids.ravel()]
     assert absent.any() and not np.any(f32(h_gpu)[absent]) and not np.any(y_gpu[absent])

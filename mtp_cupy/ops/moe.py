@@ -211,7 +211,8 @@ def moe_route_plan(gpu, table, ids, n_pairs: int, n_experts: int, plan, stream=N
          f"{name}: n_pairs {n_pairs} must be in [1, {MAX_PLAN_PAIRS}], n_experts {n_experts} in [1, {MAX_EXPERTS}]")
     need(int(plan) != 0 and int(plan) % 16 == 0 and int(ids) != 0 and int(table) != 0,
          f"{name}: plan (16-byte aligned), ids and table must not be NULL")
-    launch(gpu, "moe_mma", name).grid(1).block(1024).shared(4 * (2 * (n_experts + 1) + n_pairs)).arg_ptr(table) \
+    launch(gpu, "moe_mma", name).grid(1).block(1024).shared(_dynamic_smem(4 * (2 * (n_experts + 1) + n_pairs))) \
+        .arg_ptr(table) \
         .arg_ptr(ids).arg_u32(n_pairs).arg_u32(n_experts).arg_ptr(plan).launch(stream)
 
 
@@ -252,7 +253,15 @@ def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: i
     stages = max(2, min(stages, SMEM_PER_BLOCK // (ks * MMA_STAGE)))
     tiles = -(-n // outputs)
     blocks = max(1, min(_sms(gpu) * per_sm, items * tiles))
-    return launch(gpu, "moe_mma", name).grid(blocks).block(32, ks).shared(ks * stages * MMA_STAGE)
+    return launch(gpu, "moe_mma", name).grid(blocks).block(32, ks).shared(_dynamic_smem(ks * stages * MMA_STAGE))
+
+
+def _dynamic_smem(nbytes: int, static: int = 256) -> int:
+    """Dynamic shared bytes to launch with: beyond 48 KiB a kernel needs the opt-in attribute, which the backend
+    sets only for dynamic sizes past 48 KiB, but the 48 KiB default counts static shared memory too (the GEMMs'
+    128-byte pair list, the plan's 256-byte scan area): a size just under 48 KiB is raised past it (the kernels
+    size their rings by whole stages, so the extra bytes go unused)."""
+    return 48 * 1024 + 16 if 48 * 1024 - static < nbytes <= 48 * 1024 else nbytes
 
 
 def _check_mma(name: str, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x, xrs: int, xss: int,
