@@ -454,6 +454,23 @@ def _moe(dev, mem):
             if fmt != "f32":
                 ops.moe_gate_up(dev, tab, mem.put(ops.expert_table([proj(), proj(), None])), fmt, ids, n_pairs, 2,
                                 n_experts, x, 2 * (k + 8), k + 8, mem(2 * 4 * n), n, k, limit=7.0)
+    # the grouped GEMMs: a routing plan over a NULL entry and an out-of-range id, then every format with the
+    # plan and without (one weight for every pair)
+    ids = mem.put(np.array([0, 2, 1, 2, 7, 0], np.int32))
+    n_pairs, n_slots = 6, 2
+    for fmt in ops.MMA_FORMATS:
+        def proj():
+            return SimpleNamespace(fmt=fmt, weight=mem(int(n * k * elem[fmt])),
+                                   scale=mem(scale_bytes[fmt]) if scale_bytes[fmt] else NULL, scale2=0.5)
+        tab, tab_up = (mem.put(ops.expert_table([proj(), None, proj()])) for _ in range(2))
+        plan = mem(ops.moe_plan_bytes(n_pairs, n_experts))
+        ops.moe_route_plan(dev, tab, ids, n_pairs, n_experts, plan)
+        x = mem(2 * n_pairs * n_slots * (k + 8))
+        for p, slots in ((plan, n_slots), (NULL, 1)):
+            ops.moe_gemv_mma(dev, tab, fmt, p, n_pairs, slots, n_experts, x, n_slots * (k + 8), k + 8,
+                             mem(4 * n_pairs * n), n, k)
+            ops.moe_gate_up_mma(dev, tab, tab_up, fmt, p, n_pairs, slots, n_experts, x, n_slots * (k + 8), k + 8,
+                                mem(2 * n_pairs * n), n, k, limit=7.0)
     m, E, top_k = 3, 8, 2
     logits, bias = mem(4 * m * E), mem(4 * E)
     ops.moe_topk_softmax(dev, logits, mem(4 * m * top_k), mem(4 * m * top_k), m, E, top_k, scale=2.5)

@@ -155,8 +155,9 @@ class Built:
     def _upload(self, dev, shapes, tri):
         return tuple(upload_weight(dev, self.fmt, *sh, hw[0]) for sh, hw in zip(shapes, tri))
 
-    def build(self, dev, only=None):
-        """The MoE on `dev` with the experts in `only` (all when None) local."""
+    def build(self, dev, only=None, **layer):
+        """The MoE on `dev` with the experts in `only` (all when None) local; `layer`: MoE keywords (max_rows,
+        invariant, expert_kernels)."""
         c, D = self.cfg, self.cfg.hidden
         sets, experts = {}, {}
         for e, tri in self.experts.items():
@@ -178,7 +179,7 @@ class Built:
         if self.tid2eid is not None:
             keep.append(up(dev, self.tid2eid))
             kw.update(tid2eid=keep[-1].ptr, vocab=self.tid2eid.shape[0])
-        moe = MoE(dev, c, experts=experts, **kw)
+        moe = MoE(dev, c, experts=experts, **kw, **layer)
         moe.test_buffers = keep  # the bias / table buffers live as long as the layer
         return moe
 
@@ -414,6 +415,196 @@ def test_weight_bytes_per_step(ref, rng):
     assert moe.weight_bytes_per_step(m=8) == 2 * E * D + E * expert + shared
 
 
+# -- the routing plan and the grouped tensor-core GEMMs (cuda_src/moe_mma.cu) ---------------------------------
+def ref_plan(ids, local, E, rows=32):
+    """(items [(expert, first, pairs)], pair ids in plan order, none_start) by definition: this rank's experts
+    by id, each one's pairs in pair order cut into runs of `rows`, then the pairs of no local expert."""
+    key = [e if 0 <= e < E and local[e] else E for e in ids]
+    order = sorted(range(len(ids)), key=lambda q: (key[q], q))
+    items, pos = [], 0
+    for e in range(E):
+        c = key.count(e)
+        items += [(e, pos + j, min(rows, c - j)) for j in range(0, c, rows)]
+        pos += c
+    return items, order, pos
+
+
+def read_plan(dev, buf, n_pairs, E):
+    """(header [4], items [(expert, first, pairs)], sorted pair ids) of a plan buffer."""
+    hdr = dev.read(buf.ptr, np.uint32, 4).tolist()
+    words = dev.read(buf.ptr.offset(16), np.uint32, (max(hdr[0], 1), 2))[:hdr[0]].tolist()
+    srt = dev.read(buf.ptr.offset(4 * hdr[2]), np.uint32, n_pairs).tolist()
+    return hdr, [(e, v >> 8, v & 0xFF) for e, v in words], srt
+
+
+def skewed_ids(rng, m, top_k, E, hot=(), p_hot=0.0):
+    """ids [m, top_k]: each row's top_k distinct experts, drawn with `hot` experts favoured (repeats across rows,
+    some experts chosen by more than 32 pairs)."""
+    w = np.ones(E)
+    for e in hot:
+        w[e] += p_hot * E
+    return np.stack([rng.choice(E, top_k, replace=False, p=w / w.sum()) for _ in range(m)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("n_pairs", [1, 7, 96, 640, 2048])
+def test_route_plan(dev, rng, n_pairs):
+    """The plan against its definition: experts held by another rank (NULL entries), ids outside [0, E) and -1
+    go to the none list; a hot expert has several items; poisoned buffer."""
+    E = 40
+    local = [e % 7 != 3 for e in range(E)]
+    tab = np.zeros((E, 3), np.uint64)
+    tab[local, 0] = 16 * (1 + np.nonzero(local)[0])   # the plan reads only whether the weight is NULL
+    ids = rng.choice(np.r_[np.arange(E), [5] * 60, [-1, E, E + 7]], n_pairs).astype(np.int32)
+    tb, ib, pb = up(dev, tab), up(dev, ids), out(dev, "u8", ops.moe_plan_bytes(n_pairs, E))
+    ops.moe_route_plan(dev, tb.ptr, ib.ptr, n_pairs, E, pb.ptr)
+    hdr, items, srt = read_plan(dev, pb, n_pairs, E)
+    want_items, want_order, none0 = ref_plan(ids.tolist(), local, E)
+    assert hdr == [len(want_items), none0, 4 + 2 * ops.plan_max_items(n_pairs, E), 0]
+    assert items == want_items and srt == want_order
+    assert len(items) <= ops.plan_max_items(n_pairs, E)
+
+
+# K in chunks of the format: a ragged last k unit, and 1, 2 or 4 warps splitting k (ops.moe.mma_ks)
+MMA_CHUNKS = {20: 1, 75: 2, 136: 4}
+
+
+def _mma_case(dev, rng, fmt, chunks, n, n_experts, gate_up):
+    k = chunks * ops.moe.CHUNK[fmt]
+    assert ops.moe.mma_ks(fmt, k) == MMA_CHUNKS[chunks]
+    host = [[host_weight(rng, fmt, n, k) for _ in range(2 if gate_up else 1)] for _ in range(n_experts)]
+    lins = [[upload_weight(dev, fmt, n, k, h[j][0]) if e != 3 else None for e, h in enumerate(host)]
+            for j in range(2 if gate_up else 1)]
+    return k, host, lins, [up(dev, ops.expert_table(lj)) for lj in lins]
+
+
+@pytest.mark.parametrize("chunks", list(MMA_CHUNKS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_gemv_mma_formats(dev, rng, fmt, chunks):
+    """y[q] = W[ids[q]] x_q through a plan: repeats (a hot expert with more than 32 pairs: two items), an absent
+    expert (NULL entry), an out-of-range id and -1 (zeros), an N tail, a ragged last k unit."""
+    n_experts, m, n_slots, n = 5, 24, 3, 136
+    k, host, lins, tabs = _mma_case(dev, rng, fmt, chunks, n, n_experts, False)
+    ids = rng.choice([0, 1, 1, 1, 1, 2, 3, 4, 9, -1], (m, n_slots)).astype(np.int32)
+    x = bf16(rng.standard_normal((m, n_slots, k)))
+    n_pairs = m * n_slots
+    xb, ib, y = up(dev, x), up(dev, ids), out(dev, "f32", (n_pairs, n))
+    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts))
+    ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n_pairs, n_experts, plan.ptr)
+    ops.moe_gemv_mma(dev, tabs[0].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xb.ptr, n_slots * k, k, y.ptr, n,
+                     k)
+    got = get(dev, y, "f32", (n_pairs, n))
+    dense = [h[0][1]() for h in host]
+    for q, e in enumerate(ids.ravel()):
+        if e in (3, 9, -1):
+            assert np.array_equal(got[q], np.zeros(n)), (q, e)
+        else:
+            assert_close(got[q], dense[e] @ f32(x.reshape(-1, k)[q]).astype(np.float64), 1e-5, f"pair {q} expert {e}")
+
+
+@pytest.mark.parametrize("chunks", list(MMA_CHUNKS))
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_gate_up_mma_formats(dev, rng, fmt, chunks):
+    """h[q] = swiglu(Wg x_r, Wu x_r) of row r = q / n_slots (x slot stride 0) through a plan, as above; the
+    clamp of V4 on odd chunk counts."""
+    n_experts, m, n_slots, n = 5, 20, 4, 136
+    limit = 0.5 if chunks % 2 else 0.0
+    k, host, lins, tabs = _mma_case(dev, rng, fmt, chunks, n, n_experts, True)
+    ids = skewed_ids(rng, m, n_slots, 5, hot=(1,), p_hot=3.0)
+    ids[2, 1], ids[7, 3] = 9, -1
+    x = bf16(rng.standard_normal((m, k)) * 4)
+    n_pairs = m * n_slots
+    xb, ib, h = up(dev, x), up(dev, ids), out(dev, "bf16", (n_pairs, n))
+    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts))
+    ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n_pairs, n_experts, plan.ptr)
+    assert read_plan(dev, plan, n_pairs, n_experts)[0][0] >= 4   # expert 1 has two items
+    ops.moe_gate_up_mma(dev, tabs[0].ptr, tabs[1].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xb.ptr, k, 0,
+                        h.ptr, n, k, limit)
+    got = f32(get(dev, h, "bf16", (n_pairs, n)))
+    for q, e in enumerate(ids.ravel()):
+        if e in (3, 9, -1):
+            assert np.array_equal(got[q], np.zeros(n)), (q, e)
+            continue
+        xr = f32(x[q // n_slots]).astype(np.float64)
+        assert_close(got[q], swiglu(host[e][0][1]() @ xr, host[e][1][1]() @ xr, limit), 1e-2, f"pair {q}")
+        if limit:
+            assert np.abs(got[q]).max() <= limit * limit + 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_row", "nvfp4"])
+def test_moe_mma_one_weight(dev, rng, fmt):
+    """plan NULL: table entry 0 for every pair (the shared expert: one "expert" for all rows), 70 rows in items of
+    32, 32 and 6; a NULL entry gives zeros."""
+    m, n, k = 70, 96, 32 * ops.moe.CHUNK[fmt]
+    hg, hu, hd = (host_weight(rng, fmt, *sh) for sh in ((n, k), (n, k), (k, n)))
+    lg, lu, ld = (upload_weight(dev, fmt, *sh, hw[0]) for sh, hw in zip(((n, k), (n, k), (k, n)), (hg, hu, hd)))
+    tg, tu, td = (up(dev, ops.expert_table([L])) for L in (lg, lu, ld))
+    none = up(dev, ops.expert_table([None]))
+    x = bf16(rng.standard_normal((m, k)))
+    xb, h, y = up(dev, x), out(dev, "bf16", (m, n)), out(dev, "f32", (m, k))
+    ops.moe_gate_up_mma(dev, tg.ptr, tu.ptr, fmt, NULL, m, 1, 1, xb.ptr, k, 0, h.ptr, n, k, 0.0)
+    ops.moe_gemv_mma(dev, td.ptr, fmt, NULL, m, 1, 1, h.ptr, n, 0, y.ptr, k, n)
+    xs = f32(x).astype(np.float64)
+    hh = f32(get(dev, h, "bf16", (m, n)))
+    assert_close(hh, swiglu(xs @ hg[1]().T, xs @ hu[1]().T, 0.0), 1e-2, "gate/up")
+    assert_close(get(dev, y, "f32", (m, k)), f32(hh).astype(np.float64) @ hd[1]().T, 1e-5, "down")
+    ops.moe_gemv_mma(dev, none.ptr, fmt, NULL, m, 1, 1, h.ptr, n, 0, y.ptr, k, n)
+    assert np.array_equal(get(dev, y, "f32", (m, k)), np.zeros((m, k), np.float32))
+
+
+def test_moe_mma_errors(ref, rng):
+    x = up(ref, bf16(np.zeros((4, 64))))
+    with pytest.raises(KernelError):      # f32 experts have no grouped kernel
+        ops.moe_gemv_mma(ref, x.ptr, "f32", NULL, 4, 1, 1, x.ptr, 64, 0, x.ptr, 8, 64)
+    with pytest.raises(KernelError):      # k not whole chunks
+        ops.moe_gemv_mma(ref, x.ptr, "nvfp4", NULL, 4, 1, 1, x.ptr, 64, 0, x.ptr, 8, 48)
+    with pytest.raises(KernelError):      # a plan holds at most MAX_PLAN_PAIRS pairs
+        ops.moe_route_plan(ref, x.ptr, x.ptr, ops.MAX_PLAN_PAIRS + 1, 8, x.ptr)
+    with pytest.raises(KernelError):
+        ops.moe_gate_up_mma(ref, x.ptr, x.ptr, "bf16", NULL, 4, 1, 1, x.ptr, 64, 0, x.ptr, 8, 64, limit=-1.0)
+
+
+# every family's routing on its own format; the grouped twins must give each row the bits of its m = 1 call
+@pytest.mark.parametrize("case,fmt,kernels", [("deepseek_v3", "fp8_block", "auto"), ("qwen3_next", "nvfp4", "auto"),
+                                              ("deepseek_v4", "mxfp4", "grouped"), ("v4_hash", "bf16", "auto"),
+                                              ("qwen3_next", "bf16", "grouped")])
+def test_moe_layer_rows_independent_of_batch(ref, rng, case, fmt, kernels):
+    """forward of m = 3, 17, 64 rows on the NumPy device: each row bit-identical to its m = 1 forward (the
+    FMA GEMVs, or with "grouped" the grouped ones too), whichever kernels each m takes; some experts absent."""
+    b = _built(rng, case, fmt)
+    E = b.cfg.n_experts
+    moe = b.build(ref, only={e for e in range(E) if e % 8 != 5}, max_rows=64, expert_kernels=kernels)
+    x = grid_x(rng, 64, b.cfg.hidden)
+    tok = rng.integers(0, 40, 64) if case == "v4_hash" else None
+    assert moe.grouped(64) and moe.grouped(1) == (kernels == "grouped")
+    single = np.concatenate([forward(ref, moe, x[r:r + 1], 1, None if tok is None else tok[r:r + 1])
+                             for r in range(64)])
+    for m in (3, 17, 64):
+        got = forward(ref, moe, x[:m], m, None if tok is None else tok[:m])
+        assert np.array_equal(got, single[:m]), m
+    assert_close(single[:3], b.reference(x[:3], None if tok is None else tok[:3],
+                                         only={e for e in range(E) if e % 8 != 5}), 1e-2)
+
+
+def test_moe_layer_expert_kernels(ref, rng):
+    """expert_kernels: "auto" takes the grouped GEMMs from GROUPED_MIN_ROWS rows and never when batch-invariant,
+    "plain" keeps the FMA GEMVs at every m, "grouped" takes the grouped GEMMs at every m (same results on the
+    NumPy device); anything else is a ConfigError."""
+    from mtp_cupy.layers.moe import GROUPED_MIN_ROWS as G
+    b = _built(rng, "deepseek_v3", "fp8_row")
+    m = G + 3
+    x = grid_x(rng, m, b.cfg.hidden)
+    want = {"auto": lambda r, inv: r >= G and not inv, "plain": lambda r, inv: False, "grouped": lambda r, inv: True}
+    outs = []
+    for kind in ("auto", "plain", "grouped"):
+        for inv in (False, True):
+            moe = b.build(ref, expert_kernels=kind, invariant=inv, max_rows=m)
+            assert [moe.grouped(r) for r in (1, G - 1, G, m)] == [want[kind](r, inv) for r in (1, G - 1, G, m)]
+        outs.append(forward(ref, moe, x, m))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    with pytest.raises(ConfigError):
+        b.build(ref, expert_kernels="fast")
+
+
 # -- CUDA vs twin at real model dims ---------------------------------------------------------------
 REAL = {  # (config, fmt, shared inter, shared gate, bias)
     "deepseek_v3": (dict(n_experts=256, top_k=8, hidden=7168, inter=2048, routing="sigmoid_grouped", n_group=8,
@@ -430,15 +621,17 @@ REAL = {  # (config, fmt, shared inter, shared gate, bias)
 
 
 def _run_real(dev, built, x, m, local):
-    moe = built.build(dev, only=local)
+    moe = built.build(dev, only=local, max_rows=max(32, m))
     return forward(dev, moe, x, m), dev.read(moe.ids, "i32", (m, built.cfg.top_k))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model,m", [(name, 1) for name in REAL] + [("deepseek_v3", 4), ("qwen3_next_nvfp4", 8)])
+@pytest.mark.parametrize("model,m", [(name, 1) for name in REAL] + [("deepseek_v3", 4), ("qwen3_next_nvfp4", 8),
+                                                                     ("deepseek_v4", 33), ("qwen3_next_bf16", 64)])
 def test_moe_real_dims_cuda_vs_twin(rng, model, m):
     """4 distinct weight sets stand in for all experts (pointer tables alias them); 1 in 8 experts is
-    absent (EP). Routing must agree exactly, outputs to bf16 accuracy."""
+    absent (EP). Routing must agree exactly, outputs to bf16 accuracy. m = 1 runs the FMA GEMVs, batches the
+    grouped GEMMs (and the shared expert as one of them)."""
     cfg, fmt, si, sg, bias = REAL[model]
     cfg = MoeConfig(**cfg)
     b = Built(rng, cfg, fmt, shared_inter=si, shared_gate=sg, bias=bias, pool=4)
@@ -470,3 +663,134 @@ def test_routing_real_dims_cuda_vs_twin(rng, rule, E, top_k, n_group, topk_group
     (i_ref, w_ref), (i_gpu, w_gpu) = run_on_both(run)
     assert np.array_equal(i_ref, i_gpu)
     assert_close(w_gpu, w_ref, 1e-5)
+
+
+# -- the grouped GEMMs on CUDA at real dims ----------------------------------------------------------------------
+MMA_REAL = {  # hidden, inter, format, n_experts, swiglu limit
+    "deepseek_v3": (7168, 2048, "fp8_block", 256, 0.0),
+    "qwen3_next_bf16": (2048, 512, "bf16", 512, 0.0),
+    "qwen3_next_nvfp4": (2048, 512, "nvfp4", 512, 0.0),
+    "deepseek_v4": (4096, 2048, "mxfp4", 256, 10.0),
+}
+MMA_TOP_K = 8
+
+
+class _Experts:
+    """4 distinct (gate, up, down) weight sets standing in for n_experts experts (pointer tables alias them), 1 in
+    8 experts absent (EP); host arrays, uploaded per device by `on`."""
+
+    def __init__(self, rng, model):
+        self.D, self.I, self.fmt, self.E, self.limit = MMA_REAL[model]
+        self.shapes = ((self.I, self.D), (self.I, self.D), (self.D, self.I))
+        self.sets = [[host_weight(rng, self.fmt, *sh)[0] for sh in self.shapes] for _ in range(4)]
+        self.local = np.array([e % 8 != 5 for e in range(self.E)])
+
+    def on(self, dev):
+        lins = [[upload_weight(dev, self.fmt, *sh, s[j]) for j, sh in enumerate(self.shapes)] for s in self.sets]
+        tabs = [up(dev, ops.expert_table([lins[e % 4][j] if self.local[e] else None for e in range(self.E)]))
+                for j in range(3)]
+        return lins, tabs
+
+    def run(self, dev, tabs, ids, x, hin):
+        """(plan, h bf16 [pairs, I], y f32 [pairs, D]) of rows x [B, D] (gate/up) and h rows hin [B * top_k, I]
+        (down) routed by ids [B, top_k]; outputs poisoned first."""
+        B, K = ids.shape
+        n = B * K
+        xb, ib, hb = up(dev, x), up(dev, ids), up(dev, hin)
+        plan = out(dev, "u8", ops.moe_plan_bytes(n, self.E))
+        ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n, self.E, plan.ptr)
+        h, y = out(dev, "bf16", (n, self.I)), out(dev, "f32", (n, self.D))
+        ops.moe_gate_up_mma(dev, tabs[0].ptr, tabs[1].ptr, self.fmt, plan.ptr, n, K, self.E, xb.ptr, self.D, 0,
+                            h.ptr, self.I, self.D, self.limit)
+        ops.moe_gemv_mma(dev, tabs[2].ptr, self.fmt, plan.ptr, n, K, self.E, hb.ptr, K * self.I, self.I, y.ptr,
+                         self.D, self.I)
+        return read_plan(dev, plan, n, self.E), get(dev, h, "bf16", (n, self.I)), get(dev, y, "f32", (n, self.D))
+
+
+def _near_rows(got, want, rel, floor):
+    """Element-wise CUDA vs twin: within `rel` of the element or `floor` times its row's rms (a near-cancelling
+    sum has the absolute error of its terms); never NaN."""
+    got, want = f32(got).astype(np.float64), f32(want).astype(np.float64)
+    assert np.all(np.isfinite(got)), "NaN/inf in a CUDA output"
+    rms = np.sqrt(np.mean(want ** 2, axis=1, keepdims=True))
+    bad = np.abs(got - want) > rel * np.abs(want) + floor * rms
+    assert not bad.any(), f"{bad.sum()} elements off, first at {np.argwhere(bad)[0]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 7, 64])
+@pytest.mark.parametrize("model", list(MMA_REAL))
+def test_moe_mma_real_dims_cuda_vs_twin(rng, model, B):
+    """The plan bit for bit, and the grouped GEMMs to accumulation order, CUDA against the twin: B rows of 8
+    experts, hot experts repeated across rows (more than 32 pairs at B = 64), 1 in 8 experts absent (zeros)."""
+    ex = _Experts(rng, model)
+    ids = skewed_ids(rng, B, MMA_TOP_K, ex.E, hot=range(0, ex.E, 37), p_hot=0.5)
+    if ex.local[ids].all():  # a draw of only local experts (likely at B = 1): make one pair absent
+        ids[0, -1] = next(e for e in np.flatnonzero(~ex.local) if e not in ids[0])
+    x = bf16(rng.standard_normal((B, ex.D)))
+    hin = bf16(rng.standard_normal((B * MMA_TOP_K, ex.I)))
+
+    def run(dev):
+        lins, tabs = ex.on(dev)
+        res = ex.run(dev, tabs, ids, x, hin)
+        del lins  # the Linears own the weight buffers the tables point into: alive until here
+        return res
+
+    (p_ref, h_ref, y_ref), (p_gpu, h_gpu, y_gpu) = run_on_both(run)
+    assert p_gpu == p_ref
+    absent = ~ex.local[ids.ravel()]
+    assert absent.any() and not np.any(f32(h_gpu)[absent]) and not np.any(y_gpu[absent])
+    _near_rows(h_gpu[~absent], h_ref[~absent], 2 ** -7, 1e-3)
+    _near_rows(y_gpu[~absent], y_ref[~absent], 1e-4, 1e-5)
+
+
+def _bits(a):
+    return np.ascontiguousarray(a).view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", list(MMA_REAL))
+def test_moe_mma_batch_invariant_cuda(cuda, rng, model):
+    """A pair's bits do not depend on the call it is in: rows alone (B = 1: items of one row), among 64 rows
+    whose experts overlap (items of many rows, some split at 32), and among 16 others with other experts, in
+    another order (the pair in another n-tile column)."""
+    ex = _Experts(rng, model)
+    K, E = MMA_TOP_K, ex.E
+    lins, tabs = ex.on(cuda)
+    X = bf16(rng.standard_normal((64, ex.D)))
+    H = bf16(rng.standard_normal((64, K, ex.I)))
+    ids = skewed_ids(rng, 64, K, E, hot=range(0, E, 37), p_hot=0.5)
+
+    def call(rows, ids_rows):
+        _, h, y = ex.run(cuda, tabs, ids_rows, X[rows], H[rows].reshape(-1, ex.I))
+        return _bits(h).reshape(len(rows), K, -1), _bits(y).reshape(len(rows), K, -1)
+
+    h64, y64 = call(np.arange(64), ids)
+    for t in (0, 5, 40, 63):
+        h1, y1 = call(np.array([t]), ids[t:t + 1])
+        assert np.array_equal(h1[0], h64[t]) and np.array_equal(y1[0], y64[t]), t
+    rows = np.r_[[63, 40], rng.permutation(np.arange(1, 40))[:15]]
+    other = skewed_ids(rng, 17, K, E, hot=range(3, E, 29), p_hot=0.5)
+    other[:2] = ids[[63, 40]]
+    h17, y17 = call(rows, other)
+    for j, t in enumerate((63, 40)):
+        assert np.array_equal(h17[j], h64[t]) and np.array_equal(y17[j], y64[t]), t
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["deepseek_v3", "qwen3_next_nvfp4", "deepseek_v4", "qwen3_next_bf16"])
+def test_moe_layer_real_dims_batch_invariant_cuda(cuda, rng, model):
+    """The batch-invariant layer on the grouped GEMMs (every m, the shared expert one more "expert") at real
+    dims: each row of m = 64 and m = 17 bit-identical to its m = 1 forward; 1 in 8 experts absent."""
+    cfg, fmt, si, sg, bias = REAL[model]
+    cfg = MoeConfig(**cfg)
+    b = Built(rng, cfg, fmt, shared_inter=si, shared_gate=sg, bias=bias, pool=4)
+    moe = b.build(cuda, only={e for e in range(cfg.n_experts) if e % 8 != 5}, max_rows=64, invariant=True,
+                  expert_kernels="grouped")
+    assert moe.grouped(1)
+    x = grid_x(rng, 64, cfg.hidden)
+    full = forward(cuda, moe, x, 64)
+    assert np.all(np.isfinite(full))
+    for r in (0, 17, 63):
+        assert np.array_equal(forward(cuda, moe, x[r:r + 1], 1)[0], full[r]), r
+    assert np.array_equal(forward(cuda, moe, x[10:27], 17), full[10:27])

@@ -2,9 +2,18 @@
 through device pointer tables (no weight is copied), an optional shared expert, and the weighted sum.
 
 One forward is 5 launches (router GEMV through ops.linear, top-k, gate/up, down, weighted sum) plus 2 for a
-shared expert and 1 for Qwen's shared-expert gate; it allocates nothing and reads every per-call value from device memory, so
-it can be captured in a CUDA graph. Expert ids missing from `experts` live on other ranks (EP): they
-contribute 0, and the caller all-reduces `out` across ranks (with `add_shared=True` on one rank only)."""
+shared expert and 1 for Qwen's shared-expert gate, and for batches 1 more (the routing plan); it allocates nothing
+and reads every per-call value from device memory, so it can be captured in a CUDA graph. Expert ids missing
+from `experts` live on other ranks (EP): they contribute 0, and the caller all-reduces `out` across ranks (with
+`add_shared=True` on one rank only).
+
+Expert kernels. A wide batch (m >= GROUPED_MIN_ROWS) of a layer that need not be batch-invariant runs the
+grouped tensor-core GEMMs (ops.moe_gate_up_mma / moe_gemv_mma): a routing plan built on the device groups the
+pairs by expert, and each chosen expert's weights are streamed once for all its rows; the shared expert is one
+such "expert" holding all m rows. Otherwise the FMA GEMVs (ops.moe_gate_up / moe_gemv) run. A batch-invariant
+layer must give a row the same arithmetic at every m, so it keeps one kernel family for all m: the FMA GEMVs by
+default (an H200 measured the grouped GEMMs at m = 1 1.5-1.8x slower), the grouped ones with
+expert_kernels="grouped" (both are invariant per pair)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +27,10 @@ from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 
 ROUTINGS = ("softmax", "sigmoid_grouped", "sqrtsoftplus", "hash")
+EXPERT_KERNELS = ("auto", "plain", "grouped")  # MoE(expert_kernels=): see MoE.grouped
+# rows from which "auto" takes the grouped GEMMs: the H200 crossover of scripts/bench_moe.py (at m = 8 they were
+# 0.76-0.84x of the GEMVs in bf16 / fp8 / mxfp4, at m = 32 0.95-1.47x, at m = 64 1.14-2.0x)
+GROUPED_MIN_ROWS = 32
 
 
 @dataclass
@@ -86,12 +99,13 @@ class MoE:
     sigmoid(shared_gate . x) when given). router: Linear [n_experts, hidden] (bf16, or any expert format;
     an object with fmt "f32" for f32 checkpoints); experts: id -> (gate, up, down); bias: f32 [n_experts]
     device pointer (selection only; sigmoid_grouped / sqrtsoftplus); tid2eid: i32 [vocab, top_k] device
-    pointer for hash routing (with `vocab`)."""
+    pointer for hash routing (with `vocab`). expert_kernels: "auto" (the grouped GEMMs from GROUPED_MIN_ROWS rows
+    unless `invariant`), "plain" (the FMA GEMVs at every m) or "grouped" (at every m)."""
 
     def __init__(self, gpu, cfg: MoeConfig, router: Linear, experts: dict[int, tuple[Linear, Linear, Linear]],
                  bias: DevicePtr = NULL, shared: tuple[Linear, Linear, Linear] | None = None,
                  shared_gate: Linear | None = None, tid2eid: DevicePtr = NULL, max_rows: int = 32, vocab: int = 0,
-                 invariant: bool = False):
+                 invariant: bool = False, expert_kernels: str = "auto"):
         E, K, D, I = cfg.n_experts, cfg.top_k, cfg.hidden, cfg.inter
         if not experts:
             raise ConfigError("MoE needs at least one local expert")
@@ -101,6 +115,8 @@ class MoE:
             raise ConfigError("hash routing needs tid2eid and vocab")
         if shared_gate is not None and shared is None:
             raise ConfigError("MoE shared_gate without a shared expert")
+        if expert_kernels not in EXPERT_KERNELS:
+            raise ConfigError(f"MoE expert_kernels {expert_kernels!r} is not one of {EXPERT_KERNELS}")
         _check(router, "router", E, D)
         for e, tri in experts.items():
             for L, role, (n, k) in zip(tri, ("gate", "up", "down"), ((I, D), (I, D), (D, I))):
@@ -118,6 +134,7 @@ class MoE:
         self.gpu, self.cfg, self.max_rows, self.vocab, self.inv = gpu, cfg, int(max_rows), int(vocab), bool(invariant)
         self.router, self.experts, self.shared, self.shared_gate = router, dict(experts), shared, shared_gate
         self.bias, self.tid2eid = DevicePtr(bias), DevicePtr(tid2eid)
+        self.expert_kernels = expert_kernels
 
         # pointer tables: gate, up, down [E, 3] each, then shared gate/up/down and the router [1, 3] each
         # (the router's is used for an f32 weight only: ops.linear takes every Linear format)
@@ -133,7 +150,8 @@ class MoE:
         R = self.max_rows
         regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * K * I, "y": 4 * R * K * D,
                    "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
-                   "glogit": 4 * R if shared_gate is not None else 0}
+                   "glogit": 4 * R if shared_gate is not None else 0,
+                   "plan": ops.moe_plan_bytes(R * K, E) if R * K <= ops.MAX_PLAN_PAIRS else 0}
         self._scratch, ptrs = carve(gpu, regions)
         gpu.fill(self._scratch.ptr, self._scratch.nbytes, 0)  # `zeros` (the expert id of single-weight launches) stays 0
         for name, ptr in ptrs.items():
@@ -152,22 +170,45 @@ class MoE:
         else:
             ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
-        ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I, D,
-                        c.swiglu_limit, stream=stream, invariant=self.inv)
-        ops.moe_gemv(gpu, self.tab_down, self.fmt_down, self.ids, m * K, K, E, self.h, K * I, I, self.y, D, I,
-                     stream=stream, invariant=self.inv)
+        if self.grouped(m):
+            ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * K, E, self.plan, stream=stream)
+            ops.moe_gate_up_mma(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.plan, m * K, K, E, x, D, 0, self.h,
+                                I, D, c.swiglu_limit, stream=stream)
+            ops.moe_gemv_mma(gpu, self.tab_down, self.fmt_down, self.plan, m * K, K, E, self.h, K * I, I, self.y, D,
+                             I, stream=stream)
+        else:
+            ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I,
+                            D, c.swiglu_limit, stream=stream, invariant=self.inv)
+            ops.moe_gemv(gpu, self.tab_down, self.fmt_down, self.ids, m * K, K, E, self.h, K * I, I, self.y, D, I,
+                         stream=stream, invariant=self.inv)
         ys = gate = NULL
         if add_shared and self.shared is not None:
             g, u, d = self.shared
-            ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
-                            self.inter_s, D, c.swiglu_limit, stream=stream, invariant=self.inv)
-            ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, self.inter_s, 0, self.ys, D,
-                         self.inter_s, stream=stream, invariant=self.inv)
+            Is = self.inter_s
+            if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
+                ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
+                                    D, c.swiglu_limit, stream=stream)
+                ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
+                                 stream=stream)
+            else:
+                ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
+                                Is, D, c.swiglu_limit, stream=stream, invariant=self.inv)
+                ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
+                             stream=stream, invariant=self.inv)
             ys = self.ys
             if self.shared_gate is not None:
                 ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream, invariant=self.inv)
                 gate = self.glogit
         ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, ys, gate, stream=stream)
+
+    def grouped(self, m: int, shared: bool = False) -> bool:
+        """Whether a forward of m rows runs the grouped tensor-core GEMMs (the routed experts', or with `shared`
+        the shared expert's) rather than the FMA GEMVs: with expert_kernels "auto" from GROUPED_MIN_ROWS rows
+        when not batch-invariant; never with "plain"; with "grouped" at every m (up to the plan's
+        MAX_PLAN_PAIRS)."""
+        if self.expert_kernels == "plain" or not (shared or m * self.cfg.top_k <= ops.MAX_PLAN_PAIRS):
+            return False
+        return self.expert_kernels == "grouped" or (not self.inv and m >= GROUPED_MIN_ROWS)
 
     def _route(self, m: int, token_ids, token_ids_stride: int, stream) -> None:
         c, gpu = self.cfg, self.gpu

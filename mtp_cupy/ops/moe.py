@@ -1,5 +1,6 @@
 """Launchers for cuda_src/moe.cu: router top-k rules, expert GEMVs through device pointer tables, the
-routing-weighted sum. The MoE layer that strings them together is mtp_cupy/layers/moe.py.
+routing-weighted sum, and for batches the tensor-core grouped expert GEMMs of cuda_src/moe_mma.cu with the
+routing plan they read. The MoE layer that strings them together is mtp_cupy/layers/moe.py.
 
 A projection's pointer table (`expert_table`) is u64 [n_experts, 3] per expert: weight address, scale
 address, nvfp4 scale2 as f32 bits; an all-zero entry is an expert held by another rank. Pair q = r *
@@ -13,9 +14,12 @@ import numpy as np
 from ..runtime.ptr import NULL
 from ..weights.linear import Linear
 from ._util import blocks_for, launch, need
+from .gemv import REGS_PER_SM, SMEM_PER_BLOCK, SMEM_PER_SM, _sms
 
-__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "expert_table", "moe_gemv", "moe_gate_up", "moe_topk_softmax",
-           "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash", "moe_weighted_sum"]
+__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MAX_PLAN_PAIRS", "expert_table", "moe_gemv",
+           "moe_gate_up", "moe_topk_softmax", "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash",
+           "moe_weighted_sum", "plan_max_items", "moe_plan_bytes", "moe_route_plan", "moe_gate_up_mma",
+           "moe_gemv_mma"]
 
 EXPERT_FORMATS = ("bf16", "f32", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
 ROUTER_SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -167,3 +171,134 @@ def moe_weighted_sum(gpu, y, weights, top_k: int, out, m: int, hidden: int, shar
     need(m >= 1 and hidden >= 1 and top_k >= 1, f"moe_weighted_sum: m {m}, hidden {hidden}, top_k {top_k}")
     launch(gpu, "moe", "moe_weighted_sum").grid(blocks_for(m * hidden)).block(256).arg_ptr(y).arg_ptr(weights) \
         .arg_u32(top_k).arg_ptr(shared).arg_ptr(shared_gate).arg_ptr(out).arg_u32(m).arg_u32(hidden).launch(stream)
+
+
+# -- grouped expert GEMMs (cuda_src/moe_mma.cu) ------------------------------------------------------------
+# The routing plan groups a call's pairs by expert (this rank's, ascending id; each expert's pairs in pair order)
+# into items of at most PLAN_ROWS pairs; the GEMMs stream each (item, 16- or 32-row weight tile) once with the
+# tensor cores, for all the item's x rows. Layout of a plan (u32 words): [items, none_start, sorted offset, 0],
+# then max_items (expert, first << 8 | pairs) pairs of words, then the n_pairs pair ids in plan order.
+MMA_FORMATS = ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
+PLAN_ROWS = 32                   # pairs per item: the kernels' 4 n-tiles of 8 x rows
+PLAN_HEADER = 4                  # u32 words before the items
+MAX_PLAN_PAIRS = 32768           # the plan kernel keeps 4 bytes per pair and 8 per expert in shared memory
+MMA_STAGE = 32 * 8 * 16          # ring bytes per warp and stage: 32 weight rows x 8 chunks of 16 bytes
+MMA_MAX_STAGES = 8
+MMA_MAX_KS = 4                   # warps per block (the kernels' launch bound is 128 threads)
+# registers per thread where the backend cannot say (nvcc 13, sm_90a: scripts/compile_kernels.sh); only the
+# launch geometry uses them, and geometry never changes a result
+_MMA_REGS = {"bf16": 150, "fp8_row": 174, "fp8_block": 178, "fp8_block_e8m0": 178, "nvfp4": 247, "mxfp4": 244}
+
+
+def plan_max_items(n_pairs: int, n_experts: int) -> int:
+    """An upper bound on a plan's items: each local expert's first item, plus one per further PLAN_ROWS pairs."""
+    return min(n_pairs, min(n_pairs, n_experts) + n_pairs // PLAN_ROWS)
+
+
+def moe_plan_bytes(n_pairs: int, n_experts: int) -> int:
+    """Bytes of the plan of a call of `n_pairs` pairs over `n_experts` experts (a buffer for the largest call
+    serves every smaller one)."""
+    return 4 * (PLAN_HEADER + 2 * plan_max_items(n_pairs, n_experts) + n_pairs)
+
+
+def moe_route_plan(gpu, table, ids, n_pairs: int, n_experts: int, plan, stream=None) -> None:
+    """Build the routing plan of ids i32 [n_pairs] on the device (one block; no host sync, graph-safe): the
+    distinct experts whose `table` entry is non-zero, each one's pairs in ascending order, cut into items of
+    PLAN_ROWS pairs, then the pairs of no local expert (another rank's, or an id outside [0, n_experts)).
+    A function of ids and the table alone. `plan` holds moe_plan_bytes(n_pairs, n_experts) bytes."""
+    name = "moe_route_plan"
+    need(1 <= n_pairs <= MAX_PLAN_PAIRS and 1 <= n_experts <= MAX_EXPERTS,
+         f"{name}: n_pairs {n_pairs} must be in [1, {MAX_PLAN_PAIRS}], n_experts {n_experts} in [1, {MAX_EXPERTS}]")
+    need(int(plan) != 0 and int(plan) % 16 == 0 and int(ids) != 0 and int(table) != 0,
+         f"{name}: plan (16-byte aligned), ids and table must not be NULL")
+    launch(gpu, "moe_mma", name).grid(1).block(1024).shared(_dynamic_smem(4 * (2 * (n_experts + 1) + n_pairs))) \
+        .arg_ptr(table) \
+        .arg_ptr(ids).arg_u32(n_pairs).arg_u32(n_experts).arg_ptr(plan).launch(stream)
+
+
+def mma_ks(fmt: str, k: int) -> int:
+    """Warps splitting k in the grouped GEMMs: a function of (format, k) only, so a pair's sum order (hence its
+    result, bit for bit) is the same whatever pairs share the call. Doubles up to MMA_MAX_KS while every warp
+    keeps at least 4 stage units (128-byte runs of each of its 32 rows)."""
+    units = -(-(k // CHUNK[fmt]) // 8)
+    ks = 1
+    while ks < MMA_MAX_KS and units >= 4 * 2 * ks:
+        ks *= 2
+    return ks
+
+
+_MMA_NUM_REGS: dict[tuple, int] = {}
+
+
+def _mma_regs(gpu, name: str, fmt: str) -> int:
+    key = (gpu.name, getattr(gpu, "device_id", 0), name)
+    if key not in _MMA_NUM_REGS:
+        try:
+            _MMA_NUM_REGS[key] = int(gpu.kernel("moe_mma", name).fn.num_regs)
+        except Exception:  # the NumPy device: the table's estimate
+            _MMA_NUM_REGS[key] = _MMA_REGS[fmt]
+    return _MMA_NUM_REGS[key]
+
+
+def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: int):
+    """Block (32, ks); a persistent grid of as many blocks as fit on the GPU at once (by registers), at most
+    one per (item, tile) work unit; a ring as deep as shared memory allows them (2 .. 8 stages, at most a
+    warp's units + 1). None of it changes a result but ks (mma_ks)."""
+    ks = mma_ks(fmt, k)
+    regs = -(-_mma_regs(gpu, name, fmt) // 8) * 8
+    per_sm = max(1, min(32, 64 // ks, REGS_PER_SM // (regs * 32 * ks)))
+    units = -(-(k // CHUNK[fmt]) // 8)
+    per_warp = -(-units // ks)
+    stages = min(MMA_MAX_STAGES, per_warp + 1, (SMEM_PER_SM // per_sm - 1024) // (ks * MMA_STAGE))
+    stages = max(2, min(stages, SMEM_PER_BLOCK // (ks * MMA_STAGE)))
+    tiles = -(-n // outputs)
+    blocks = max(1, min(_sms(gpu) * per_sm, items * tiles))
+    return launch(gpu, "moe_mma", name).grid(blocks).block(32, ks).shared(_dynamic_smem(ks * stages * MMA_STAGE))
+
+
+def _dynamic_smem(nbytes: int, static: int = 256) -> int:
+    """Dynamic shared bytes to launch with: beyond 48 KiB a kernel needs the opt-in attribute, which the backend
+    sets only for dynamic sizes past 48 KiB, but the 48 KiB default counts static shared memory too (the GEMMs'
+    128-byte pair list, the plan's 256-byte scan area): a size just under 48 KiB is raised past it (the kernels
+    size their rings by whole stages, so the extra bytes go unused)."""
+    return 48 * 1024 + 16 if 48 * 1024 - static < nbytes <= 48 * 1024 else nbytes
+
+
+def _check_mma(name: str, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x, xrs: int, xss: int,
+               n: int, k: int) -> int:
+    """The launch's items bound (plan_max_items, or the pairs / PLAN_ROWS of a plan-less call)."""
+    need(fmt in MMA_FORMATS, f"{name}: format {fmt!r} is not one of {MMA_FORMATS}")
+    top = MAX_PLAN_PAIRS if int(plan) else MAX_PAIRS
+    need(1 <= n_pairs <= top and n_slots >= 1 and n_experts >= 1 and n >= 1,
+         f"{name}: n_pairs {n_pairs} (at most {top}), n_slots {n_slots}, n_experts {n_experts}, n {n} out of range")
+    need(k > 0 and k % CHUNK[fmt] == 0, f"{name}: k {k} must be a positive multiple of {CHUNK[fmt]}")
+    need(int(x) % 16 == 0 and xrs % 8 == 0 and xss % 8 == 0,
+         f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
+    need(int(plan) % 16 == 0, f"{name}: plan 0x{int(plan):x} is not 16-byte aligned")
+    return plan_max_items(n_pairs, n_experts) if int(plan) else -(-n_pairs // PLAN_ROWS)
+
+
+def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x, x_row_stride: int,
+                 x_slot_stride: int, y, n: int, k: int, stream=None) -> None:
+    """y f32 [n_pairs, n] = W[e] x_q for every pair q, e its expert by `plan` (moe_route_plan of the same
+    n_pairs / n_experts); zeros for a pair of no local expert. plan NULL: every pair uses table entry 0 (a
+    single weight, such as the shared expert's). Tensor cores, each (expert, 32-row tile) read once for up to
+    32 pairs; always batch-invariant (a pair's result does not depend on the other pairs)."""
+    name = f"moe_gemv_mma_{fmt}"
+    items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
+    _mma_launch(gpu, name, fmt, n, k, 32, items).arg_ptr(plan).arg_ptr(table).arg_u32(n_pairs).arg_u32(n_slots) \
+        .arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(y).arg_u32(n).arg_u32(k).launch(stream)
+
+
+def moe_gate_up_mma(gpu, table_gate, table_up, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x,
+                    x_row_stride: int, x_slot_stride: int, h, n: int, k: int, limit: float = 0.0,
+                    stream=None) -> None:
+    """h bf16 [n_pairs, n] = silu(g) * u, g = Wg[e] x_q, u = Wu[e] x_q (with limit > 0, g = min(g, limit) and
+    u = clamp(u, -limit, limit) first), e by `plan` as in moe_gemv_mma; 16 gate rows and the same 16 up rows
+    per tile."""
+    name = f"moe_gate_up_mma_{fmt}"
+    items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
+    need(limit >= 0, f"{name}: negative swiglu limit {limit}")
+    _mma_launch(gpu, name, fmt, n, k, 16, items).arg_ptr(plan).arg_ptr(table_gate).arg_ptr(table_up) \
+        .arg_u32(n_pairs).arg_u32(n_slots).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(h) \
+        .arg_u32(n).arg_u32(k).arg_f32(limit).launch(stream)

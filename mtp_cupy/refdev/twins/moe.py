@@ -1,4 +1,5 @@
-"""Twins of cuda_src/moe.cu: router top-k rules, expert GEMVs through pointer tables, the weighted sum.
+"""Twins of cuda_src/moe.cu (router top-k rules, expert GEMVs through pointer tables, the weighted sum) and
+of cuda_src/moe_mma.cu (the routing plan and the grouped expert GEMMs that read it).
 
 Scores and selection use the kernels' fp32 arithmetic (selection order: larger key, ties to the lower
 expert id); GEMVs dequantise each chosen expert once (weights/quant_host.py) and accumulate in fp32, so
@@ -186,3 +187,95 @@ def moe_weighted_sum(dev, y, w, top_k, ys, gate, out, m, hidden):
         g = np.ones(m) if not int(gate) else 1.0 / (1.0 + np.exp(-dev.view(gate, F32, m).astype(np.float64)))
         acc += g[:, None] * dev.view(ys, F32, (m, hidden))
     dev.view(out, BF16, (m, hidden))[:] = acc.astype(F32).astype(BF16)
+
+
+# -- moe_mma: the routing plan and the grouped expert GEMMs ----------------------------------------------------
+PLAN_ROWS, PLAN_HEADER = 32, 4
+
+
+def plan_max_items(n_pairs: int, n_experts: int) -> int:
+    return min(n_pairs, min(n_pairs, n_experts) + n_pairs // PLAN_ROWS)
+
+
+@twin("moe_mma", "moe_route_plan")
+def moe_route_plan(dev, tab, ids, n_pairs, n_experts, plan):
+    n, E = int(n_pairs), int(n_experts)
+    e = dev.view(ids, "i32", n).astype(np.int64)
+    t = dev.view(tab, np.uint64, (E, 3))
+    local = (e >= 0) & (e < E)
+    local[local] = t[e[local], 0] != 0
+    key = np.where(local, e, E)
+    order = np.argsort(key, kind="stable")             # by expert, each expert's pairs in pair order
+    counts = np.bincount(key, minlength=E + 1)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    items = [(ex, (int(first[ex]) + j) << 8 | min(PLAN_ROWS, int(counts[ex]) - j))
+             for ex in np.nonzero(counts[:E])[0].tolist() for j in range(0, int(counts[ex]), PLAN_ROWS)]
+    mi = plan_max_items(n, E)
+    dev.view(plan, np.uint32, PLAN_HEADER)[:] = (len(items), int(first[E]), PLAN_HEADER + 2 * mi, 0)
+    if items:
+        dev.view(plan.offset(4 * PLAN_HEADER), np.uint32, (len(items), 2))[:] = items
+    dev.view(plan.offset(4 * (PLAN_HEADER + 2 * mi)), np.uint32, n)[:] = order
+
+
+def plan_units(dev, plan, n_pairs: int):
+    """([(expert, pair ids)] per item, pair ids of no local expert) of a plan; plan NULL: entry 0 for every
+    pair, PLAN_ROWS pairs an item."""
+    if not int(plan):
+        return [(0, np.arange(q, min(q + PLAN_ROWS, n_pairs))) for q in range(0, n_pairs, PLAN_ROWS)], []
+    count, none0, soff, _ = (int(v) for v in dev.view(plan, np.uint32, PLAN_HEADER))
+    srt = dev.view(plan.offset(4 * soff), np.uint32, n_pairs).astype(np.int64)
+    items = dev.view(plan.offset(4 * PLAN_HEADER), np.uint32, (count, 2)).tolist() if count else []
+    return [(ex, srt[(v >> 8):(v >> 8) + (v & 0xFF)]) for ex, v in items], srt[none0:]
+
+
+def _entry(dev, tab, e: int):
+    a, b, c = dev.view(tab.offset(24 * e), np.uint64, 3).tolist()
+    return int(a), int(b), float(np.uint32(c & 0xFFFFFFFF).view(F32))
+
+
+def _mma_products(dev, fmt, tabs, plan, n_pairs, n_slots, x, xrs, xss, N, K):
+    """(products fp32 [n_pairs, len(tabs), N], pairs the items hold, pairs that get zeros: no local expert or an
+    entry NULL in these tables). The float64 products of _expert_products, each distinct weight dequantised
+    once for all its pairs."""
+    units, none = plan_units(dev, plan, n_pairs)
+    rows = -(-n_pairs // n_slots)
+    xv = strided(dev, x, BF16, (rows, n_slots, K), (xrs, xss, 1))
+    groups: dict[tuple, list] = {}
+    zeros = [np.asarray(none, np.int64)]
+    for ex, qs in units:
+        entries = tuple(_entry(dev, t, ex) for t in tabs)
+        if all(en[0] for en in entries):
+            groups.setdefault(entries, []).extend(int(q) for q in qs)
+        else:
+            zeros.append(np.asarray(qs, np.int64))
+    out = np.zeros((n_pairs, len(tabs), N), F32)
+    for entries, qs in groups.items():
+        X = np.stack([xv[q // n_slots, q % n_slots] for q in qs], axis=1).astype(F32).astype(np.float64)
+        for j, en in enumerate(entries):
+            out[qs, j] = (dequant(dev, fmt, *en, N, K).astype(np.float64) @ X).T
+    held = np.array(sorted(q for qs in groups.values() for q in qs), np.int64)
+    return out, held, np.concatenate(zeros)
+
+
+def _gemv_mma(fmt):
+    def fn(dev, plan, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K):
+        p, held, zeros = _mma_products(dev, fmt, [tab], plan, n_pairs, n_slots, x, x_row_stride, x_slot_stride, N, K)
+        yv = dev.view(y, F32, (n_pairs, N))
+        yv[held] = p[held, 0]
+        yv[zeros] = 0
+    return fn
+
+
+def _gate_up_mma(fmt):
+    def fn(dev, plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit):
+        p, held, zeros = _mma_products(dev, fmt, [tab_gate, tab_up], plan, n_pairs, n_slots, x, x_row_stride,
+                                       x_slot_stride, N, K)
+        hv = dev.view(h, BF16, (n_pairs, N))
+        hv[held] = swiglu(p[held, 0], p[held, 1], limit).astype(BF16)
+        hv[zeros] = 0
+    return fn
+
+
+for _f in ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4"):
+    twin("moe_mma", f"moe_gemv_mma_{_f}")(_gemv_mma(_f))
+    twin("moe_mma", f"moe_gate_up_mma_{_f}")(_gate_up_mma(_f))

@@ -1,0 +1,590 @@
+// Tensor-core grouped expert GEMMs for batches, and the routing plan they read (launchers in ops/moe.py,
+// twins in refdev/twins/moe.py, the layer in layers/moe.py).
+//
+// Plan (moe_route_plan, one block). Pair q = row q / n_slots, slot q % n_slots chose expert ids[q]. The plan
+// groups the pairs by expert: this rank's experts (table entry non-zero) in ascending id order, each one's
+// pairs in ascending pair order, cut into items of at most PLAN_ROWS pairs; pairs without a local expert
+// (another rank's, or an id outside [0, n_experts)) come last, as the "none" list. Layout, u32 words:
+//   [0] items, [1] none_start (= pairs with a local expert), [2] offset of `sorted` (words), [3] 0,
+//   [4 ..) items (uint2 each: expert id, first sorted position << 8 | pairs), max_items of them,
+//   sorted[n_pairs] at plan + plan[2]: the pair ids in that order.
+// max_items = min(n_pairs, min(n_pairs, n_experts) + n_pairs / PLAN_ROWS) (ops.moe.plan_max_items). Ranks
+// within an expert come from one warp walking the pairs in order (__match_any_sync), and the counts and
+// offsets are integer sums: the plan is a function of ids and the table alone (no atomics). Graph-safe:
+// buffers sized by n_pairs, nothing read back by the host.
+//
+// GEMMs (moe_gate_up_mma_<fmt>, moe_gemv_mma_<fmt>). Work unit = (item, weight-row tile); a persistent grid
+// of blocks (32, KS) walks the units b, b + gridDim.x, ... while below items * tiles (read from the plan), so
+// no block waits on a plan slot that is empty. A unit streams its expert's tile once with the mma_stream
+// machinery of gemv.cu (cp.async ring per warp, warp ks taking k units ks, ks + KS, ...; weights decoded to
+// bf16 in registers; mma.sync m16n8k16) and multiplies it by all the item's gathered x rows (4 n-tiles of
+// 8: up to 32 rows in one pass; an expert with more pairs has several items). Tile: 2 slabs of 16 weight
+// rows: gate/up = 16 gate rows + the same 16 up rows (16 outputs, SwiGLU in the epilogue); down = 32 rows
+// of one matrix. Results are scattered to the item's pairs' output rows. A pair's arithmetic (the k units of
+// each warp, the fresh accumulator per mma step, the slice order of the KS partial sums) depends on (format,
+// N, K, KS) only; the launcher picks KS from (format, K): a pair's result is bit-identical whatever other
+// pairs share the call, and whichever n-tile column it lands in. plan == NULL: one weight (table entry 0)
+// for every pair, items of 32 consecutive pairs (the shared expert).
+#include "common.cuh"
+
+// ---------------------------------------------------------------------------------------------------
+// The streaming tensor-core machinery, copied verbatim from gemv.cu (mma_stream and its helpers): keep the
+// two in step.
+extern __shared__ __align__(16) uint4 g_dsm[];  // dynamic shared memory of the streaming kernels
+
+__device__ __forceinline__ u32 dyn_smem_bytes() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(r));
+    return r;
+}
+
+// 16 bytes of a streamed weight, global -> shared, cached in L2 only, 256-byte L2 fetches; ok == false
+// zero-fills without reading (callers still pass an in-bounds address).
+__device__ __forceinline__ void cp_async_stream(uint4* smem, const void* gmem, bool ok) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Wait until at most n of this thread's copy groups are pending (n > 7 waits for 7: stricter, still right).
+__device__ __forceinline__ void cp_async_wait_n(u32 n) {
+    switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    default: cp_async_wait<7>(); break;
+    }
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ u32 word(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+enum WFmt { BF16, FP8_ROW, FP8_BLOCK, FP8_BLOCK_E8M0, NVFP4, MXFP4 };
+
+template <int F> __host__ __device__ constexpr int kchunk() { return F == BF16 ? 8 : (F == NVFP4 || F == MXFP4) ? 32 : 16; }
+
+__device__ __forceinline__ void mma16816(float c[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// bf16x2 multiply (fma with -0 keeps it sm_80-compatible). Subnormal inputs are honoured.
+__device__ __forceinline__ u32 bmul2(u32 a, u32 b) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
+    return d;
+}
+
+// e4m3 bytes (0,2) / (1,3) of q -> bf16x2. Copying the 7 magnitude bits under the bf16 exponent gives
+// value * 2^-120 (e4m3 subnormals become bf16 subnormals); the multiply by 2^120 is exact.
+constexpr u32 BF16X2_2P120 = 0x7B807B80u;
+__device__ __forceinline__ u32 e4m3x2_02(u32 q) {
+    return bmul2(((q << 4) & 0x07F007F0u) | ((q << 8) & 0x80008000u), BF16X2_2P120);
+}
+__device__ __forceinline__ u32 e4m3x2_13(u32 q) {
+    return bmul2(((q >> 4) & 0x07F007F0u) | (q & 0x80008000u), BF16X2_2P120);
+}
+
+// E2M1 nibbles J and J+4 of q -> bf16x2 of value * 2^-126 (code 1 = 0.5 is the bf16 subnormal 2^-127),
+// times the bf16x2 block scale s; exact (an E2M1 * scale product has at most 6 significant bits).
+template <int J> __device__ __forceinline__ u32 e2m1x2(u32 q, u32 s) {
+    const u32 mag = (J <= 1 ? q << (6 - 4 * J) : q >> (4 * J - 6)) & 0x01C001C0u;
+    return bmul2(mag | ((q << (12 - 4 * J)) & 0x80008000u), s);
+}
+
+__device__ __forceinline__ u32 splat_bf16(float v) {  // v must already be a bf16 value
+    const u32 b = __float_as_uint(v) >> 16;
+    return b | (b << 16);
+}
+
+// Per-chunk scales (fp4): raw bytes -> bf16x2 multipliers. nvfp4: e4m3 * 2^118 (A = w * 2^-8, undone
+// with scale2 * 2^8 at the end); mxfp4: 2^(b-127) * 2^62 (A = w * 2^-64, undone at the end; exact for
+// scales 2^-61 .. 2^65, 0xFF is NaN).
+template <int F> __device__ __forceinline__ u32 fp4_scale(u32 sv, int blk) {
+    if (F == NVFP4) return splat_bf16(fp8_to_f((u8)(sv >> (8 * blk))) * __int_as_float(0x7A800000));  // 2^118
+    const u32 e = sv + 62u;
+    const u32 b = sv == 0xFFu ? 0x7FC0u : e > 254u ? 0x7F80u : e << 7;
+    return b | (b << 16);
+}
+
+// A fragment i (k16 mma i of the step) from the chunks of rows g, g+8 and their bf16x2 block scales.
+template <int F> __device__ __forceinline__ void frag_a(const uint4 w[2], const u32 s[2][2], int i, u32 a[4]) {
+    if (F == BF16) {
+        a[0] = word(w[0], 2 * i); a[1] = word(w[1], 2 * i);
+        a[2] = word(w[0], 2 * i + 1); a[3] = word(w[1], 2 * i + 1);
+    } else if (F == NVFP4 || F == MXFP4) {
+        const int wi = i >> 1, blk = F == NVFP4 ? wi >> 1 : 0;
+        const u32 q0 = word(w[0], wi), q1 = word(w[1], wi);
+        if (i & 1) {
+            a[0] = e2m1x2<2>(q0, s[0][blk]); a[1] = e2m1x2<2>(q1, s[1][blk]);
+            a[2] = e2m1x2<3>(q0, s[0][blk]); a[3] = e2m1x2<3>(q1, s[1][blk]);
+        } else {
+            a[0] = e2m1x2<0>(q0, s[0][blk]); a[1] = e2m1x2<0>(q1, s[1][blk]);
+            a[2] = e2m1x2<1>(q0, s[0][blk]); a[3] = e2m1x2<1>(q1, s[1][blk]);
+        }
+    } else {
+        const u32 q0 = word(w[0], i), q1 = word(w[1], i);
+        a[0] = e4m3x2_02(q0); a[1] = e4m3x2_02(q1); a[2] = e4m3x2_13(q0); a[3] = e4m3x2_13(q1);
+    }
+}
+
+// x words X[0 .. KC/2) (bf16 pairs k, k+1) reordered to the pairs frag_a produced.
+template <int F> __device__ __forceinline__ void frag_b(const u32* X, int i, u32 b[2]) {
+    if (F == BF16) {
+        b[0] = X[2 * i]; b[1] = X[2 * i + 1];
+    } else if (F == NVFP4 || F == MXFP4) {  // (k, k+4) pairs of 8-k word i/2
+        const u32* p = X + 4 * (i >> 1) + (i & 1);
+        b[0] = __byte_perm(p[0], p[2], 0x5410); b[1] = __byte_perm(p[0], p[2], 0x7632);
+    } else {  // (k, k+2) pairs of 4-k word i
+        b[0] = __byte_perm(X[2 * i], X[2 * i + 1], 0x5410); b[1] = __byte_perm(X[2 * i], X[2 * i + 1], 0x7632);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Routing plan.
+
+constexpr u32 PLAN_ROWS = 32;   // pairs per item: the GEMMs' MMA_MT n-tiles of 8 x rows
+constexpr u32 PLAN_HEADER = 4;  // u32 words before the items
+
+__device__ __forceinline__ u32 plan_max_items(u32 n_pairs, u32 n_experts) {
+    return min(n_pairs, min(n_pairs, n_experts) + n_pairs / PLAN_ROWS);
+}
+
+// Exclusive prefix sums of a[0, n) and b[0, n) in shared memory, in place, by the whole block (blockDim.x a
+// multiple of 32, at most 1024; ws: 64 words of shared memory).
+__device__ void scan2_exclusive(u32* a, u32* b, u32 n, u32* ws) {
+    const u32 tid = threadIdx.x, lane = tid & 31, wid = tid >> 5, nw = blockDim.x >> 5;
+    const u32 per = (n + blockDim.x - 1) / blockDim.x, lo = min(n, tid * per), hi = min(n, lo + per);
+    u32 sa = 0, sb = 0;
+    for (u32 i = lo; i < hi; ++i) sa += a[i], sb += b[i];
+    u32 ia = sa, ib = sb;  // inclusive over the warp's threads
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 va = __shfl_up_sync(0xffffffffu, ia, o), vb = __shfl_up_sync(0xffffffffu, ib, o);
+        if (lane >= (u32)o) ia += va, ib += vb;
+    }
+    if (lane == 31) ws[wid] = ia, ws[32 + wid] = ib;
+    __syncthreads();
+    if (wid == 0) {  // the warps' totals -> their exclusive offsets
+        const u32 xa = lane < nw ? ws[lane] : 0u, xb = lane < nw ? ws[32 + lane] : 0u;
+        u32 ya = xa, yb = xb;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 va = __shfl_up_sync(0xffffffffu, ya, o), vb = __shfl_up_sync(0xffffffffu, yb, o);
+            if (lane >= (u32)o) ya += va, yb += vb;
+        }
+        ws[lane] = ya - xa, ws[32 + lane] = yb - xb;
+    }
+    __syncthreads();
+    u32 pa = ws[wid] + ia - sa, pb = ws[32 + wid] + ib - sb;
+    for (u32 i = lo; i < hi; ++i) {
+        const u32 va = a[i], vb = b[i];
+        a[i] = pa, b[i] = pb;
+        pa += va, pb += vb;
+    }
+    __syncthreads();
+}
+
+// Grid 1, block 1024, dynamic shared memory 4 * (2 * (n_experts + 1) + n_pairs) bytes; n_experts <= 4096,
+// n_pairs <= 32768 (ops.moe: MAX_EXPERTS, MAX_PLAN_PAIRS). A pair's expert is local when its id is in
+// [0, n_experts) and tab[id]'s weight is not NULL.
+extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab, const i32* ids, u32 n_pairs,
+                                                                   u32 n_experts, u32* plan)
+{
+    __shared__ u32 ws[64];
+    const u32 E = n_experts, tid = threadIdx.x, nt = blockDim.x;
+    u32* cnt = (u32*)g_dsm;  // [E + 1] pairs per key (key E: the none list), then each key's first position
+    u32* its = cnt + E + 1;  // [E + 1] items per expert, then each expert's first item
+    u32* kr = its + E + 1;   // [n_pairs] key << 16 | the pair's rank among the pairs of its key
+    const u32 mi = plan_max_items(n_pairs, E);
+    uint2* items = (uint2*)(plan + PLAN_HEADER);
+    u32* sorted = plan + PLAN_HEADER + 2 * mi;
+    for (u32 i = tid; i <= E; i += nt) cnt[i] = 0;
+    for (u32 q = tid; q < n_pairs; q += nt) {
+        const i32 e = ids[q];
+        kr[q] = e >= 0 && (u32)e < E && tab[3 * (u64)e] != 0 ? (u32)e : E;
+    }
+    __syncthreads();
+    if (tid < 32) {  // one warp walks the pairs in order, 32 a step: ranks in pair order
+        for (u32 q0 = 0; q0 < n_pairs; q0 += 32) {
+            const u32 q = q0 + tid;
+            const bool in = q < n_pairs;
+            const u32 k = in ? kr[q] : 0xffffffffu;
+            const u32 same = __match_any_sync(0xffffffffu, k);
+            const u32 below = same & ((1u << tid) - 1u);
+            const u32 r = in ? cnt[k] + __popc(below) : 0u;
+            __syncwarp();
+            if (in && !below) cnt[k] += __popc(same);  // the key's lowest lane counts the step's pairs
+            __syncwarp();
+            if (in) kr[q] = k << 16 | r;
+        }
+    }
+    __syncthreads();
+    for (u32 i = tid; i <= E; i += nt) its[i] = i < E ? (cnt[i] + PLAN_ROWS - 1) / PLAN_ROWS : 0u;
+    __syncthreads();
+    scan2_exclusive(cnt, its, E + 1, ws);
+    for (u32 q = tid; q < n_pairs; q += nt) sorted[cnt[kr[q] >> 16] + (kr[q] & 0xffffu)] = q;
+    for (u32 e = tid; e < E; e += nt) {
+        const u32 p0 = cnt[e], c = cnt[e + 1] - p0;
+        for (u32 j = 0; j * PLAN_ROWS < c; ++j)
+            items[its[e] + j] = make_uint2(e, (p0 + j * PLAN_ROWS) << 8 | min(PLAN_ROWS, c - j * PLAN_ROWS));
+    }
+    if (tid == 0) plan[0] = its[E], plan[1] = cnt[E], plan[2] = PLAN_HEADER + 2 * mi, plan[3] = 0;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Grouped expert GEMMs. Block (32, KS), KS in {1, 2, 4}; dynamic shared memory KS * NS * 4096 bytes (NS ring
+// stages of 32 rows x 8 chunks per warp, NS >= 2); a persistent grid (ops.moe picks its size: results do
+// not depend on it).
+
+constexpr int MMA_MT = 4;  // n-tiles of 8 x rows: PLAN_ROWS rows per pass
+constexpr int MMA_RT = 2;  // slabs of 16 weight rows per tile
+
+__device__ __forceinline__ float swiglu(float g, float u, float limit) {  // as moe.cu: NaN passes through
+    if (limit > 0.f) {
+        g = g > limit ? limit : g;
+        u = u > limit ? limit : (u < -limit ? -limit : u);
+    }
+    return g / (1.f + expf(-g)) * u;
+}
+
+template <bool GU> __device__ __forceinline__ void store_zero(void* out, u64 i) {
+    if (GU) ((u16*)out)[i] = 0;
+    else ((float*)out)[i] = 0.f;
+}
+
+// GU: tab_a = gate, tab_b = up, out = bf16 h [n_pairs, N] = swiglu(gate x, up x); else out = f32 y
+// [n_pairs, N] = W x (tab_b = tab_a). x of pair q: x + (q / n_slots) * xrs + (q % n_slots) * xss.
+template <int F, bool GU>
+__device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, const u64* tab_b, u32 n_pairs,
+                                           u32 n_slots, const u16* x, u32 xrs, u32 xss, void* out, u32 N, u32 K,
+                                           float limit)
+{
+    constexpr int MT = MMA_MT, RT = MMA_RT, KC = kchunk<F>(), NM = KC / 4, CH = 8, TR = 16 * RT, E = RT * MT * 4;
+    constexpr int SL = GU ? RT / 2 : RT;  // slabs per matrix: a tile has 16 * SL outputs
+    constexpr u32 OUTS = 16 * SL, STAGE = TR * CH, ROWS = 8 * MT;  // STAGE: uint4 per warp and stage
+    constexpr bool FP4 = F == NVFP4 || F == MXFP4, BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0;
+    constexpr int XS = FP4 ? 1 : 2;  // steps of x held at once
+    static_assert(ROWS == PLAN_ROWS && TR == 32, "an item fills the n-tiles; a lane copies / prefetches one row");
+    __shared__ u32 s_pair[ROWS];  // the unit's pairs (item row i -> pair id)
+    const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3, ks = threadIdx.y, KS = blockDim.y;
+    const u32 tid = ks * 32 + lane, nth = 32 * KS;
+    const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH, T = (N + OUTS - 1) / OUTS;
+    const u32 nunit = ks < NU ? (NU - 1 - ks) / KS + 1 : 0;
+    const u64 rowbytes = (u64)K * (F == BF16 ? 2 : 1) / (FP4 ? 2 : 1);
+    const u32 NS = dyn_smem_bytes() / (KS * STAGE * 16);  // ring stages, >= 2 (launcher)
+    uint4* const ring = g_dsm + ks * NS * STAGE;
+    float* const red = (float*)g_dsm;  // KS > 1: partial sums, over the rings once every warp is past them
+    const u32 count = plan ? plan[0] : (n_pairs + ROWS - 1) / ROWS;
+    const u32 none0 = plan ? plan[1] : n_pairs;
+    const u32* sorted = plan ? plan + plan[2] : nullptr;
+
+    // pairs without a local expert: zero rows (the whole grid shares them)
+    const u64 nz = (u64)(n_pairs - none0) * N;
+    for (u64 i = (u64)blockIdx.x * nth + tid; i < nz; i += (u64)gridDim.x * nth)
+        store_zero<GU>(out, (u64)sorted[none0 + i / N] * N + i % N);
+
+    const u32 cc = lane & 7, cr = lane >> 3;  // this lane copies chunk cc of rows 4i + cr
+    for (u32 w = blockIdx.x; w < count * T; w += gridDim.x) {
+        const u32 it = w / T, n0 = (w - it * T) * OUTS;
+        u32 e = 0, p0 = it * ROWS, nrows;
+        if (plan) {
+            const uint2 v = ((const uint2*)(plan + PLAN_HEADER))[it];
+            e = v.x, p0 = v.y >> 8, nrows = v.y & 0xffu;
+        } else {
+            nrows = min(ROWS, n_pairs - p0);
+        }
+        __syncthreads();  // the previous unit is done with s_pair and with the reduction area
+        if (tid < nrows) s_pair[tid] = sorted ? sorted[p0 + tid] : p0 + tid;
+        __syncthreads();
+        const u64* ta = tab_a + 3 * (u64)e;
+        const u64* tb = GU ? tab_b + 3 * (u64)e : ta;
+        const u8* const Wm[2] = {(const u8*)ta[0], (const u8*)tb[0]};
+        if (!Wm[0] || !Wm[1]) {  // not in this table (the plan may have been built from another): zeros
+            for (u32 i = tid; i < nrows * OUTS; i += nth) {
+                const u32 n = n0 + i % OUTS;
+                if (n < N) store_zero<GU>(out, (u64)s_pair[i / OUTS] * N + n);
+            }
+            continue;
+        }
+        const u8* const Sm[2] = {(const u8*)ta[1], (const u8*)tb[1]};
+        // slab r: matrix GU ? r : 0, first row n0 + (GU ? 0 : 16 r)
+        const u8* pf = nullptr;  // fp4: the block scales of tile row `lane`, prefetched into L2 per unit
+        if (FP4) {
+            const u32 sr = lane >> 4, n = min(n0 + (GU ? 0u : 16u * sr) + (lane & 15), N - 1);
+            pf = (GU && sr ? Sm[1] : Sm[0]) + (u64)n * (F == NVFP4 ? K / 16 : K / 32);
+        }
+
+        u32 iu = 0, islot = 0, left = nunit;  // issue side: next unit, ring slot
+        auto issue = [&]() {
+            if (left) {
+                --left;
+                const u32 c0 = (ks + iu * KS) * CH, ch = c0 + cc;
+                const bool ok = ch < KCH;
+                uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
+#pragma unroll
+                for (int i = 0; i < TR / 4; ++i) {
+                    const int sr = i / 4;  // the slab of rows 4i + cr
+                    const u32 r = 4 * i + cr, n = min(n0 + (GU ? 0u : 16u * sr) + (r & 15), N - 1);
+                    cp_async_stream(dst + r * CH, Wm[GU ? sr : 0] + (u64)n * rowbytes + (ok ? ch : 0) * 16u, ok);
+                }
+                if (FP4) prefetch_l2(pf + c0 * (F == NVFP4 ? 2 : 1));
+                ++iu;
+                if (++islot == NS) islot = 0;
+            }
+            cp_async_commit();  // an empty group past the end keeps the wait count uniform
+        };
+
+        const u16* xp[MT];  // x row of item row 8 jm + g (the last row stands in past nrows: loads masked)
+#pragma unroll
+        for (int jm = 0; jm < MT; ++jm) {
+            const u32 q = s_pair[min(8 * jm + g, nrows - 1)];
+            xp[jm] = x + (u64)(q / n_slots) * xrs + (u64)(q % n_slots) * xss;
+        }
+        auto load_x = [&](u32 (&X)[MT][KC / 2], u32 c) {  // chunk c of the item's x rows, as lane (g, t) wants
+#pragma unroll
+            for (int jm = 0; jm < MT; ++jm) {
+                const bool ok = 8 * jm + g < nrows && c < KCH;
+                const uint4* xq = (const uint4*)(xp[jm] + (u64)c * KC);
+#pragma unroll
+                for (int v = 0; v < KC / 8; ++v) {
+                    const uint4 q = ok ? __ldg(xq + v) : make_uint4(0, 0, 0, 0);
+                    X[jm][4 * v] = q.x; X[jm][4 * v + 1] = q.y; X[jm][4 * v + 2] = q.z; X[jm][4 * v + 3] = q.w;
+                }
+            }
+        };
+        u32 rows[RT][2];
+#pragma unroll
+        for (int r = 0; r < RT; ++r)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) rows[r][h] = min(n0 + (GU ? 0u : 16u * r) + g + 8 * h, N - 1);
+        float acc[RT][MT][4] = {};
+        for (u32 p = 1; p < NS; ++p) issue();
+        u32 cslot = 0;
+        for (u32 j = 0; j < nunit; ++j) {
+            __syncwarp();  // every lane is done reading the slot that this issue overwrites
+            issue();
+            const u32 c0 = (ks + j * KS) * CH;
+            // x words and fp4 scale bytes of the unit's two steps (not through the ring). fp4 holds one step
+            // of x at a time (32 rows x 32 k a lane would not fit next to the accumulators): step 1's loads
+            // follow step 0's mmas.
+            u32 X[XS][MT][KC / 2], sv[2][RT][2];
+            load_x(X[0], c0 + t);
+            if (XS == 2) load_x(X[XS - 1], c0 + 4 + t);
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const u32 c = c0 + 4 * s + t;
+#pragma unroll
+                for (int r = 0; r < RT; ++r)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        sv[s][r][h] = 0;
+                        const u8* S = Sm[GU ? r : 0];
+                        if (F == NVFP4 && c < KCH) sv[s][r][h] = __ldg((const u16*)S + (u64)rows[r][h] * (K / 32) + c);
+                        if (F == MXFP4 && c < KCH) sv[s][r][h] = __ldg(S + (u64)rows[r][h] * (K / 32) + c);
+                    }
+            }
+            float f[RT];  // fp8 block scale: a unit is 128 k, one 128x128 block for a slab
+#pragma unroll
+            for (int r = 0; r < RT; ++r) {
+                f[r] = 1.f;
+                if (BLOCK) {
+                    const u8* S = Sm[GU ? r : 0];
+                    const u64 si = (u64)(min(n0 + (GU ? 0u : 16u * r), N - 1) >> 7) * ((K + 127) / 128) + (c0 >> 3);
+                    f[r] = F == FP8_BLOCK ? __ldg((const float*)S + si) : e8m0_to_f(__ldg(S + si));
+                }
+            }
+            cp_async_wait_n(NS - 1);
+            __syncwarp();  // the other lanes' copies of this stage are visible
+            const uint4* st = ring + cslot * STAGE;
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                if (c0 + 4 * s >= KCH) break;  // warp-uniform: the step lies past K
+                if (XS == 1 && s == 1) load_x(X[0], c0 + 4 + t);
+#pragma unroll
+                for (int r = 0; r < RT; ++r) {
+                    uint4 wv[2];
+                    const u32 pc = (4 * s + t) ^ ((g & 1) << 2);  // rows g, g + 8 have g's parity
+                    wv[0] = st[(r * 16 + g) * CH + pc];
+                    wv[1] = st[(r * 16 + g + 8) * CH + pc];
+                    u32 sc[2][2] = {};
+                    if (FP4)
+#pragma unroll
+                        for (int h = 0; h < 2; ++h) {
+                            sc[h][0] = fp4_scale<F>(sv[s][r][h], 0);
+                            if (F == NVFP4) sc[h][1] = fp4_scale<F>(sv[s][r][h], 1);
+                        }
+                    // a fresh accumulator per step, as in mma_stream; n-tiles past the item's rows are skipped
+                    float tmp[MT][4] = {};
+#pragma unroll
+                    for (int mi = 0; mi < NM; ++mi) {
+                        u32 a[4];
+                        frag_a<F>(wv, sc, mi, a);
+#pragma unroll
+                        for (int jm = 0; jm < MT; ++jm) {
+                            if (8 * jm >= (int)nrows) break;  // uniform over the block
+                            u32 b[2];
+                            frag_b<F>(X[XS == 1 ? 0 : s][jm], mi, b);
+                            mma16816(tmp[jm], a, b);
+                        }
+                    }
+#pragma unroll
+                    for (int jm = 0; jm < MT; ++jm)
+#pragma unroll
+                        for (int e2 = 0; e2 < 4; ++e2) acc[r][jm][e2] = fmaf(tmp[jm][e2], f[r], acc[r][jm][e2]);
+                }
+            }
+            if (++cslot == NS) cslot = 0;
+        }
+
+        // C fragment element e2 of (slab r, n-tile jm): item row 8jm + 2t + (e2 & 1), output row (slab row)
+        // g + 8 (e2 >> 1). GU: v = gate, vu = up of the same output.
+        auto emit = [&](u32 r, u32 jm, u32 e2, float v, float vu) {
+            const u32 i = 8 * jm + 2 * t + (e2 & 1), n = n0 + (GU ? 0u : 16u * r) + g + 8 * (e2 >> 1);
+            if (i >= nrows || n >= N) return;
+            const u64 o = (u64)s_pair[i] * N + n;
+            const float fm0 = F == NVFP4 ? __uint_as_float((u32)ta[2]) * 256.f : F == MXFP4 ? 0x1p64f : 1.f;
+            if (GU) {
+                const float fm1 = F == NVFP4 ? __uint_as_float((u32)tb[2]) * 256.f : fm0;  // undo fp4_scale
+                const float rg = F == FP8_ROW ? __ldg((const float*)Sm[0] + n) : fm0;
+                const float ru = F == FP8_ROW ? __ldg((const float*)Sm[1] + n) : fm1;
+                ((__nv_bfloat16*)out)[o] = f2bf(swiglu(v * rg, vu * ru, limit));
+            } else {
+                ((float*)out)[o] = v * (F == FP8_ROW ? __ldg((const float*)Sm[0] + n) : fm0);
+            }
+        };
+        constexpr u32 EO = GU ? E / 2 : E;  // outputs per lane
+        if (KS == 1) {
+#pragma unroll
+            for (u32 o = 0; o < EO; ++o)
+                emit(o / (4 * MT), (o / 4) % MT, o % 4, acc[o / (4 * MT)][(o / 4) % MT][o % 4],
+                     GU ? acc[1][(o / 4) % MT][o % 4] : 0.f);
+        } else {
+            cp_async_wait<0>();  // nothing real is pending (only the trailing empty groups)
+            __syncthreads();     // every warp is past its ring: the reduction area may overwrite the rings
+#pragma unroll
+            for (int r = 0; r < RT; ++r)
+#pragma unroll
+                for (int jm = 0; jm < MT; ++jm)
+#pragma unroll
+                    for (int e2 = 0; e2 < 4; ++e2) red[(ks * E + (r * MT + jm) * 4 + e2) * 32 + lane] = acc[r][jm][e2];
+            __syncthreads();
+            for (u32 o = ks; o < EO; o += KS) {  // the warps share the sums; each adds the slices in order
+                float v = red[o * 32 + lane], vu = GU ? red[(o + EO) * 32 + lane] : 0.f;
+                for (u32 q = 1; q < KS; ++q) {
+                    v += red[(q * E + o) * 32 + lane];
+                    if (GU) vu += red[(q * E + o + EO) * 32 + lane];
+                }
+                emit(o / (4 * MT), (o / 4) % MT, o % 4, v, vu);
+            }
+        }
+    }
+}
+
+// y f32 [n_pairs, N] = W x_q for every pair (routed experts' down projections; the shared expert's with plan
+// NULL); zeros for a pair whose expert is not in the table.
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_bf16(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    expert_mma<BF16, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_row(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    expert_mma<FP8_ROW, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    expert_mma<FP8_BLOCK, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block_e8m0(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    expert_mma<FP8_BLOCK_E8M0, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K,
+                                      0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_nvfp4(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    expert_mma<NVFP4, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_mxfp4(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    expert_mma<MXFP4, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+// h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0.
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_bf16(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_mma<BF16, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_row(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_mma<FP8_ROW, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                              limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_mma<FP8_BLOCK, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                                limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block_e8m0(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_mma<FP8_BLOCK_E8M0, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,
+                                     N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_nvfp4(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_mma<NVFP4, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                            limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_mxfp4(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    expert_mma<MXFP4, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                            limit);
+}
