@@ -1,5 +1,5 @@
 // DSA (DeepSeek-V3.2 / GLM-5 lightning indexer): index scores over the paged indexer cache and the top-k
-// row selection that restricts MLA to the chosen rows (arch_math.md C.2).
+// row selection that restricts MLA to the chosen rows (docs/model_math.md C.2).
 //
 // `dsa_index_scores`: for sequence s and every visible row j < seq_len (causal: the sequence's own new row
 // included),

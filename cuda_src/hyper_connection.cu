@@ -118,7 +118,7 @@ __device__ __forceinline__ void sinkhorn_regs(float (&C)[HC_MAX][HC_MAX], u32 hc
     }
 }
 
-// Collapse for a layer (arch_math B.2): pre_j = sigmoid(mix_j s0 + b_j) + hc_eps -> x = sum_j pre_j X_j (bf16);
+// Collapse (docs/model_math.md B.2): pre_j = sigmoid(mix_j s0 + b_j) + hc_eps -> x = sum_j pre_j X_j (bf16);
 // post_j = 2 sigmoid(mix_{hc+j} s1 + b_{hc+j}); comb = Sinkhorn(L), L[j,k] = mix_{2hc+hc j+k} s2 + b_{..}:
 // C = softmax_k(L) + eps, C /= colsum + eps, then (iters-1) x {C /= rowsum + eps; C /= colsum + eps}.
 // part from hc_mix with mix = (2 + hc) hc. grid (rows, dim splits), blockDim a multiple of 32.

@@ -1,4 +1,4 @@
-// Cross-rank argmax of a vocab-sharded LM head (DESIGN.md "Several GPUs"): each rank has the argmax of its
+// Cross-rank argmax of a vocab-sharded LM head (docs/architecture.md "Several GPUs"): each rank has the argmax of its
 // vocab slice [v0, v0 + n) (local id i32 + max value f32, from argmax.cu) and the ranks agree on the global
 // winner, ties to the lower rank, identically on every rank. Two exchanges:
 //

@@ -1,4 +1,4 @@
-"""config.json parsing for the four families (values from arch_math.md) and its errors."""
+"""config.json parsing for the four families (values from docs/model_math.md) and its errors."""
 import json
 
 import pytest

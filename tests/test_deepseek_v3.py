@@ -31,7 +31,7 @@ def load(path, gpu=None, **kw):
 
 # -- the reference itself ------------------------------------------------------------------------------
 def test_reference_matches_transformers(rng):
-    """The float64 reference (naive MLA, written from arch_math.md) against transformers' layer: both are
+    """The float64 reference (naive MLA, written from docs/model_math.md) against transformers' layer: both are
     float64 but transformers computes RoPE angles and router logits in float32."""
     pytest.importorskip("transformers")
     from reference.deepseek_torch import TorchDeepseekMtp

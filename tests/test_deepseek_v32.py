@@ -46,7 +46,7 @@ def test_matches_transformers_deepseek_v32_with_rows_dropped(dev, fmt):
 
 def test_dsa_equals_dense_mla_while_rows_fit_topk():
     """With no more rows than index_topk the selection keeps every row: the DSA proposer drafts what the dense
-    oracle drafts (arch_math.md C.2)."""
+    oracle drafts (docs/model_math.md C.2)."""
     path = v32(index_topk=32)
     oracle, w, c = oracle_for(path)
     dense = MlaMtp(w, {**c, "index_topk": 10 ** 6})

@@ -1,5 +1,5 @@
 """dsa.cu: indexer scores over a paged indexer cache (causal, several sequences, shuffled block tables) against
-float64 textbook math (arch_math.md C.2), and the top-k selection against a sort (ties to the lower row,
+float64 textbook math (docs/model_math.md C.2), and the top-k selection against a sort (ties to the lower row,
 -1 padding, fewer visible rows than k, NaN). GPU: the kernels against their twins at tiny and GLM-5 dims."""
 import numpy as np
 import pytest

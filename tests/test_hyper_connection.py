@@ -1,4 +1,4 @@
-"""mHC kernels (cuda_src/hyper_connection.cu) against float64 math written from arch_math.md B.2."""
+"""mHC kernels (cuda_src/hyper_connection.cu) against float64 math written from docs/model_math.md B.2."""
 import numpy as np
 import pytest
 

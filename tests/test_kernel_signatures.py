@@ -21,7 +21,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
-import pytest
 
 from mtp_cupy import ops
 from mtp_cupy.refdev.backend import RefBackend

@@ -1,6 +1,6 @@
 """rms_norm.cu: RMSNorm (w, 1 + w, none), residual add + RMSNorm, per-head strided RMSNorm, LayerNorm with bias.
 
-References are float64 textbook formulas (arch_math.md section 0, C.2), never the twins."""
+References are float64 textbook formulas (docs/model_math.md section 0, C.2), never the twins."""
 import numpy as np
 import pytest
 

@@ -1,5 +1,5 @@
 """rope.cu and layers/rope_tables.py: interleaved / neox pairing, partial rotary at any offset, strided heads
-and positions, mscale, inverse; YaRN tables against arch_math.md A.4's numbers.
+and positions, mscale, inverse; YaRN tables against docs/model_math.md A.4's numbers.
 
 The reference applies a float64 rotation matrix per row; its angle is the contract's fp32
 `float(pos) * inv_freq` (so large positions test the kernel's sin/cos range reduction, not fp32 angles)."""
@@ -121,7 +121,7 @@ def test_inverse_undoes_rope(dev, rng, interleaved):
 
 
 def test_yarn_tables_v3():
-    """arch_math.md A.3 / A.4: low 10, high 23, mscale 1.3688879, MLA softmax scale 0.13523378."""
+    """docs/model_math.md A.3 / A.4: low 10, high 23, mscale 1.3688879, MLA softmax scale 0.13523378."""
     assert yarn_corr_range(64, 10000.0, 4096, 32, 1) == (10, 23)
     inv = yarn_inv_freq(**V3_YARN)
     base = 10000.0 ** (-np.arange(32) * 2 / 64)

@@ -132,7 +132,7 @@ class MlaMtp:
         missing = set(self.layer.state_dict()) - set(sd)
         assert not missing, f"no checkpoint tensor for {sorted(missing)}"
         self.layer.load_state_dict(sd)
-        attn = self.layer.self_attn        # the latent norms at rms_norm_eps (vLLM, SGLang; arch_math.md C.3)
+        attn = self.layer.self_attn        # the latent norms at rms_norm_eps (vLLM, SGLang; docs/model_math.md C.3)
         attn.q_a_layernorm.variance_epsilon = attn.kv_a_layernorm.variance_epsilon = self.eps
         own = v32 and P + "shared_head.head.weight" in w      # V3.2: the MTP layer's own embedding and head
         self.embed = w[P + "embed_tokens.weight"] if own else w["model.embed_tokens.weight"]

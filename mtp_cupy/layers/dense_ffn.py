@@ -1,4 +1,4 @@
-"""Dense SwiGLU FFN (arch_math.md section 0): y = down(silu(gate x) * (up x)), for heads without a MoE."""
+"""Dense SwiGLU FFN (docs/model_math.md section 0): y = down(silu(gate x) * (up x)), for heads without a MoE."""
 from __future__ import annotations
 
 from .. import ops

@@ -1,5 +1,5 @@
 """DeepSeek sparse attention (DSA): the lightning indexer picks the top-k cache rows, then absorbed MLA attends
-only those rows (arch_math.md C.2 / C.3).
+only those rows (docs/model_math.md C.2 / C.3).
 
     qr   = q_a_layernorm(q_a(xn))                   shared with MLA (the indexer reads it, never recomputes it)
     q    = (qr @ wq_b.T).view(nh, hd);  RoPE on q[:, :rope]   (interleaved GLM-5, neox V3.2: the config flag)

@@ -1,4 +1,4 @@
-"""Qwen3-Next gated full attention (arch_math.md D.3) over a paged GQA cache (a K cache and a V cache).
+"""Qwen3-Next gated full attention (docs/model_math.md D.3) over a paged GQA cache (a K cache and a V cache).
 
 q_proj's output is per head `[q_h | gate_h]` (2 * head_dim each). The per-head (1 + w) q_norm reads the q
 halves out of that interleave and writes q contiguous, so the attention kernel gets plain `[heads, hd]`

@@ -1,4 +1,4 @@
-"""mHC around one DeepSeek-V4 block (arch_math.md B.2): the residual is hc streams per row, X bf16
+"""mHC around one DeepSeek-V4 block (docs/model_math.md B.2): the residual is hc streams per row, X bf16
 [rows, hc, D]. Each site (attention, FFN) collapses X into the layer input with hc_pre and folds the layer
 output back with hc_post, using the post / comb coefficients hc_pre left for that site; the head collapses
 the output streams before the final norm."""

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (MLA), absorbed decode form over a paged latent cache (arch_math.md A.3).
+"""Multi-head latent attention (MLA), absorbed decode form over a paged latent cache (docs/model_math.md A.3).
 
     cq = rms(q_a(x); q_a_layernorm)            (or x itself when there is no q LoRA)
     q_nope[h] = q_b rows h*(nope+rope) + [0, nope) . cq      -> [H, nope]
@@ -62,7 +62,7 @@ class MlaRope:
 
     @classmethod
     def from_config(cls, cfg) -> "MlaRope":
-        """From a DeepSeek-V3-style config's RoPE (arch_math A.3/A.4): YaRN frequencies with cos/sin scaled by
+        """From a DeepSeek-V3-style config's RoPE (docs/model_math.md A.3/A.4): YaRN frequencies with cos/sin scaled by
         mscale(f, mscale) / mscale(f, mscale_all_dim) and softmax scale d^-0.5 * mscale(f, mscale_all_dim)^2."""
         rope, qk_nope, qk_rope, interleaved = cfg.rope, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.rope_interleave
         scale = (qk_nope + qk_rope) ** -0.5

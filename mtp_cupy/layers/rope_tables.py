@@ -1,4 +1,4 @@
-"""Host-side RoPE frequency tables (arch_math.md section 0 and A.4). Computed in float64, rounded once to
+"""Host-side RoPE frequency tables (docs/model_math.md section 0 and A.4). Computed in float64, rounded once to
 the float32 the `rope` kernel reads (DeepSeek's torch code computes them in float32: <= 1 ulp apart)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 sliding-window MQA with attention sinks (arch_math.md B.4), the MTP layer's kind (compress
+"""DeepSeek-V4 sliding-window MQA with attention sinks (docs/model_math.md B.4), the MTP layer's kind (compress
 ratio 0: no compressor, no indexer).
 
     q  = rms_head(wq_b(rms(wq_a x; q_norm)))        per-head RMS without a weight, H heads of head_dim

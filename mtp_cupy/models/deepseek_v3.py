@@ -1,4 +1,4 @@
-"""DeepSeek-V3/R1/V3.1/V3.2 MTP draft proposer (arch_math.md A, seed deepseek_v4_mtp.rs without mHC).
+"""DeepSeek-V3/R1/V3.1/V3.2 MTP draft proposer (docs/model_math.md A; the V4 seed without mHC, S).
 
 One draft step (A.2):
     x  = eh_proj([enorm(embed(token)) | hnorm(hidden)])          layers/mtp_front.py (embedding half first)

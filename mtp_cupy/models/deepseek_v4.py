@@ -1,4 +1,4 @@
-"""DeepSeek-V4 MTP draft proposer (arch_math.md B, seed deepseek_v4_mtp.rs).
+"""DeepSeek-V4 MTP draft proposer (docs/model_math.md B; the seed, S).
 
 One draft step (B.3):
     e = enorm(embed(token));  X_j = h_proj(hnorm(H_j)) + e_proj(e)        -> streams X [hc, D]

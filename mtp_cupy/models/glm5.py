@@ -1,4 +1,4 @@
-"""GLM-5 (`glm_moe_dsa`) MTP draft proposer (seed glm5next_mtp_head.rs, arch_math.md C.3 + A.2), sharded over
+"""GLM-5 (`glm_moe_dsa`) MTP draft proposer (docs/model_math.md C.3 + A.2; the seed, S), sharded over
 mpirun ranks like a text layer.
 
 One draft step:

@@ -1,4 +1,4 @@
-"""Qwen3-Next `MtpHead` draft proposer (arch_math.md D, seed mtp_head.rs).
+"""Qwen3-Next `MtpHead` draft proposer (docs/model_math.md D; the seed, S).
 
 One draft step (D.2): pre-fc (1 + w) norms -> concat [norm(embed), norm(hidden)] -> fc -> input_layernorm ->
 gated attention over the head's own paged K/V cache -> residual -> post_attention_layernorm -> MoE (softmax

@@ -1,4 +1,4 @@
-"""Launchers for cuda_src/hyper_connection.cu (mHC, arch_math B.2). Streams are bf16 [rows, hc, dim].
+"""Launchers for cuda_src/hyper_connection.cu (mHC, docs/model_math.md B.2). Streams are bf16 [rows, hc, dim].
 
 hc_pre and hc_head run two kernels: hc_mix (the coefficient GEMV split over column chunks, partials into
 `work`) and the finishing kernel. Size `work` with `hc_work_bytes(rows, dim, hc)`."""

@@ -1,4 +1,4 @@
-"""Global argmax of a vocab-sharded LM head across N ranks (DESIGN.md "Several GPUs").
+"""Global argmax of a vocab-sharded LM head across N ranks (docs/architecture.md "Several GPUs").
 
 Rank r sweeps its vocab slice [v0_r, v0_r + n) and takes the local argmax (id, value); the ranks then agree
 on the winner, ties to the lower rank (= the lower token id, since slices ascend with the rank), with the

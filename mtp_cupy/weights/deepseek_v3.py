@@ -1,10 +1,10 @@
-"""DeepSeek-V3/R1/V3.1/V3.2 MTP checkpoint keys (arch_math.md A.1) and device loading.
+"""DeepSeek-V3/R1/V3.1/V3.2 MTP checkpoint keys (docs/model_math.md A.1) and device loading.
 
 The MTP module is `model.layers.{num_hidden_layers}.*`. The embedding and LM head are the target's
 (`model.embed_tokens.weight`, `lm_head.weight`); the layer's own copies (`embed_tokens`, `shared_head.head`)
 are the fallback when a checkpoint holds only the MTP layer. DeepSeek-V3.2 (`deepseek_v32`) reads its layer's
 own copies first (its MTP layer ships them, as vLLM loads them) and its DSA indexer
-(`self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`, arch_math.md C.1). Each projection's format comes from its
+(`self_attn.indexer.{wq_b, wk, k_norm, weights_proj}`, docs/model_math.md C.1). Each projection's format comes from its
 safetensors dtype (FP8 block + weight_scale_inv, BF16 eh_proj, or a BF16 layer inside an FP8/NVFP4
 model), never from config.json.
 
@@ -45,7 +45,7 @@ def mtp_keys(cfg: DeepseekV3Config) -> dict[str, str]:
             "embed_copy": p + "embed_tokens.weight", "head_copy": p + "shared_head.head.weight"}
     keys.update({n: f"{p}{n}.weight" for n in NORMS})
     keys.update({n: f"{a}{n}.weight" for n in ATTN_NORMS})
-    i = a + "indexer."                 # the DSA lightning indexer (V3.2, GLM-5; arch_math.md C.1)
+    i = a + "indexer."                 # the DSA lightning indexer (V3.2, GLM-5; docs/model_math.md C.1)
     keys.update({"wq_b": i + "wq_b", "wk": i + "wk", "weights_proj": i + "weights_proj",
                  "k_norm": i + "k_norm.weight", "k_norm_bias": i + "k_norm.bias"})
     return keys

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 MTP checkpoint keys (arch_math.md B.1) and the device loader.
+"""DeepSeek-V4 MTP checkpoint keys (docs/model_math.md B.1) and the device loader.
 
 The MTP module lives under `mtp.0.` with no `model.` prefix; it has no embedding or LM head of its own and
 uses the target's top-level `embed.weight` / `head.weight` (bf16; transformers' `model.embed_tokens.weight` /

@@ -1,4 +1,4 @@
-"""GLM-5 (`glm_moe_dsa`) MTP checkpoint keys (arch_math.md C.3) and per-rank shard loading.
+"""GLM-5 (`glm_moe_dsa`) MTP checkpoint keys (docs/model_math.md C.3) and per-rank shard loading.
 
 The MTP module is `model.layers.{num_hidden_layers}.*`: enorm, hnorm, eh_proj, shared_head.norm and a full
 decoder layer (DSA attention with `self_attn.indexer.{wq_b, wk, k_norm, weights_proj}` + routed MoE). It has

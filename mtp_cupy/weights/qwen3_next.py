@@ -1,4 +1,4 @@
-"""Qwen3-Next MTP checkpoint keys (arch_math.md D.1) and the device loader.
+"""Qwen3-Next MTP checkpoint keys (docs/model_math.md D.1) and the device loader.
 
 The MTP module lives under `mtp.` (vLLM maps it to `model.`); the embedding and LM head are the target's
 (`model.embed_tokens.weight`, `lm_head.weight`). A dense-FFN head has `mlp.{gate,up,down}_proj` where a MoE

@@ -1,4 +1,4 @@
-"""Independent float64 functional reference of the DeepSeek-V3 MTP module, written from arch_math.md A.
+"""Independent float64 functional reference of the DeepSeek-V3 MTP module, written from docs/model_math.md A.
 
 It never calls mtp_cupy kernels, twins or layers. Weights are float64 arrays under the checkpoint's own
 keys (dequantised by the caller); attention is the NAIVE MLA form (per-head K/V expanded from the latent

@@ -1,4 +1,4 @@
-"""Independent float64 functional reference of the DeepSeek-V4 MTP module, written from arch_math.md B.
+"""Independent float64 functional reference of the DeepSeek-V4 MTP module, written from docs/model_math.md B.
 
 It never calls mtp_cupy kernels, twins, readers or dequantisers: `load_weights` reads the stored tensors
 with the references' own reader (reference/checkpoint.py), and the model keeps its own list of cache rows

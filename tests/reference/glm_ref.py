@@ -1,4 +1,4 @@
-"""Independent float64 functional reference of the GLM-5 (`glm_moe_dsa`) MTP module, from arch_math.md C + A.
+"""Independent float64 functional reference of the GLM-5 (`glm_moe_dsa`) MTP module, from docs/model_math.md C + A.
 
 It never calls mtp_cupy kernels, twins or layers. It extends the DeepSeek-V3 reference (same A.2 wrapper, A.3
 MLA in naive form, A.5 routing with n_group 1) with what C.2 / C.3 change:

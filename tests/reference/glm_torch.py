@@ -5,7 +5,7 @@ GlmMoeDsaForCausalLM with the checkpoint's dims (first_k_dense_replace 0, so lay
 indexer): enorm / hnorm, concat [e | h], eh_proj, the layer, shared_head.norm (the carried hidden), head.
 Every step re-runs the layer over all rows held under a causal mask (the indexer needs one); only the last
 row's output is used. transformers leaves the latent norms at eps 1e-6; they are set to rms_norm_eps here
-(arch_math.md C.3: vLLM and SGLang use rms_norm_eps)."""
+(docs/model_math.md C.3: vLLM and SGLang use rms_norm_eps)."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Independent float64 functional reference of the Qwen3-Next MTP head, written from arch_math.md D.
+"""Independent float64 functional reference of the Qwen3-Next MTP head, written from docs/model_math.md D.
 
 It never calls mtp_cupy kernels or twins. Weights are float64 arrays under the checkpoint's own keys
 (already dequantised by the caller); the reference keeps its own list of K/V rows, one per drafter row,
