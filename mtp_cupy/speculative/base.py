@@ -119,8 +119,12 @@ class MtpProposerBase:
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
         self.meta = self.bufs.meta
-        # pinned host staging of every step's slabs [max_drafts, max_batch * stride], made on first use
+        # pinned host staging of every step's slabs [max_drafts, max_batch * stride], and the inbox of a call's
+        # token ids (i32 [max_batch]) and host hiddens (bf16 [max_batch, hmax]) that the chain copies in itself
+        # (inside the graph: no copy call per propose); made on first use
         self._stage = None
+        self._inbox = None
+        self._hmax = hmax
         self._all_logits = None   # f32 [max_drafts, max_batch, vocab_eff], made on the first return_logits
         # the pad sequences' one KV row, in a block of their own, so a full pool never fails a bucketed call
         self._pad = SeqBlocks(kv)
@@ -386,16 +390,19 @@ class MtpProposerBase:
                     # eager: the chain reads a device hidden where it is; a graph reads hidden_in (its address
                     # is captured), so the hidden is copied there (device to device when it is on the device)
                     in_place = hid.ptr is not None and not graphed
-                    if not in_place:
+                    h_elems = int(np.prod(hid.row_shape))
+                    self._stage_inputs(toks, hid, W, h_elems)
+                    if hid.host is None and not in_place:
                         stage_hidden(gpu, hid, self.bufs.hidden_in)
                     hidden0 = hid.ptr if in_place else self.bufs.hidden_in
-                    self._pad_rows(B, W, int(np.prod(hid.row_shape)))
-                    gpu.copy_h2d_async(self.bufs.ids, np.array(toks + [0] * (W - B), dtype=np.int32))
+                    self._pad_rows(B, W, h_elems)
                     if masks is not None:
                         gpu.copy_h2d_async(self.bufs.mask, masks)
                     self._stage_slabs(states, rows0, poss, k, W)
-                    key = (k, W, masks is not None, want_lp, return_logits, self._graph_variant())
-                    run = lambda: self._chain(k, W, masks is not None, want_lp, return_logits, hidden0)  # noqa: E731
+                    inbox = 2 * W * h_elems if hid.host is not None else 0   # host hidden bytes the chain copies
+                    key = (k, W, masks is not None, want_lp, return_logits, inbox, self._graph_variant())
+                    run = lambda: self._chain(k, W, masks is not None, want_lp, return_logits, hidden0,  # noqa: E731
+                                              inbox)
                     if graphed:
                         self._replay(key, run)
                     else:
@@ -502,12 +509,27 @@ class MtpProposerBase:
                                   2 * (self.max_batch - B) * h_elems, self.stream)
             self._pad_zeroed = True
 
-    def _stage_slabs(self, states, rows0, positions, k: int, W: int) -> None:
-        """Every step's slabs into the pinned stage; rows past len(states) (up to W) get the pad slab. The chain
-        copies from the stage when it runs, so the previous chain must have run first (a wait for it only,
-        which has always passed when its results were read to the host)."""
+    def _stage_inputs(self, toks: list[int], hid, W: int, h_elems: int) -> None:
+        """The call's token ids (pad rows: 0) and, for a host hidden, its bf16 rows into the pinned inbox that
+        `_chain` copies from. Rows past len(toks) keep what an earlier call left there: finite (checked), never
+        read back. The previous chain must have read the inbox first (a wait for it only)."""
         if self._stage_done is not None:
             self.gpu.host_wait(self._stage_done)
+            self._stage_done = None
+        if self._inbox is None:
+            self._inbox = self.gpu.alloc_pinned(4 * self.max_batch + 2 * self.max_batch * self._hmax)
+            self._inbox[:] = 0
+        ids = self._inbox[:4 * self.max_batch].view(np.int32)
+        ids[:len(toks)] = toks
+        ids[len(toks):W] = 0
+        if hid.host is not None:
+            src = np.ascontiguousarray(hid.host).reshape(-1).view(np.uint8)
+            self._inbox[4 * self.max_batch:4 * self.max_batch + src.size] = src
+
+    def _stage_slabs(self, states, rows0, positions, k: int, W: int) -> None:
+        """Every step's slabs into the pinned stage; rows past len(states) (up to W) get the pad slab. The chain
+        copies from the stage when it runs, so the previous chain must have run first (`_stage_inputs` waited
+        for it)."""
         if self._stage is None:
             self._stage = self.gpu.alloc_pinned(self.max_drafts * self.max_batch * self.meta_stride)
             self._stage = self._stage.reshape(self.max_drafts, -1)
@@ -523,10 +545,15 @@ class MtpProposerBase:
             self._all_logits = self.gpu.alloc(4 * self.max_drafts * self.max_batch * self.vocab_eff)
         return self._all_logits.ptr.offset(4 * W * self.vocab_eff * step)
 
-    def _chain(self, k: int, W: int, masked: bool, want_lp: bool, keep_logits: bool, hidden0=None) -> None:
-        """The k steps over W rows. Per-call values live in device buffers (ids, hidden_in, the staged slabs),
-        so the same launches replay as a graph; eagerly, step 0 may read the hiddens at `hidden0` instead."""
+    def _chain(self, k: int, W: int, masked: bool, want_lp: bool, keep_logits: bool, hidden0=None,
+               inbox: int = 0) -> None:
+        """The k steps over W rows. Per-call values come from pinned host staging (ids, `inbox` bytes of host
+        hiddens, every step's slabs) copied in by the chain itself, or live in device buffers, so the same
+        launches replay as a graph; eagerly, step 0 may read the hiddens at `hidden0` instead."""
         b = self.bufs
+        self.gpu.copy_h2d_async(b.ids, self._inbox[:4 * W])
+        if inbox:
+            self.gpu.copy_h2d_async(b.hidden_in, self._inbox[4 * self.max_batch:4 * self.max_batch + inbox])
         hid = b.hidden_in if hidden0 is None else hidden0
         for i in range(k):
             self.gpu.copy_h2d_async(self.meta, self._stage[i, :W * self.meta_stride])
