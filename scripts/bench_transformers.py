@@ -19,12 +19,7 @@ SpecDecodeMetrics."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))       # this tree's mtp_cupy
 
 
 def parse(argv=None):

@@ -8,8 +8,8 @@ DeepseekV3Target.__doc__ = """The whole DeepSeek-V3-layout target model (MLA + M
     Parameters
     ----------
     gpu : Backend
-        `mtp_cupy.device(...)`. The runner sets `gpu.batch_invariant`, so a verified row computes exactly as
-        the same row decoded alone.
+        `mtp_cupy.device(...)`. Every layer of the runner is built with invariant=True (launch geometry
+        independent of the row count), so a verified row computes exactly as the same row decoded alone.
     path : str or Path
         A deepseek_v3 checkpoint directory (config.json + *.safetensors).
     max_seq_len : int
