@@ -81,8 +81,20 @@ MUTATIONS = [
       "mtp_cupy/models/glm5.py", "return self.bufs.carry   # GLM-5", "return self.bufs.x   # GLM-5",
       "tests/test_glm_mtp.py"),
     M("chained-rope-position", "chained draft i staged at position + 2i instead of position + i",
-      "mtp_cupy/runtime/arena.py", "s32[i, 0], s32[i, 4] = position + i, row + 1",
-      "s32[i, 0], s32[i, 4] = position + 2 * i, row + 1", "tests/test_deepseek_v3.py", "tests/test_qwen_mtp.py"),
+      "mtp_cupy/runtime/arena.py", "s32[i, _POS32], s32[i, _SEQ_LEN32] = position + i, row + 1",
+      "s32[i, _POS32], s32[i, _SEQ_LEN32] = position + 2 * i, row + 1", "tests/test_deepseek_v3.py",
+      "tests/test_qwen_mtp.py"),
+    M("batch-rope-position", "a batch's chained draft i staged at position + 2i (the B > 1 slab stager)",
+      "mtp_cupy/runtime/arena.py", "s32[:k, c4 + _POS32] = np.asarray(positions, dtype=np.int64)[None, :] + step",
+      "s32[:k, c4 + _POS32] = np.asarray(positions, dtype=np.int64)[None, :] + 2 * step", "tests/test_batch.py"),
+    M("inbox-hidden-shifted", "a host hidden lands one bf16 late in the pinned inbox the chain copies from",
+      "mtp_cupy/speculative/base.py",
+      "self._inbox[4 * self.max_batch:4 * self.max_batch + src.size] = src",
+      "self._inbox[4 * self.max_batch + 2:4 * self.max_batch + 2 + src.size] = src",
+      "tests/test_deepseek_v3.py", "tests/test_batch.py"),
+    M("v3-default-carry-pre-norm", "DeepSeek-V3 carries the pre-norm hidden unless told otherwise",
+      "mtp_cupy/models/deepseek_v3.py", 'carried_hidden: str = opt("post_norm",',
+      'carried_hidden: str = opt("pre_norm",', "tests/test_deepseek_v3.py", "tests/test_carried_hidden.py"),
     # -- more ---------------------------------------------------------------------------------------------------
     M("fp4-nibbles-swapped", "E2M1 packing high nibble first in our writer AND loader (self-consistent)",
       "mtp_cupy/weights/quant_host.py",
@@ -189,6 +201,8 @@ def main() -> int:
     ap.add_argument("-v", "--verbose", dest="v", action="store_true", help="print each mutation's test output tail")
     args = ap.parse_args()
     chosen = [m for m in MUTATIONS if args.k in m.name]
+    if not chosen:
+        ap.error(f"no mutation name contains {args.k!r} (--list shows them)")
     if args.list:
         for m in chosen:
             print(f"{m.name:30s} {m.why}\n{'':30s} {', '.join(m.tests)}{' (mpiexec -n 2)' if m.mpi else ''}")
