@@ -1,215 +1,123 @@
-"""Train a tiny DeepSeek-V3-layout model (MLA + MoE, byte-level vocabulary) jointly with its MTP module, on
-the Python standard library's own source, and write it as an HF-layout checkpoint with the real key names
-(MTP layer at `model.layers.{num_hidden_layers}.*`). Runs on a GPU machine with torch + transformers:
+"""Train a family's tiny model jointly with its MTP module on the Python standard library's own source (byte
+vocabulary) and write it in the family's checkpoint layout, with training.json and training.png (the curves).
+transformers' own model class is the target; the MTP module is composed around a decoder layer of that class
+(mtp_cupy/training/). Runs on a GPU machine with torch + transformers (a CPU does a smoke run):
 
-    python scripts/train_tiny.py --out mtp_cupy/data/tiny_v3 --steps 3000
+    python scripts/train_tiny.py --family deepseek_v4 --steps 4000 --time-limit 300 --chain 3
 
-Loss (DeepSeek-V3 report): CE(next token) + lambda * CE(MTP: token after next), where the MTP row at i pairs
-the main model's final-normed hidden at i with embed(token i+1): x = eh_proj([enorm(e), hnorm(h)])."""
+Loss (DeepSeek-V3 report): CE(next token) + lambda * mean over depths d < --chain of CE(MTP row at depth d:
+token i + 2 + d). Depth 0 pairs the target's hidden at i with token i + 1; depth d > 0 pairs the head's own
+carried hidden of depth d - 1 with token i + 1 + d, attending as a chained draft does (training/common.py), so
+the head is trained for the k > 1 drafts it is reused for. Deterministic given --seed (on one device)."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 
 import numpy as np
 
+import mtp_cupy
 from mtp_cupy.bench.cli import Parser, positive_int, run_main
-from mtp_cupy.bench.corpus import stdlib_files
-
-CONFIG = dict(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=256,
-              hidden_size=256, intermediate_size=768, moe_intermediate_size=128, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
-              num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-              scoring_func="sigmoid", topk_method="noaux_tc", first_k_dense_replace=1, q_lora_rank=128,
-              kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32, rms_norm_eps=1e-6,
-              rope_theta=10000.0, rope_scaling=None, rope_interleave=True, max_position_embeddings=4096,
-              num_nextn_predict_layers=1, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
-              bos_token_id=None, eos_token_id=None, torch_dtype="bfloat16",
-              tokenizer="bytes: token id = byte value (0..255)")
+from mtp_cupy.bench.corpus import held_out_prompts
+from mtp_cupy.training import FAMILIES, family_module
+from mtp_cupy.training.common import batches, corpus, evaluate, greedy_acceptance, hidden_hook, lr_factor, losses
 
 
-def corpus(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """stdlib .py bytes; ~5% of files (by name hash) held out."""
-    join = lambda files: np.frombuffer(b"\n".join(f.read_bytes() for f in files), np.uint8)  # noqa: E731
-    return join(stdlib_files(False, seed)), join(stdlib_files(True, seed))
+def plot(log: list[dict], depth: int, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    s = [r["step"] for r in log]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    ax[0].plot(s, [r["train_loss"] for r in log], label="train next-token")
+    ax[0].plot(s, [r["loss"] for r in log], label="held-out next-token")
+    ax[1].plot(s, [r["acc"] for r in log], label="next-token top-1")
+    for d in range(depth):
+        ax[0].plot(s, [r[f"mtp_loss_{d}"] for r in log], label=f"held-out MTP depth {d}")
+        ax[1].plot(s, [r[f"mtp_agree_{d}"] for r in log], label=f"MTP depth {d} == target greedy")
+    ax[0].set_xlabel("step"); ax[0].set_ylabel("cross-entropy (nats)"); ax[0].legend()
+    ax[1].set_xlabel("step"); ax[1].set_ylabel("held-out accuracy"); ax[1].legend()
+    fig.tight_layout(); fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
-def make_mtp(model, cfg):
-    """The MTP module (enorm, hnorm, eh_proj, the extra decoder layer, shared_head.norm) around `model`."""
-    import torch
-
-    class Mtp(torch.nn.Module):
-        def __init__(self, model, cfg):
-            super().__init__()
-            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
-            d = cfg.hidden_size
-            # built as an extra layer (MoE), unused by the main forward
-            self.layer = model.model.layers[cfg.num_hidden_layers]
-            self.enorm, self.hnorm = DeepseekV3RMSNorm(d, cfg.rms_norm_eps), DeepseekV3RMSNorm(d, cfg.rms_norm_eps)
-            self.head_norm = DeepseekV3RMSNorm(d, cfg.rms_norm_eps)
-            self.eh_proj = torch.nn.Linear(2 * d, d, bias=False)
-            torch.nn.init.normal_(self.eh_proj.weight, std=cfg.initializer_range)
-
-        def forward(self, model, h, next_ids, pos):
-            e = model.model.embed_tokens(next_ids)
-            x = self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], -1))
-            pe = model.model.rotary_emb(x, pos)
-            mask = torch.full((x.shape[1], x.shape[1]), float("-inf"), device=x.device).triu(1)[None, None]
-            g = self.layer(x, position_embeddings=pe, attention_mask=mask.to(x.dtype), position_ids=pos)
-            return model.lm_head(self.head_norm(g))
-
-    return Mtp(model, cfg)
-
-
-def build(device):
-    from transformers import AutoConfig, AutoModelForCausalLM
-    keys = {k: v for k, v in CONFIG.items() if k not in ("model_type", "architectures", "tokenizer", "torch_dtype", "scoring_func",
-                                                          "topk_method", "rope_theta", "rope_scaling")}
-    keys["num_hidden_layers"] = CONFIG["num_hidden_layers"] + 1
-    cfg = AutoConfig.for_model("deepseek_v3", rope_parameters={"rope_theta": CONFIG["rope_theta"], "rope_type": "default"},
-                               attn_implementation="eager", **keys)
-    model = AutoModelForCausalLM.from_config(cfg).to(device)
-    model.config.num_hidden_layers = CONFIG["num_hidden_layers"]  # the main forward runs the first N layers
-    return model, make_mtp(model, model.config).to(device)
-
-
-def batches(data: np.ndarray, bs: int, T: int, rng):
-    import torch
-    while True:
-        idx = rng.integers(0, data.size - T - 2, bs)
-        yield torch.from_numpy(np.stack([data[i:i + T + 2] for i in idx]).astype(np.int64))
-
-
-def losses(model, mtp, x):
-    import torch
-    import torch.nn.functional as F
-    ids, T = x[:, :-2], x.shape[1] - 2
-    pos = torch.arange(T, device=x.device)[None]
-    out = model(input_ids=ids, position_ids=pos, output_hidden_states=True)
-    h = out.hidden_states[-1]                              # final-normed, what the drafter is handed
-    main = F.cross_entropy(out.logits.float().reshape(-1, 256), x[:, 1:-1].reshape(-1))
-    ml = mtp(model, h, x[:, 1:-1], pos)
-    mtpl = F.cross_entropy(ml.float().reshape(-1, 256), x[:, 2:].reshape(-1))
-    return main, mtpl, out.logits, ml
-
-
-def evaluate(model, mtp, held, T, device, n=64):
-    import torch
-    with torch.no_grad():
-        rng = np.random.default_rng(123)
-        x = next(batches(held, n, T, rng)).to(device)
-        with torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
-            main, mtpl, lg, ml = losses(model, mtp, x)
-        acc = (lg.argmax(-1) == x[:, 1:-1]).float().mean().item()
-        macc = (ml.argmax(-1) == x[:, 2:]).float().mean().item()
-        # the drafter's proposal is accepted when it equals the target's own greedy next-next prediction
-        agree = (ml[:, :-1].argmax(-1) == lg[:, 1:].argmax(-1)).float().mean().item()
-        return dict(loss=main.item(), mtp_loss=mtpl.item(), acc=acc, mtp_acc=macc, mtp_agree=agree)
-
-
-def export(model, mtp, out: Path):
-    import torch
-    from safetensors.torch import save_file
-    n = CONFIG["num_hidden_layers"]
-    sd = {}
-    for k, v in model.state_dict().items():
-        if k.startswith(f"model.layers.{n}.") or "rotary" in k:
-            continue
-        sd[k] = v
-    for k, v in mtp.layer.state_dict().items():
-        sd[f"model.layers.{n}.{k}"] = v
-    for name, mod in (("enorm", mtp.enorm), ("hnorm", mtp.hnorm), ("shared_head.norm", mtp.head_norm),
-                      ("eh_proj", mtp.eh_proj)):
-        sd[f"model.layers.{n}.{name}.weight"] = mod.weight
-    flat = {}
-    for k, v in sd.items():   # fused experts -> the per-expert checkpoint keys real V3 checkpoints use
-        if k.endswith("mlp.experts.gate_up_proj"):
-            inter = v.shape[1] // 2
-            for e in range(v.shape[0]):
-                flat[k.replace("gate_up_proj", f"{e}.gate_proj.weight")] = v[e, :inter]
-                flat[k.replace("gate_up_proj", f"{e}.up_proj.weight")] = v[e, inter:]
-        elif k.endswith("mlp.experts.down_proj"):
-            for e in range(v.shape[0]):
-                flat[k.replace("down_proj", f"{e}.down_proj.weight")] = v[e]
-        else:
-            flat[k] = v
-    tensors = {k: (v.float() if k.endswith("e_score_correction_bias") else v.to(torch.bfloat16)).contiguous().cpu()
-               for k, v in flat.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=2) + "\n")
-    return sum(t.numel() for t in tensors.values())
-
-
-def main():
+def main(argv=None):
     ap = Parser(__doc__)
-    ap.add_argument("--out", default="mtp_cupy/data/tiny_v3",
-                    help="checkpoint directory written (config.json, model.safetensors, training.json)")
-    ap.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps")
+    ap.add_argument("--family", choices=FAMILIES, default="deepseek_v3", help="model family")
+    ap.add_argument("--out", help="checkpoint directory written (default: the family's embedded model, "
+                    "mtp_cupy.EMBEDDED[family])")
+    ap.add_argument("--steps", type=positive_int, default=3000, help="optimizer steps (the cosine schedule's length)")
     ap.add_argument("--batch", type=positive_int, default=64, help="sequences per step")
-    ap.add_argument("--seq", type=positive_int, default=256, help="tokens (bytes) per sequence")
-    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; 100 warm-up steps, cosine)")
+    ap.add_argument("--seq", type=positive_int, default=256, help="target tokens (bytes) per sequence")
+    ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; 100 warm-up steps, then "
+                    "cosine to zero at the end of the schedule)")
     ap.add_argument("--mtp-weight", type=float, default=0.3, help="lambda: weight of the MTP loss")
+    ap.add_argument("--chain", type=positive_int, default=1,
+                    help="MTP depths trained: 1 = the next-next token only; d > 1 adds d - 1 chained rows")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     ap.add_argument("--time-limit", type=float, default=0,
-                    help="stop (and export) after this many seconds (default 0: no limit)")
-    args = ap.parse_args()
+                    help="train for this many seconds at most: the schedule runs over min(--steps, what fits) and "
+                         "decays to zero at the limit (default 0: --steps alone)")
+    ap.add_argument("--eval-every", type=positive_int, default=100, help="steps between held-out evaluations")
+    args = ap.parse_args(argv)
     import torch
+    fam = family_module(args.family)
+    out = Path(args.out or mtp_cupy.EMBEDDED[args.family])
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(args.seed)
     train, held = corpus()
-    print(f"corpus: {train.size / 1e6:.1f} MB train, {held.size / 1e6:.2f} MB held out; device {device}")
-    model, mtp = build(device)
-    params = list(model.parameters()) + [p for n, p in mtp.named_parameters() if not n.startswith("layer.")]
+    print(f"{args.family}: corpus {train.size / 1e6:.1f} MB train, {held.size / 1e6:.2f} MB held out; device "
+          f"{device}; chain {args.chain}", flush=True)
+    target, head = fam.build(device)
+    box, hook = hidden_hook(target)
+    params = [p for p in list(target.parameters()) + list(head.parameters()) if p.requires_grad]
+    params = list({id(p): p for p in params}.values())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warm = 100
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     rng, log, t0 = np.random.default_rng(args.seed), [], time.time()
-    it = batches(train, args.batch, args.seq, rng)
+    it = batches(train, args.batch, args.seq + args.chain + 1, rng)
     for step in range(args.steps + 1):
+        done = step / args.steps if not args.time_limit else max(step / args.steps, (time.time() - t0) / args.time_limit)
+        for g in opt.param_groups:
+            g["lr"] = args.lr * lr_factor(step, min(done, 1.0))
         x = next(it).to(device)
         with torch.autocast("cuda", torch.bfloat16, enabled=device == "cuda"):
-            main_l, mtp_l, _, _ = losses(model, mtp, x)
-        loss = main_l + args.mtp_weight * mtp_l
+            main_l, mtp_l, _, _ = losses(target, head, box, x, args.chain)
+        loss = main_l + args.mtp_weight * sum(mtp_l) / len(mtp_l)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        sched.step()
-        out_of_time = args.time_limit and time.time() - t0 > args.time_limit
-        if step % 100 == 0 or step == args.steps or out_of_time:
-            ev = evaluate(model, mtp, held, args.seq, device)
-            rec = dict(step=step, train_loss=main_l.item(), train_mtp_loss=mtp_l.item(), time=time.time() - t0, **ev)
+        last = done >= 1.0 or step == args.steps
+        if step % args.eval_every == 0 or last:
+            ev = evaluate(target, head, box, held, args.seq, args.chain, device)
+            rec = dict(step=step, train_loss=main_l.item(), time=round(time.time() - t0, 1), lr=opt.param_groups[0]["lr"],
+                       **ev)
             log.append(rec)
-            print(json.dumps(rec), flush=True)
-        if out_of_time:
-            print(f"time limit reached at step {step}")
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in rec.items()}), flush=True)
+        if last:
+            if step < args.steps:
+                print(f"time limit reached at step {step}: the schedule ended there (rerun with --steps {step} and "
+                      "no --time-limit to repeat it)")
             break
-    out = Path(args.out)
-    n = export(model, mtp, out)
-    (out / "training.json").write_text(json.dumps(dict(args=vars(args), params=n, device=torch.cuda.get_device_name()
-                                                       if device == "cuda" else "cpu", log=log), indent=1) + "\n")
+    target.eval()
+    rates = greedy_acceptance(target, head, box, held_out_prompts(12, 64), 48, 3, device)
+    print(f"greedy acceptance per position (held-out, k = 3, every position): {', '.join(f'{r:.3f}' for r in rates)}; "
+          f"mean acceptance length {1 + sum(rates):.2f}")
+    hook.remove()
+    n = fam.export(target, head, out)
+    (out / "training.json").write_text(json.dumps(dict(family=args.family, args={**vars(args), "out": str(out)},
+                                                       params=n, torch=torch.__version__,
+                                                       greedy_acceptance_k3=rates, steps_run=step,
+                                                       device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                                                       log=log), indent=1) + "\n")
     print(f"wrote {out} ({n / 1e6:.2f} M params, {sum(f.stat().st_size for f in out.iterdir()) / 1e6:.1f} MB) "
           f"in {time.time() - t0:.0f} s")
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        s = [r["step"] for r in log]
-        fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-        ax[0].plot(s, [r["train_loss"] for r in log], label="train next-token")
-        ax[0].plot(s, [r["loss"] for r in log], label="held-out next-token")
-        ax[0].plot(s, [r["mtp_loss"] for r in log], label="held-out MTP (token after next)")
-        ax[0].set_xlabel("step"); ax[0].set_ylabel("cross-entropy (nats)"); ax[0].legend()
-        ax[1].plot(s, [r["acc"] for r in log], label="next-token top-1")
-        ax[1].plot(s, [r["mtp_acc"] for r in log], label="MTP top-1")
-        ax[1].plot(s, [r["mtp_agree"] for r in log], label="MTP == target greedy")
-        ax[1].set_xlabel("step"); ax[1].set_ylabel("held-out accuracy"); ax[1].legend()
-        fig.tight_layout(); fig.savefig(out / "training.png", dpi=80)
-    except Exception as e:  # the plot is a convenience; the numbers are in training.json
+        plot(log, args.chain, out / "training.png")
+    except ImportError as e:  # the plot is a convenience; the numbers are in training.json
         print(f"no plot: {e}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ MODEL_TYPE = {"deepseek_v3": "deepseek_v3", "deepseek_v4": "deepseek_v4", "qwen3
               "glm5": "glm_moe_dsa"}
 # config.json fields of the tiny writers that transformers must not see (quantization would make it quantise the
 # float target) or that it spells otherwise
-_NOT_FOR_HF = ("model_type", "architectures", "torch_dtype", "quantization_config", "expert_dtype", "rope_scaling")
+NOT_FOR_HF = ("model_type", "architectures", "torch_dtype", "quantization_config", "expert_dtype", "rope_scaling")
 # what the tiny configs leave to transformers' defaults but a tiny target needs: small linear-attention heads
 # (Qwen3-Next), plain RoPE where the tiny V3 config has YaRN
 _HF_EXTRA = {
@@ -44,7 +44,7 @@ TARGET_SHARD, MTP_SHARD = "model-00001-of-00002.safetensors", "model-00002-of-00
 def hf_config(fam: str, tiny_cfg: dict, **overrides):
     """transformers' config of the target with the tiny MTP checkpoint's dims."""
     from transformers import AutoConfig
-    keys = {k: v for k, v in tiny_cfg.items() if k not in _NOT_FOR_HF}
+    keys = {k: v for k, v in tiny_cfg.items() if k not in NOT_FOR_HF}
     keys.update(_HF_EXTRA.get(fam, {}))
     keys.update(overrides)
     return AutoConfig.for_model(MODEL_TYPE[fam], **keys)
@@ -81,7 +81,7 @@ def write_hf_target(fam: str, path, seed: int = 0, mtp_seed: int | None = None, 
     (path / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     cfg = json.loads((path / "config.json").read_text())
-    extra = {k: v for k, v in tiny_cfg.items() if k not in cfg and k not in _NOT_FOR_HF}
+    extra = {k: v for k, v in tiny_cfg.items() if k not in cfg and k not in NOT_FOR_HF}
     (path / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2) + "\n")
     return path
 

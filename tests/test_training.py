@@ -1,0 +1,73 @@
+"""The training export (mtp_cupy/training) writes what the proposer reads: for every family, a model trained a
+few steps on the CPU is exported, the proposer loads it (NumPy device) and its chained drafts' logits equal the
+torch head's own chained rows (training/common.py `MtpHeadMixin.chain`, the rows a chained propose computes)
+at every depth, with the weights rounded to the BF16 the export stores. A key mapped wrongly, a swapped
+projection or a carried hidden taken from the wrong place fails here; the trained embedded models' acceptance
+is tests/test_embedded.py."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import mtp_cupy  # noqa: E402
+from mtp_cupy.training import FAMILIES, family_module  # noqa: E402
+from mtp_cupy.training.common import batches, corpus, hidden_hook, losses  # noqa: E402
+from helpers import rel_err  # noqa: E402
+
+
+def spread(module, g) -> None:
+    """Weights of order one everywhere (matrices N(0, 1/fan_in), vectors + N(0, 0.1^2)): at transformers' init
+    (std 0.02) the experts and the attention barely move the residual, and a swapped tensor would not show."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+            else:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def trained(fam: str, seed: int, steps: int = 3, depth: int = 3):
+    torch.manual_seed(seed)
+    mod = family_module(fam)
+    target, head = mod.build("cpu")
+    g = torch.Generator().manual_seed(seed)
+    spread(target, g)
+    spread(head, g)
+    box, hook = hidden_hook(target)
+    params = list({id(p): p for p in list(target.parameters()) + list(head.parameters())}.values())
+    opt = torch.optim.AdamW(params, lr=3e-3)
+    it = batches(corpus()[0], 2, 32 + depth + 1, np.random.default_rng(0))
+    for _ in range(steps):
+        main, mtp, _, _ = losses(target, head, box, next(it), depth)
+        opt.zero_grad()
+        (main + sum(mtp)).backward()
+        opt.step()
+    return mod, target.eval(), head.eval(), box, hook
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_export_is_what_the_proposer_computes(fam, tmp_path, rng):
+    mod, target, head, box, hook = trained(fam, int(rng.integers(1 << 30)))
+    mod.export(target, head, tmp_path)
+    with torch.no_grad():                       # the BF16 the checkpoint holds, in both models
+        for p in list(target.parameters()) + list(head.parameters()):
+            p.copy_(p.to(torch.bfloat16).float())
+    L, k = int(rng.integers(12, 20)), 3
+    prompt = rng.integers(0, 256, L).tolist()
+    with torch.no_grad():
+        lg = target(input_ids=torch.tensor([prompt])).logits[0]
+        H = box["h"]
+        hook.remove()
+        ids = prompt + [int(lg[-1].argmax())]
+        drafter = mtp_cupy.load_proposer(tmp_path, gpu="ref", max_seq_len=64)
+        st = drafter.alloc_state()
+        drafter.prefill(st, ids[:L], H[0, :L - 1].numpy())
+        res = drafter.propose(st, ids[L], H[0, L - 1].numpy(), L - 1, k, return_logits=True)
+        full = torch.tensor([ids + res.tokens[:k - 1]])
+        want = [m[0, L - 1].numpy() for m in head.chain(target, full, H[:, :L], k)]
+    for d in range(k):
+        err = rel_err(res.logits[d], want[d])
+        print(f"{fam} depth {d}: rel err {err:.2e}")
+        assert err < 2e-2, f"{fam} depth {d}: rel err {err:.3g}"
+    assert not np.isnan(res.logits).any()
