@@ -75,8 +75,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--prompt", default="import os\nimport sys\n\n\ndef main(", help="prompt text (byte-level)")
     s.add_argument("--max-new-tokens", type=_int_in(1), default=64, metavar="N", help="tokens to generate")
     s.add_argument("--num-drafts", type=_int_in(1, MAX_DRAFTS), default=3, metavar="K", help=drafts)
-    s.add_argument("--checkpoint", metavar="DIR", help="deepseek_v3-layout checkpoint directory with its MTP layer "
-                   "(default: the embedded model trained on Python's stdlib)")
+    s.add_argument("--family", choices=FAMILIES, help="run the embedded model of this family (trained on Python's "
+                   "stdlib; default: deepseek_v3, or the family of --checkpoint). deepseek_v3 runs mtp_cupy's own "
+                   "target; the others run transformers' target (needs torch + transformers)")
+    s.add_argument("--checkpoint", metavar="DIR", help="checkpoint directory holding the target and its MTP layer "
+                   "(default: the embedded model of --family)")
     s.add_argument("--device", **devices)
     s.add_argument("--temperature", type=_float_min(0, False), default=0.0,
                    help="0 = greedy; > 0 = lossless rejection sampling")

@@ -1,5 +1,6 @@
-"""`python -m mtp_cupy generate`: speculative decoding with a DeepSeek-V3-layout target and its MTP layer
-(default: the embedded trained checkpoint, byte-level vocabulary), compared with target-only decoding."""
+"""`python -m mtp_cupy generate`: speculative decoding with a checkpoint's target and its MTP layer (default: the
+embedded trained model of --family, byte-level vocabulary), compared with target-only decoding. The target is
+mtp_cupy's own runner for DeepSeek-V3 and transformers' model of the checkpoint for the other families."""
 from __future__ import annotations
 
 import json
@@ -11,15 +12,26 @@ from tqdm import tqdm
 from .errors import ConfigError, InputError
 
 
+def checkpoint_of(args) -> str:
+    """--checkpoint, else the embedded model of --family (default deepseek_v3); a --family that is not the
+    checkpoint's is an error."""
+    import mtp_cupy
+    from .weights.config import load_config
+    from .weights.info import checkpoint_dir
+    if args.checkpoint is None:
+        return mtp_cupy.EMBEDDED[args.family or "deepseek_v3"]
+    fam = load_config(checkpoint_dir(args.checkpoint)).family
+    if args.family and args.family != fam:
+        raise ConfigError(f"--checkpoint {args.checkpoint} is a {fam} checkpoint, not --family {args.family}")
+    return args.checkpoint
+
+
 def plan(args, path) -> tuple[list[int], int, int]:
     """(prompt ids, drafts per step, max_seq_len) for the run, checked against the checkpoint before any weight
     is read. Drafts are capped to what max_new_tokens can use (the prefill pass gives the first token)."""
-    from .weights.config import DeepseekV3Config, load_config
+    from .weights.config import load_config
     from .weights.info import checkpoint_dir
     cfg = load_config(checkpoint_dir(path))
-    if not isinstance(cfg, DeepseekV3Config):
-        raise ConfigError(f"{path} is a {cfg.family} checkpoint; generate's target runner reads deepseek_v3 "
-                          "(try: python -m mtp_cupy demo --checkpoint DIR)")
     if args.metrics_json and not Path(args.metrics_json).resolve().parent.is_dir():
         raise InputError(f"--metrics-json {args.metrics_json}: directory {Path(args.metrics_json).parent} does "
                          "not exist")
@@ -33,7 +45,7 @@ def plan(args, path) -> tuple[list[int], int, int]:
         print(f"note: --max-new-tokens {args.max_new_tokens} leaves room for at most {k} draft(s) per step; "
               f"drafting {k}, not {args.num_drafts}", file=sys.stderr)
     max_len = len(prompt) + args.max_new_tokens + k + 2
-    ctx = cfg.max_position_embeddings
+    ctx = getattr(cfg, "max_position_embeddings", None) or max_len
     if max_len > ctx:
         raise InputError(f"--max-new-tokens {args.max_new_tokens} does not fit the model's context: the prompt's "
                          f"{len(prompt)} tokens + {args.max_new_tokens} new + {k} drafts (+2) run past "
@@ -59,14 +71,15 @@ def cpu_note(spec, base) -> str:
 def run_generate(args) -> int:
     import mtp_cupy
     from .speculative.generate import generate, generate_target_only
-    from .target import DeepseekV3Target
-    path = args.checkpoint or mtp_cupy.DEFAULT_CHECKPOINT
+    from .target import DeepseekV3Target, load_target
+    path = checkpoint_of(args)
     prompt, k, max_len = plan(args, path)
     gpu = mtp_cupy.device(args.device)
-    target = DeepseekV3Target(gpu, path, max_seq_len=max_len)
+    target = load_target(path, gpu, max_len)
     drafter = mtp_cupy.load_proposer(path, gpu=gpu, max_seq_len=max_len, max_drafts=k)
-    print(f"device: {gpu.name}; target {path}: {target.cfg.num_hidden_layers} layers, hidden {target.hidden_size}, "
-          f"vocab {target.vocab_size}; {k} drafts per step", file=sys.stderr)
+    runner = "mtp_cupy's own target" if isinstance(target, DeepseekV3Target) else "transformers' target"
+    print(f"device: {gpu.name}; {drafter.family} {path} ({runner}): {target.cfg.num_hidden_layers} layers, hidden "
+          f"{target.hidden_size}, vocab {target.vocab_size}; {k} drafts per step", file=sys.stderr)
     if gpu.is_cuda:  # compile and warm up outside the timings
         generate(target, drafter, prompt, min(8, args.max_new_tokens), k)
     base = None
@@ -87,13 +100,13 @@ def run_generate(args) -> int:
         print(f"target only: {base.tokens_per_s:.1f} tokens/s; speedup {spec.tokens_per_s / base.tokens_per_s:.2f}x; "
               f"output {same} to target-only" + (" (greedy)" if args.temperature <= 0 else " (sampled)"),
               file=sys.stderr)
-    if not gpu.is_cuda and m.num_drafts and (base is None or spec.tokens_per_s < base.tokens_per_s):
+    if not gpu.is_cuda and isinstance(target, DeepseekV3Target) and m.num_drafts and (base is None or spec.tokens_per_s < base.tokens_per_s):
         print(cpu_note(spec, base), file=sys.stderr)
     if args.metrics_json:
         rec = dict(m.as_vllm(), mean_acceptance_length=m.mean_acceptance_length,
                    acceptance_rate_per_pos=m.acceptance_rate_per_pos(), tokens_per_s=spec.tokens_per_s,
                    target_only_tokens_per_s=base.tokens_per_s if base else None, device=gpu.name,
-                   num_drafts=k, new_tokens=len(spec.tokens))
+                   num_drafts=k, new_tokens=len(spec.tokens), family=drafter.family, checkpoint=str(path))
         with open(args.metrics_json, "w") as f:
             json.dump(rec, f, indent=1)
     return 0

@@ -167,6 +167,21 @@ def test_generate_on_the_cpu_says_why_drafting_does_not_pay(home):
     assert noted == (speedup < 1.0) or speedup == 1.0, (speedup, err)   # 1.00: printed rounded, a tie
 
 
+@pytest.mark.parametrize("family", ["deepseek_v4", "qwen3_next", "glm5"])
+def test_generate_family_runs_its_embedded_model_through_transformers(home, family):
+    pytest.importorskip("transformers")
+    rc, out, err = run(home, "generate", "--family", family, "--max-new-tokens", "12", "--device", "ref")
+    assert rc == 0, err
+    assert any(f"{family} " in ln and "transformers' target" in ln for ln in err), err
+    assert "identical to target-only (greedy)" in next(ln for ln in err if "speedup" in ln)
+    assert float(next(ln for ln in err if "mean acceptance length" in ln).rsplit(" ", 1)[1]) > 1.5, err
+
+
+def test_generate_family_that_is_not_the_checkpoints(home):
+    line = one_line_error(home, "generate", "--family", "glm5", "--checkpoint", CKPT)
+    assert "is a deepseek_v3 checkpoint, not --family glm5" in line
+
+
 @pytest.mark.parametrize("family", ["deepseek_v4", "deepseek_v3", "qwen3_next", "glm5"])
 def test_demo_catches_up_and_says_its_verifier_is_a_stand_in(home, family):
     """The demo advances by the stand-in's acceptance, so every cycle after the first needs the catch-up

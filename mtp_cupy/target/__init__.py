@@ -1,5 +1,17 @@
 """Target-model runners built from the same kernels as the drafters (for end-to-end speculative decoding)."""
 from .deepseek_v3 import DeepseekV3Target
+from .hf import HfTargetRunner
+
+
+def load_target(path, gpu, max_seq_len: int):
+    """The target runner of a checkpoint: mtp_cupy's own DeepseekV3Target for a deepseek_v3 checkpoint, the
+    checkpoint's target through transformers (HfTargetRunner, needs torch + transformers) for the others."""
+    from ..weights.config import load_config
+    from ..weights.info import checkpoint_dir
+    if load_config(checkpoint_dir(path)).family == "deepseek_v3":
+        return DeepseekV3Target(gpu, path, max_seq_len=max_seq_len)
+    from .hf import load_hf_runner
+    return load_hf_runner(path, gpu, max_seq_len)
 
 # the class's reference documentation (target/deepseek_v3.py's module docstring describes the internals)
 DeepseekV3Target.__doc__ = """The whole DeepSeek-V3-layout target model (MLA + MoE, no MTP layer) on the drafters'
@@ -42,4 +54,4 @@ DeepseekV3Target.__doc__ = """The whole DeepSeek-V3-layout target model (MLA + M
     WeightError
         A missing or mis-shaped tensor."""
 
-__all__ = ["DeepseekV3Target"]
+__all__ = ["DeepseekV3Target", "HfTargetRunner", "load_target"]
