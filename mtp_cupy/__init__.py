@@ -12,9 +12,11 @@ __version__ = "0.1.0"
 
 from pathlib import Path as _Path
 
-# the embedded default: a small DeepSeek-V3-layout model with its MTP layer, trained on Python's stdlib
-# source (byte-level vocabulary; scripts/train_tiny.py)
-DEFAULT_CHECKPOINT = str(_Path(__file__).parent / "data" / "tiny_v3")
+# the embedded models: per family a small model with its MTP layer, trained on Python's stdlib source (byte-level
+# vocabulary; scripts/train_tiny.py). The DeepSeek-V3 one is the default (mtp_cupy's own target runs it)
+EMBEDDED = {fam: str(_Path(__file__).parent / "data" / d) for fam, d in (
+    ("deepseek_v3", "tiny_v3"), ("deepseek_v4", "tiny_v4"), ("qwen3_next", "tiny_qwen3_next"), ("glm5", "tiny_glm5"))}
+DEFAULT_CHECKPOINT = EMBEDDED["deepseek_v3"]
 
 _LAZY = ("target",)
 
@@ -27,6 +29,6 @@ def __getattr__(name):
     raise AttributeError(f"module 'mtp_cupy' has no attribute {name!r}")
 
 
-__all__ = ["device", "load_proposer", "generate", "generate_target_only", "DEFAULT_CHECKPOINT", "MtpError",
+__all__ = ["device", "load_proposer", "generate", "generate_target_only", "DEFAULT_CHECKPOINT", "EMBEDDED", "MtpError",
            "ConfigError", "WeightError", "InputError", "CapacityError", "KernelError", "CommError",
            "CollectiveTimeout"]
