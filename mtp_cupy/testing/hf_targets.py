@@ -91,11 +91,14 @@ def load_hf_target(path, dtype=None, device=None, attn_implementation: str = "ea
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()      # the MTP keys are "unexpected" to transformers' target class
+    hf_logging.disable_progress_bar()     # a tiny model loads at once; the bar would only break tables
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32,
                                                      attn_implementation=attn_implementation)
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     return model.to(device).eval() if device is not None else model.eval()
