@@ -127,6 +127,17 @@ MUTATIONS = [
     M("sharded-tie-to-higher-rank", "the vocab-sharded argmax breaks cross-rank ties to the higher rank",
       "mtp_cupy/refdev/twins/vocab_argmax.py", "        if vals[q] > vals[best]:", "        if vals[q] >= vals[best]:",
       "tests/mpi/test_glm_sharded.py", mpi=True),
+    M("train-export-norms-swapped", "the training export writes enorm under hnorm's key and back (DeepSeek-style heads)",
+      "mtp_cupy/training/deepseek_v3.py", '(("enorm", self.enorm), ("hnorm", self.hnorm),',
+      '(("enorm", self.hnorm), ("hnorm", self.enorm),', "tests/test_training.py"),
+    M("train-export-v4-w1-w3", "the V4 training export swaps the experts' gate (w1) and up (w3) halves",
+      "mtp_cupy/training/deepseek_v4.py",
+      'sd[f"{P}ffn.experts.{e}.w1.weight"], sd[f"{P}ffn.experts.{e}.w3.weight"] = v[e, :inter], v[e, inter:]',
+      'sd[f"{P}ffn.experts.{e}.w3.weight"], sd[f"{P}ffn.experts.{e}.w1.weight"] = v[e, :inter], v[e, inter:]',
+      "tests/test_training.py"),
+    M("hf-verify-multirow-glm", "GLM-5's transformers target verifies in one multi-row forward again",
+      "mtp_cupy/integrations/transformers.py", 'if mt in ("glm_moe_dsa", "deepseek_v32"):',
+      'if mt in ("deepseek_v32",):', "tests/test_embedded.py::test_lossless_where_a_multirow_transformers_verify_was_not"),
 ]
 
 

@@ -54,3 +54,17 @@ def test_acceptance_above_the_recorded_floor(fam, dev):
     assert m[3].mean_acceptance_length >= FLOOR_K3[fam], (fam, m[3].as_vllm())
     assert m[1].mean_acceptance_length > 1.4, (fam, m[1].as_vllm())
     assert all(0.0 <= r <= 1.0 for r in m[4].acceptance_rate_per_pos())
+
+
+@pytest.mark.parametrize("fam,k,prompt", [
+    ("glm5", 4, b"\n        mydel.setdelegate(float)  # calls resetcache\n        se"),
+    ("deepseek_v4", 3, b' "encoding" specifies an encoding that should\n    be used to con')])
+def test_lossless_where_a_multirow_transformers_verify_was_not(fam, k, prompt, ref):
+    """Held-out prompts on which verifying in one multi-row forward of transformers' target changed the greedy
+    output (DSA top-k for GLM-5, the compressed-attention cache for V4): the runner verifies row by row there."""
+    ck = mtp_cupy.EMBEDDED[fam]
+    target = load_target(ck, ref, 128)
+    drafter = mtp_cupy.load_proposer(ck, gpu=ref, max_seq_len=128, max_drafts=k)
+    ids = list(prompt)
+    base = mtp_cupy.generate_target_only(target, ids, 48).tokens
+    assert mtp_cupy.generate(target, drafter, ids, 48, num_drafts=k).tokens == base
