@@ -3,7 +3,7 @@ vocabulary) and write it in the family's checkpoint layout, with training.json a
 transformers' own model class is the target; the MTP module is composed around a decoder layer of that class
 (mtp_cupy/training/). Runs on a GPU machine with torch + transformers (a CPU does a smoke run):
 
-    python scripts/train_tiny.py --family deepseek_v4 --steps 4000 --time-limit 300 --chain 3
+    python scripts/train_tiny.py --family deepseek_v4 --steps 4000 --time-limit 300
 
 Loss (DeepSeek-V3 report): CE(next token) + lambda * mean over depths d < --chain of CE(MTP row at depth d:
 token i + 2 + d). Depth 0 pairs the target's hidden at i with token i + 1; depth d > 0 pairs the head's own
@@ -53,8 +53,9 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW; 100 warm-up steps, then "
                     "cosine to zero at the end of the schedule)")
     ap.add_argument("--mtp-weight", type=float, default=0.3, help="lambda: weight of the MTP loss")
-    ap.add_argument("--chain", type=positive_int, default=1,
-                    help="MTP depths trained: 1 = the next-next token only; d > 1 adds d - 1 chained rows")
+    ap.add_argument("--chain", type=positive_int, default=3,
+                    help="MTP depths trained: 1 = the next-next token only; d > 1 adds d - 1 chained rows (3 won "
+                         "for every family: BENCHMARKS.md)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")
     ap.add_argument("--time-limit", type=float, default=0,
                     help="train for this many seconds at most: the schedule runs over min(--steps, what fits) and "
