@@ -8,7 +8,8 @@ transformers' own model class is the target; the MTP module is composed around a
 Loss (DeepSeek-V3 report): CE(next token) + lambda * mean over depths d < --chain of CE(MTP row at depth d:
 token i + 2 + d). Depth 0 pairs the target's hidden at i with token i + 1; depth d > 0 pairs the head's own
 carried hidden of depth d - 1 with token i + 1 + d, attending as a chained draft does (training/common.py), so
-the head is trained for the k > 1 drafts it is reused for. Deterministic given --seed (on one device)."""
+the head is trained for the k > 1 drafts it is reused for. Deterministic given --seed on one device when the
+schedule is --steps alone (a --time-limit ends it where the time runs out, which depends on the machine)."""
 from __future__ import annotations
 
 import json

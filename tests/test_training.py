@@ -53,14 +53,17 @@ def test_export_is_what_the_proposer_computes(fam, tmp_path, rng):
     with torch.no_grad():                       # the BF16 the checkpoint holds, in both models
         for p in list(target.parameters()) + list(head.parameters()):
             p.copy_(p.to(torch.bfloat16).float())
-    L, k = int(rng.integers(12, 20)), 3
+    # past V4's 64-row window (rows drop out); GLM-5 under its index_topk of 32, where the DSA pick keeps every row:
+    # past it, a near tie of the indexer's scores (BF16 here, float32 in torch) picks other rows (about one run
+    # in three at random weights); tests/test_glm_mtp.py decides those ties against its reference
+    L, k = int(rng.integers(12, 30) if fam == "glm5" else rng.integers(66, 90)), 3
     prompt = rng.integers(0, 256, L).tolist()
     with torch.no_grad():
         lg = target(input_ids=torch.tensor([prompt])).logits[0]
         H = box["h"]
         hook.remove()
         ids = prompt + [int(lg[-1].argmax())]
-        drafter = mtp_cupy.load_proposer(tmp_path, gpu="ref", max_seq_len=64)
+        drafter = mtp_cupy.load_proposer(tmp_path, gpu="ref", max_seq_len=128)
         st = drafter.alloc_state()
         drafter.prefill(st, ids[:L], H[0, :L - 1].numpy())
         res = drafter.propose(st, ids[L], H[0, L - 1].numpy(), L - 1, k, return_logits=True)

@@ -3,7 +3,7 @@ the held-out evaluation and the two-shard export.
 
 A family module (deepseek_v3.py, ...) gives `CONFIG` (the config.json of the model it trains), `build(device)`
 -> (target, head) and `export(target, head, out)`. The target is transformers' own model class; the head is
-an `MtpHead`: the family's MTP module composed around layer 0 of a one-layer model of the same class (the
+an `MtpHeadMixin` module: the family's MTP module composed around layer 0 of a one-layer model of the same class (the
 layer type of the MTP layer), with the target's embedding and LM head.
 
 Chained rows (what the drafter computes at draft depth d > 0): row (d, i) sits at position i + d, pairs token
