@@ -8,8 +8,10 @@ from ..errors import CapacityError, ConfigError, InputError
 
 
 class HfSeq:
-    def __init__(self, runner):
-        self.runner, self.snap, self.last = runner, {}, []
+    """One sequence: its HfTarget (cache, length) and what the last forward appended (for truncate)."""
+
+    def __init__(self, t):
+        self.t, self.snap, self.last = t, {}, []
 
 
 class HfTargetRunner:
@@ -30,9 +32,7 @@ class HfTargetRunner:
 
     def alloc(self):
         from ..integrations.transformers import HfTarget
-        seq = HfSeq(self)
-        seq.t = HfTarget(self.model)
-        return seq
+        return HfSeq(HfTarget(self.model))
 
     def free(self, seq) -> None:
         seq.t.close()

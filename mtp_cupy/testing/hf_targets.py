@@ -68,6 +68,15 @@ def write_hf_target(fam: str, path, seed: int = 0, mtp_seed: int | None = None, 
         mtp = {k: np.array(ck.numpy(k)) for k in ck.keys() if k.startswith(prefix)}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(fam, tiny_cfg, **overrides), dtype=torch.float32)
+    save_with_mtp(model, path, mtp, tiny_cfg)
+    return path
+
+
+def save_with_mtp(model, path, mtp: dict[str, np.ndarray], tiny_cfg: dict, **config_extra) -> int:
+    """`model.save_pretrained(path)` (transformers' key layout, the model's dtype) as shard 1, the MTP tensors
+    `mtp` (arrays in the checkpoint's stored dtypes, under its keys) as shard 2, the index, and config.json:
+    transformers' plus the fields of `tiny_cfg` it lacks plus `config_extra`. Returns the parameters written."""
+    path = Path(path)
     model.save_pretrained(path)
     single = path / "model.safetensors"
     if not single.is_file():
@@ -82,8 +91,8 @@ def write_hf_target(fam: str, path, seed: int = 0, mtp_seed: int | None = None, 
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
     cfg = json.loads((path / "config.json").read_text())
     extra = {k: v for k, v in tiny_cfg.items() if k not in cfg and k not in NOT_FOR_HF}
-    (path / "config.json").write_text(json.dumps({**cfg, **extra}, indent=2) + "\n")
-    return path
+    (path / "config.json").write_text(json.dumps({**cfg, **extra, **config_extra}, indent=2) + "\n")
+    return sum(int(np.prod(target.info(k).shape)) for k in target.keys()) + sum(int(a.size) for a in mtp.values())
 
 
 def load_hf_target(path, dtype=None, device=None, attn_implementation: str = "eager"):

@@ -13,7 +13,6 @@ hiddens wrote into the drafter's cache) and to the rows of its own chain (d' <= 
 propose does."""
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -169,33 +168,19 @@ def split_experts(sd: dict) -> dict:
 
 
 def as_stored(tensors: dict, f32=()) -> dict:
-    """CPU contiguous tensors, BF16 except the keys ending in one of `f32`."""
-    import torch
-    return {k: (v.float() if k.endswith(tuple(f32)) else v.to(torch.bfloat16)).detach().contiguous().cpu()
+    """The tensors as the checkpoint stores them: NumPy arrays, BF16 except the keys ending in one of `f32`."""
+    from ..runtime.dtypes import BF16
+    return {k: v.detach().float().cpu().numpy().astype(np.float32 if k.endswith(tuple(f32)) else BF16)
             for k, v in tensors.items()}
 
 
 def export_two_shards(target, mtp: dict, config: dict, out: Path) -> int:
-    """The target through transformers' `save_pretrained` (BF16, its own key layout) as shard 1 and the MTP
-    tensors `mtp` (checkpoint keys) as shard 2, with the index; config.json is transformers' plus the fields of
-    `config` it lacks (the layout of testing/hf_targets.py). Returns the parameter count written."""
-    import tempfile
-
+    """The target through transformers' `save_pretrained` (BF16) as shard 1 and the MTP tensors `mtp` (checkpoint
+    keys, `as_stored`) as shard 2, in testing/hf_targets.py's layout. Returns the parameters written."""
     import torch
-    from safetensors.torch import load_file, save_file
-    from ..testing.hf_targets import NOT_FOR_HF, MTP_SHARD, TARGET_SHARD
+    from ..testing.hf_targets import save_with_mtp
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        target.to(torch.bfloat16).save_pretrained(tmp)
+    try:
+        return save_with_mtp(target.to(torch.bfloat16), out, mtp, config, tokenizer=TOKENIZER)
+    finally:
         target.float()
-        shard = load_file(str(Path(tmp) / "model.safetensors"))
-        saved_cfg = json.loads((Path(tmp) / "config.json").read_text())
-    save_file(shard, str(out / TARGET_SHARD), metadata={"format": "pt"})
-    save_file(mtp, str(out / MTP_SHARD), metadata={"format": "pt"})
-    weight_map = {**{k: TARGET_SHARD for k in shard}, **{k: MTP_SHARD for k in mtp}}
-    total = sum((out / f).stat().st_size for f in (TARGET_SHARD, MTP_SHARD))
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
-    extra = {k: v for k, v in config.items() if k not in saved_cfg and k not in NOT_FOR_HF}
-    (out / "config.json").write_text(json.dumps({**saved_cfg, **extra, "tokenizer": TOKENIZER}, indent=2) + "\n")
-    return sum(t.numel() for t in shard.values()) + sum(t.numel() for t in mtp.values())

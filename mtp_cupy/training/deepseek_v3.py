@@ -6,7 +6,6 @@ Written as one file, the real V3 layout: the target's layers with per-expert key
 `model.layers.{num_hidden_layers}.*` (mtp_cupy's own DeepseekV3Target reads it, as does transformers)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .common import TOKENIZER, VOCAB, MtpHeadMixin, as_stored, split_experts
@@ -50,23 +49,22 @@ def head_class():
     import torch
 
     class DeepseekMtpHead(MtpHeadMixin, torch.nn.Module):
-        """enorm / hnorm / eh_proj around `layer`, shared_head.norm; `rotary` the target's RoPE."""
+        """enorm / hnorm / eh_proj around `layer` (layer 0 of `model`), shared_head.norm."""
 
-        def __init__(self, layer, norm_cls, target):
+        def __init__(self, layer, model, norm_cls, target):
             super().__init__()
             d, eps = target.config.hidden_size, target.config.rms_norm_eps
-            self.layer = layer
+            self.layer, self.rotary = layer, model.model.rotary_emb   # the target's RoPE (same config)
             self.enorm, self.hnorm, self.head_norm = (norm_cls(d, eps) for _ in range(3))
             self.eh_proj = torch.nn.Linear(2 * d, d, bias=False)
             torch.nn.init.normal_(self.eh_proj.weight, std=target.config.initializer_range)
-            self.rotary = [target.model.rotary_emb]   # a list: not a submodule of the head
 
         def front(self, target, ids, h):
             e = target.model.embed_tokens(ids)
             return self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], -1))
 
         def block(self, x, pos, mask):
-            y = self.layer(x, position_embeddings=self.rotary[0](x, pos[None]), attention_mask=mask,
+            y = self.layer(x, position_embeddings=self.rotary(x, pos[None]), attention_mask=mask,
                            position_ids=pos[None])
             return y[0] if isinstance(y, tuple) else y
 
@@ -91,17 +89,14 @@ def build(device, cfg: dict = CONFIG):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
     hc = AutoConfig.for_model("deepseek_v3", **hf_kwargs(cfg))
     target = AutoModelForCausalLM.from_config(hc, attn_implementation="eager")
-    layer, _ = one_layer(hc)
-    return target.to(device), head_class()(layer, DeepseekV3RMSNorm, target).to(device)
+    layer, model = one_layer(hc)
+    return target.to(device), head_class()(layer, model, DeepseekV3RMSNorm, target).to(device)
 
 
 def export(target, head, out: Path, cfg: dict = CONFIG) -> int:
     """model.safetensors (BF16, the correction biases F32) + config.json at `out`; returns the parameters."""
-    from safetensors.torch import save_file
+    from ..weights.writer import write_checkpoint
     sd = {k: v for k, v in target.state_dict().items() if "rotary" not in k}
-    sd = {**split_experts(sd), **head.tensors(f"model.layers.{cfg['num_hidden_layers']}.")}
-    tensors = as_stored(sd, F32)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    return sum(t.numel() for t in tensors.values())
+    tensors = as_stored({**split_experts(sd), **head.tensors(f"model.layers.{cfg['num_hidden_layers']}.")}, F32)
+    write_checkpoint(out, tensors, config=cfg, metadata={"format": "pt"})   # transformers reads the format
+    return sum(a.size for a in tensors.values())

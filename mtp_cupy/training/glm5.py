@@ -29,10 +29,10 @@ def build(device, cfg: dict = CONFIG):
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRMSNorm
     hc = hf_config("glm5", cfg)
     target = AutoModelForCausalLM.from_config(hc, attn_implementation="eager")
-    layer, _ = one_layer(hc)
+    layer, model = one_layer(hc)
     attn = layer.self_attn   # transformers leaves the latent norms at 1e-6; GLM-5 (vLLM, SGLang): rms_norm_eps
     attn.q_a_layernorm.variance_epsilon = attn.kv_a_layernorm.variance_epsilon = cfg["rms_norm_eps"]
-    return target.to(device), head_class()(layer, GlmMoeDsaRMSNorm, target).to(device)
+    return target.to(device), head_class()(layer, model, GlmMoeDsaRMSNorm, target).to(device)
 
 
 def export(target, head, out: Path, cfg: dict = CONFIG) -> int:
