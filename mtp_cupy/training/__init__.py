@@ -11,6 +11,7 @@ FAMILIES = ("deepseek_v3", "deepseek_v4", "qwen3_next", "glm5")
 
 def family_module(name: str):
     """The training module of a family (CONFIG, build(device), export(target, head, out))."""
+    from ..errors import ConfigError
     if name not in FAMILIES:
-        raise ValueError(f"unknown family {name!r}; choose one of {', '.join(FAMILIES)}")
+        raise ConfigError(f"unknown family {name!r}; choose one of {', '.join(FAMILIES)}")
     return importlib.import_module(f".{name}", __name__)
