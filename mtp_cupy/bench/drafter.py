@@ -132,7 +132,8 @@ class Drafter:
         self.h = to_bf16(rng.standard_normal((len(self.states), *self.hshape), dtype=np.float32))
 
     def call(self, k: int, B: int):
-        """A callable: ``propose_batch`` of k drafts for B sequences (``propose`` when B = 1), then after_verify(0)."""
+        """A callable: ``propose_batch`` of k drafts for B sequences, then ``after_verify_batch`` of none accepted
+        (``propose`` and ``after_verify`` when B = 1)."""
         p, ctx = self.prop, self.ctx
         if B == 1:
             st, tok, h = self.states[0], self.toks[0], self.h[0]
@@ -141,12 +142,11 @@ class Drafter:
                 p.propose(st, tok, h, ctx, k)
                 p.after_verify(st, 0)
             return run
-        sts, toks, h = self.states[:B], self.toks[:B], np.ascontiguousarray(self.h[:B])
+        sts, toks, h, none = self.states[:B], self.toks[:B], np.ascontiguousarray(self.h[:B]), [0] * B
 
         def run_batch():
             p.propose_batch(sts, toks, h, [ctx] * B, k)
-            for st in sts:
-                p.after_verify(st, 0)
+            p.after_verify_batch(sts, none)
         return run_batch
 
     def experts_selected(self, B: int) -> int | None:

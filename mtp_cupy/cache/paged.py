@@ -50,7 +50,11 @@ class PagedKvCache:
         self.gpu, self.specs, self.block_size, self.num_blocks = gpu, {s.name: s for s in specs}, block_size, num_blocks
         self.bufs = {s.name: gpu.alloc(s.row_bytes * s.num_layers * num_blocks * block_size) for s in specs}
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
-        self._used = np.zeros(num_blocks, dtype=bool)
+        self._used = bytearray(num_blocks)   # 1 = handed out (a bytearray: per-call paths index it one at a time)
+        # every live SeqBlocks' table mirrored in one int32 row of `_tables` (grown by doubling), so a batch's
+        # tables stage as one gather (`tables_of`) instead of converting B Python lists on every call
+        self._tables = np.zeros((0, num_blocks), np.int32)
+        self._rows_free: list[int] = []
 
     @staticmethod
     def blocks_for(rows: int, block_size: int = BLOCK_SIZE) -> int:
@@ -69,7 +73,8 @@ class PagedKvCache:
         if n > len(self._free):
             raise CapacityError(f"KV pool exhausted: {n} blocks asked, {len(self._free)} of {self.num_blocks} free")
         out = [self._free.pop() for _ in range(n)]
-        self._used[out] = True
+        for b in out:
+            self._used[b] = 1
         return out
 
     def free_blocks(self, blocks) -> None:
@@ -77,11 +82,29 @@ class PagedKvCache:
         for b in blocks:
             if not 0 <= b < self.num_blocks or not self._used[b]:
                 raise InputError(f"block {b} is not allocated")
-        if len(set(blocks)) != len(blocks):
+        if len(blocks) > 1 and len(set(blocks)) != len(blocks):
             raise InputError("a block freed twice in one call")
         for b in blocks:
-            self._used[b] = False
-            self._free.append(b)
+            self._used[b] = 0
+        self._free.extend(blocks)
+
+    # -- the block-table mirror ---------------------------------------------------------------------
+    def _take_row(self) -> int:
+        if not self._rows_free:
+            n = len(self._tables)
+            grow = max(n, 4)
+            self._tables = np.concatenate([self._tables, np.zeros((grow, self.num_blocks), np.int32)])
+            self._rows_free = list(range(n + grow - 1, n - 1, -1))
+        return self._rows_free.pop()
+
+    def _give_row(self, row: int) -> None:
+        self._rows_free.append(row)
+
+    def tables_of(self, seqs: list["SeqBlocks"]) -> tuple[np.ndarray, list[int]]:
+        """(int32 [B, L], lens): row s holds seqs[s]'s block table in its first lens[s] entries (L = max lens)."""
+        lens = [len(s.table) for s in seqs]
+        rows = [s.row for s in seqs]
+        return self._tables[rows, :max(lens)], lens
 
     # -- addressing ------------------------------------------------------------------------------
     def base(self, cache: str, layer: int = 0) -> DevicePtr:
@@ -104,12 +127,17 @@ class SeqBlocks:
 
     def __init__(self, cache: PagedKvCache):
         self.cache, self.table, self.rows = cache, [], 0
+        self.row = cache._take_row()   # this table's row in the cache's mirror (`PagedKvCache.tables_of`)
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` rows (all blocks or none)."""
-        need = PagedKvCache.blocks_for(rows, self.cache.block_size) - len(self.table)
+        need = _blocks_for(rows, self.cache.block_size) - len(self.table)
         if need > 0:
-            self.table.extend(self.cache.alloc_blocks(need))
+            new = self.cache.alloc_blocks(need)
+            if self.row is None:
+                self.row = self.cache._take_row()
+            self.cache._tables[self.row, len(self.table):len(self.table) + need] = new
+            self.table.extend(new)
 
     def slot(self, row: int) -> int:
         return self.cache.slot_of(self.table, row)
@@ -118,7 +146,7 @@ class SeqBlocks:
         """Keep the first `rows` rows and give back blocks no longer needed."""
         if not 0 <= rows <= self.rows:
             raise InputError(f"truncate to {rows} rows of {self.rows}")
-        keep = PagedKvCache.blocks_for(rows, self.cache.block_size)
+        keep = _blocks_for(rows, self.cache.block_size)
         if keep < len(self.table):
             self.cache.free_blocks(self.table[keep:])
             del self.table[keep:]
@@ -128,3 +156,6 @@ class SeqBlocks:
         if self.table:
             self.cache.free_blocks(self.table)
         self.table, self.rows = [], 0
+        if self.row is not None:
+            self.cache._give_row(self.row)
+            self.row = None

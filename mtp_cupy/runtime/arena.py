@@ -5,8 +5,6 @@ at `scratch + MTP_META_OFFSET` so the two never overlap. The slab layout is mtp_
 (pos u32, slot i64, seq_len i32, block_table i32[] at POS_OFFSET, SLOT_OFFSET, SEQ_LEN_OFFSET, TABLE_OFFSET)."""
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 
 from ..errors import CapacityError, InputError
@@ -43,32 +41,38 @@ def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity:
     return bytes(buf)
 
 
-def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_size: int, stride: int = 0) -> None:
+def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_size: int, stride: int = 0,
+                   lens=None) -> None:
     """pack_mtp_attn_meta's layout for k steps of B sequences, written straight into the uint8 host array
     `stage` [steps, bytes]: step i of sequence s (position positions[s] + i at drafter row rows0[s] + i,
     seq_len rows0[s] + i + 1, table tables[s]) lands in row i at byte s * stride (stride 0: one slab, the
-    whole row; stride and row bytes multiples of 8). The per-call hot path: a fixed number of array
-    operations whatever B is; the tables are the allocator's own (valid block ids), so only their size is
-    checked."""
+    whole row; stride and row bytes multiples of 8). `tables` is B lists of block ids, or an int array
+    [B, L] whose row s holds lens[s] of them (`PagedKvCache.tables_of`; entries past lens[s] are staged
+    too, where no reader looks). The per-call hot path: a fixed number of array operations whatever B is;
+    the tables are the allocator's own (valid block ids), so only their size is checked."""
     B, bs = len(tables), block_size
-    lens = np.fromiter((len(t) for t in tables), np.int64, B)
-    slab = stride or stage.shape[1]
-    if TABLE_OFFSET + 4 * int(lens.max()) > slab or B * slab > stage.shape[1]:
-        raise CapacityError(f"{B} MTP slabs with block tables of up to {int(lens.max())} entries do not fit "
+    if lens is None:
+        lens = [len(t) for t in tables]
+    slab, most = stride or stage.shape[1], max(lens)
+    if TABLE_OFFSET + 4 * most > slab or B * slab > stage.shape[1]:
+        raise CapacityError(f"{B} MTP slabs with block tables of up to {most} entries do not fit "
                             f"{slab}-byte slabs in a {stage.shape[1]}-byte stage row")
     if B == 1:                                   # propose's case: a few scalar stores beat the array plan
-        _stage_one(stage, k, int(positions[0]), int(rows0[0]), tables[0], bs)
+        _stage_one(stage, k, int(positions[0]), int(rows0[0]), tables[0][:lens[0]], bs)
         return
-    flat = np.fromiter(itertools.chain.from_iterable(tables), np.int32, int(lens.sum()))
-    starts = np.cumsum(lens) - lens
-    c4 = np.arange(B) * (stride // 4)
+    if not isinstance(tables, np.ndarray):
+        tab = np.zeros((B, most), np.int32)
+        for s, t in enumerate(tables):
+            tab[s, :len(t)] = t
+        tables = tab
     step = np.arange(k)[:, None]
     rows = np.asarray(rows0, dtype=np.int64)[None, :] + step                     # [k, B]
-    s32, s64 = stage.view(np.int32), stage.view(np.int64)
-    s32[:k, c4 + _POS32] = np.asarray(positions, dtype=np.int64)[None, :] + step
-    s64[:k, c4 // 2 + _SLOT64] = flat[starts + rows // bs].astype(np.int64) * bs + rows % bs
-    s32[:k, c4 + _SEQ_LEN32] = rows + 1
-    s32[:k, np.repeat(c4 + _TABLE32 - starts, lens) + np.arange(flat.size)] = flat
+    v = stage[:k, :B * slab]
+    v32, v64 = v.view(np.int32).reshape(k, B, slab // 4), v.view(np.int64).reshape(k, B, slab // 8)
+    v32[:, :, _POS32] = np.asarray(positions, dtype=np.int64)[None, :] + step
+    v64[:, :, _SLOT64] = tables[np.arange(B)[None, :], rows // bs].astype(np.int64) * bs + rows % bs
+    v32[:, :, _SEQ_LEN32] = rows + 1
+    v32[:, :, _TABLE32:_TABLE32 + most] = tables[None, :, :most]
 
 
 def _stage_one(stage: np.ndarray, k: int, position: int, rows0: int, table, bs: int) -> None:
@@ -118,6 +122,10 @@ class ForwardBuffers:
         self.layout, self.total_bytes = layout({**regions, "scratch": scratch_bytes})
         self.buf = gpu.alloc(self.total_bytes)
         self.scratch_bytes = scratch_bytes
+        # the region pointers as plain attributes: the per-call paths read them often
+        for name, (off, _) in self.layout.items():
+            if name not in self.__dict__ and not hasattr(type(self), name):
+                self.__dict__[name] = self.buf.ptr.offset(off)
 
     def __getattr__(self, name: str) -> DevicePtr:
         layout = self.__dict__.get("layout")

@@ -4,6 +4,7 @@ Two implementations: CupyBackend (real CUDA, kernels compiled from cuda_src/<mod
 RefBackend (the NumPy device in mtp_cupy.refdev, one Python twin per kernel)."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,7 +130,7 @@ class Backend:
         self.copy_h2d(dst, host)
 
     def copy_d2h(self, src: DevicePtr, nbytes: int) -> np.ndarray:
-        """Synchronous copy; returns uint8[nbytes]."""
+        """Synchronous copy; returns a new uint8[nbytes] (8-byte aligned, owned by the caller)."""
         raise NotImplementedError
 
     def copy_d2d_async(self, dst: DevicePtr, src: DevicePtr, nbytes: int, stream=None) -> None:
@@ -222,9 +223,9 @@ class Backend:
         from .dtypes import dtype as _dt
         dt = _dt(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
-        n = int(np.prod(shape)) * dt.itemsize
+        n = math.prod(shape) * dt.itemsize
         raw = self.copy_d2h(src, n) if stream is None else self.copy_d2h_on(src, n, stream)
-        return raw.view(dt).reshape(shape).copy()
+        return raw.view(dt).reshape(shape)   # copy_d2h(_on) hands out a new array
 
     def fill(self, dst: DevicePtr, nbytes: int, byte: int = 0xFF) -> None:
         """Poison or clear a region (synchronous)."""

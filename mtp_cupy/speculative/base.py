@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +62,7 @@ from .proposer import DraftResult, ProposerState, mtp_rows_to_trim
 log = logging.getLogger("mtp_cupy")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_NO_STREAM = contextlib.nullcontext()
 
 
 class MtpProposerBase:
@@ -140,6 +142,7 @@ class MtpProposerBase:
         self.stream = gpu.new_stream(non_blocking=False) if self._own_stream else gpu.external_stream(o.stream)
         self._capture_stream = None
         self._stage_done = None   # event after the last chain's staged copies (before the pinned stage is rewritten)
+        self._chain_done = None   # the one event object _stage_done records (made on first use)
         self._graphs: dict = {}
         self._warm: set = set()
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
@@ -215,6 +218,24 @@ class MtpProposerBase:
         if rows > self.max_seq_len:
             raise CapacityError(f"drafter would hold {rows} rows; it was sized for {self.max_seq_len}")
         st.blocks.reserve(rows)
+
+    def _reserve_drafts(self, states, k: int) -> list[int]:
+        """Room for k more rows in every sequence (all or none: CapacityError with every table as it was); the
+        row counts before. Most calls need no new block: that case is one comparison per sequence."""
+        rows0, grown, room = [], [], self.kv.block_size
+        try:
+            for st in states:
+                b = st.blocks
+                r0 = b.rows
+                rows0.append(r0)
+                if r0 + k > len(b.table) * room or r0 + k > self.max_seq_len:
+                    self._reserve(st, r0 + k)
+                    grown.append((b, r0))
+        except Exception:
+            for b, r0 in grown:
+                b.truncate(r0)
+            raise
+        return rows0
 
     # -- prefill / catch-up ----------------------------------------------------------------------
     def prefill(self, st: ProposerState, tokens, hiddens, start_position: int | None = None, stream=None) -> int:
@@ -373,16 +394,7 @@ class MtpProposerBase:
             masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
             hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
                               self.stream, single=single, check_device=self.options.check_device_finite)
-            rows0 = [st.blocks.rows for st in states]
-            reserved = []
-            try:
-                for st, r0 in zip(states, rows0):
-                    self._reserve(st, r0 + k)
-                    reserved.append(st)
-            except Exception:
-                for st, r0 in zip(reserved, rows0):
-                    st.blocks.truncate(r0)
-                raise
+            rows0 = self._reserve_drafts(states, k)
             want_lp = min_logprob is not None
             try:
                 with gpu.using(self.stream):
@@ -390,7 +402,7 @@ class MtpProposerBase:
                     # eager: the chain reads a device hidden where it is; a graph reads hidden_in (its address
                     # is captured), so the hidden is copied there (device to device when it is on the device)
                     in_place = hid.ptr is not None and not graphed
-                    h_elems = int(np.prod(hid.row_shape))
+                    h_elems = math.prod(hid.row_shape)
                     self._stage_inputs(toks, hid, W, h_elems)
                     if hid.host is None and not in_place:
                         stage_hidden(gpu, hid, self.bufs.hidden_in)
@@ -407,8 +419,10 @@ class MtpProposerBase:
                         self._replay(key, run)
                     else:
                         run()
-                    self._stage_done = gpu.new_event(timing=False)
-                    gpu.record(self._stage_done, self.stream)
+                    if self._chain_done is None:
+                        self._chain_done = gpu.new_event(timing=False)
+                    gpu.record(self._chain_done, self.stream)
+                    self._stage_done = self._chain_done
                     if device_results:
                         out = self._device_results(k, W, B, return_logits)
                     else:
@@ -418,7 +432,7 @@ class MtpProposerBase:
                     st.blocks.truncate(r0)
                 raise
             del hid   # a converted copy goes back to the pool in stream order
-        return [self._finish(st, s, r0, p, k, out, min_logprob) for s, (st, r0, p) in enumerate(zip(states, rows0, poss))]
+        return self._finish(states, rows0, poss, k, out, min_logprob)
 
     def _host_results(self, k: int, W: int, B: int, masked: bool, want_lp: bool, logits: bool) -> dict:
         """The chain's outputs read to the host on the proposer's stream (a wait on it, not on the device)."""
@@ -449,38 +463,52 @@ class MtpProposerBase:
         gpu.record(ready, self.stream)
         return {"device_ids": ids, "device_logits": lg, "ready": ready}
 
-    def _finish(self, st, s: int, r0: int, position: int, k: int, out: dict, min_logprob):
-        done, lps = k, out.get("lps")
+    def _finish(self, states, rows0, positions, k: int, out: dict, min_logprob) -> list[DraftResult]:
+        """Every sequence's state update (rows, positions, last drafts; a confidence stop trims its rows) and its
+        DraftResult, from the chain's outputs."""
+        lps, res = out.get("lps"), []
+        done = [k] * len(states)
         if lps is not None:
-            low = np.flatnonzero(lps[:, s] < min_logprob)
-            done = int(low[0]) + 1 if low.size else k
-        st.blocks.rows = r0 + k
-        st.blocks.truncate(r0 + done)
-        st.keys.extend(range(position, position + done))
+            for s in range(len(states)):
+                low = np.flatnonzero(lps[:, s] < min_logprob)
+                done[s] = int(low[0]) + 1 if low.size else k
+        for st, r0, d in zip(states, rows0, done):
+            b = st.blocks
+            b.rows = r0 + k
+            if d < k:
+                b.truncate(r0 + d)
         if "device_ids" in out:   # nothing read back: the drafts live on the device (no grammar warnings)
-            st.last_num_drafted, st.last_pair_key, st.last_drafts = done, position + done - 1, []
             lg = out["device_logits"]
-            return DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"], stream=self.stream,
-                               device_logits=None if lg is None else lg[s])
-        ids, flags, logits = out["ids"], out["flags"], out["logits"]
-        toks = ids[:done, s].tolist()
-        if flags is not None:
-            for i in np.flatnonzero(flags[:done, s]):
-                log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0",
-                            i, position + i)
-        st.last_num_drafted, st.last_pair_key, st.last_drafts = done, position + done - 1, toks
-        lg = None
-        if logits is not None:
-            lg = np.ascontiguousarray(logits[:done, s])
-            if self.vocab_eff < self.vocab_size:
-                lg = np.pad(lg, ((0, 0), (0, self.vocab_size - self.vocab_eff)), constant_values=-np.inf)
-        return DraftResult(toks, lg, lps[:done, s].tolist() if lps is not None else None)
+            for s, (st, p, d) in enumerate(zip(states, positions, done)):
+                st.keys.extend(range(p, p + d))
+                st.last_num_drafted, st.last_pair_key, st.last_drafts = d, p + d - 1, []
+                res.append(DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"],
+                                       stream=self.stream, device_logits=None if lg is None else lg[s]))
+            return res
+        cols, flags, logits = out["ids"].T.tolist(), out["flags"], out["logits"]
+        for s, (st, p, d) in enumerate(zip(states, positions, done)):
+            toks = cols[s] if d == k else cols[s][:d]
+            if flags is not None:
+                for i in np.flatnonzero(flags[:d, s]):
+                    log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0", i, p + i)
+            st.keys.extend(range(p, p + d))
+            st.last_num_drafted, st.last_pair_key, st.last_drafts = d, p + d - 1, toks
+            lg = None
+            if logits is not None:
+                lg = np.ascontiguousarray(logits[:d, s])
+                if self.vocab_eff < self.vocab_size:
+                    lg = np.pad(lg, ((0, 0), (0, self.vocab_size - self.vocab_eff)), constant_values=-np.inf)
+            res.append(DraftResult(toks, lg, lps[:d, s].tolist() if lps is not None else None))
+        return res
 
     # -- streams ---------------------------------------------------------------------------------
-    @contextlib.contextmanager
     def _ordered(self, stream):
         """Order a call's work after `stream` (a caller's stream) and make `stream` wait for it, with events on
         the device (no host wait); nothing when `stream` is None or the proposer's own."""
+        return _NO_STREAM if stream is None else self._ordered_after(stream)
+
+    @contextlib.contextmanager
+    def _ordered_after(self, stream):
         caller = None
         if stream is not None:
             try:
@@ -534,7 +562,11 @@ class MtpProposerBase:
             self._stage = self.gpu.alloc_pinned(self.max_drafts * self.max_batch * self.meta_stride)
             self._stage = self._stage.reshape(self.max_drafts, -1)
         S, B = self.meta_stride, len(states)
-        stage_mtp_meta(self._stage, k, positions, rows0, [st.blocks.table for st in states], self.kv.block_size, S)
+        if B == 1:
+            stage_mtp_meta(self._stage, k, positions, rows0, [states[0].blocks.table], self.kv.block_size, S)
+        else:
+            tables, lens = self.kv.tables_of([st.blocks for st in states])
+            stage_mtp_meta(self._stage, k, positions, rows0, tables, self.kv.block_size, S, lens=lens)
         if W > B:
             self._stage[:k, B * S:W * S] = np.tile(self._pad_slab, W - B)
 
@@ -589,8 +621,29 @@ class MtpProposerBase:
         a = int(num_accepted)
         if not 0 <= a <= st.last_num_drafted:
             raise InputError(f"num_accepted {a} outside [0, {st.last_num_drafted}] (drafts of the last propose)")
+        self._trim(st, a)
+
+    def after_verify_batch(self, states: list[ProposerState], num_accepted) -> None:
+        """`after_verify` for every sequence of a batch in one call (states and accepted counts in order); every
+        count is checked before any sequence changes (InputError naming the sequence)."""
+        acc = host_ints(num_accepted, self.gpu, "num_accepted")
+        if len(acc) != len(states):
+            raise InputError(f"{len(states)} states but {len(acc)} accepted counts")
+        for s, (st, a) in enumerate(zip(states, acc)):
+            if st.released:
+                raise InputError(f"sequence {s}: proposer state was freed")
+            if not 0 <= a <= st.last_num_drafted:
+                raise InputError(f"sequence {s}: num_accepted {a} outside [0, {st.last_num_drafted}] (drafts of "
+                                 "its last propose)")
+        if len({id(st) for st in states}) != len(states):
+            raise InputError("the same proposer state appears twice in one after_verify_batch")
+        for st, a in zip(states, acc):
+            self._trim(st, a)
+
+    def _trim(self, st: ProposerState, a: int) -> None:
         trim = mtp_rows_to_trim(st.last_num_drafted, a, self.refeed_accepted)
-        st.blocks.truncate(st.blocks.rows - trim)
-        del st.keys[len(st.keys) - trim:]
-        st.last_pair_key = st.keys[-1] if st.keys else None
+        if trim:
+            st.blocks.truncate(st.blocks.rows - trim)
+            del st.keys[-trim:]
+            st.last_pair_key = st.keys[-1] if st.keys else None
         st.last_num_drafted = 0

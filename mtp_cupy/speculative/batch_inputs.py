@@ -19,6 +19,17 @@ def check_sequences(prop, states, tokens, positions, k: int) -> tuple[list[int],
         raise InputError("the same proposer state appears twice in one batch")
     if not 1 <= k <= prop.max_drafts:
         raise InputError(f"num_drafts {k} outside [1, {prop.max_drafts}] (raise max_drafts at load)")
+    if B > 4:   # one array pass over the batch; the loop below runs only to name the first bad sequence
+        try:
+            t, p = np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+            newest = np.fromiter((st.keys[-1] if st.keys else -1 for st in states), np.int64, B)
+        except (TypeError, ValueError, OverflowError):
+            t = None
+        if t is not None and t.shape == p.shape == (B,) and not any(st.released for st in states):
+            ok = (t.min() >= 0) & (t.max() < prop.vocab_size) & (p.min() >= 0) & (p.max() + k <= prop.max_seq_len)
+            ok &= bool((p > newest).all()) and (not prop.drafter_context or bool((p <= newest + 1).all()))
+            if ok:
+                return t.tolist(), p.tolist()
     toks, poss = [], []
     for s, (st, t, p) in enumerate(zip(states, tokens, positions)):
         prop._live(st)

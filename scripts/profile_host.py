@@ -1,0 +1,146 @@
+"""The host side of a propose call: how long the Python of `propose` / `propose_batch` + `after_verify` takes, and
+where it goes (phases, then cProfile by own time). The GPU sits idle for all of it in a serving loop that reads
+the drafts back (it is the first-step overhead of a propose): no kernel work can remove it.
+
+    python scripts/profile_host.py --family qwen3_next --device cuda --batch 1 --k 1 --calls 2000
+
+Runs on an embedded model (tiny dims: the host path does not depend on the dims). `--skip-chain` replaces the
+chain's launches by nothing (the NumPy device would otherwise time its own math)."""
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+import time
+
+import numpy as np
+
+import mtp_cupy
+from mtp_cupy.bench.cli import Parser, positive_int, run_main
+from mtp_cupy.runtime.dtypes import to_bf16
+
+
+def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | None = None):
+    gpu = mtp_cupy.device(device)
+    p = mtp_cupy.load_proposer(checkpoint or mtp_cupy.EMBEDDED[fam], gpu, max_seq_len=ctx + 64, max_drafts=k,
+                               max_batch=B)
+    rng = np.random.default_rng(0)
+    shape = p._hidden_shapes()[0]
+    states = []
+    for _ in range(B):
+        st = p.alloc_state()
+        p.prefill(st, rng.integers(0, p.vocab_size, ctx + 1), to_bf16(rng.standard_normal((ctx,) + shape) * 0.1))
+        states.append(st)
+    h = to_bf16(rng.standard_normal((B,) + shape) * 0.1)
+    toks = [int(t) for t in rng.integers(0, p.vocab_size, B)]
+    return p, states, toks, h
+
+
+def call_of(p, states, toks, h, ctx: int, k: int):
+    B = len(states)
+    if B == 1:
+        st, t, hh = states[0], toks[0], h[0]
+
+        def one():
+            p.propose(st, t, hh, ctx, k)
+            p.after_verify(st, 0)
+        return one
+
+    zeros = [0] * B
+
+    def batch():
+        p.propose_batch(states, toks, h, [ctx] * B, k)
+        p.after_verify_batch(states, zeros)
+
+    def batch_loop():   # a tree without after_verify_batch (A/B runs against an older checkout)
+        p.propose_batch(states, toks, h, [ctx] * B, k)
+        for st in states:
+            p.after_verify(st, 0)
+    return batch if hasattr(p, "after_verify_batch") else batch_loop
+
+
+def phases(p, fn, calls: int) -> str:
+    """Median µs per call of: host before the chain's launch, the launch call, the wait for the results (the
+    chain on the GPU), host after the results (result copy, per-sequence bookkeeping, after_verify); and, on
+    CUDA, the chain's own GPU time (events just around the launch)."""
+    gpu, marks, evs = p.gpu, {}, None
+    replay, host_results = gpu.replay, p._host_results
+    cuda = gpu.is_cuda and p.cuda_graphs and p.graph_safe
+    if cuda:
+        evs = gpu.new_event(), gpu.new_event()
+
+    def timed_replay(graph, stream):
+        marks["launch"] = time.perf_counter()
+        gpu.record(evs[0], stream)
+        replay(graph, stream)
+        gpu.record(evs[1], stream)
+        marks["launched"] = time.perf_counter()
+
+    def timed_results(*args, **kw):
+        out = host_results(*args, **kw)
+        marks["results"] = time.perf_counter()
+        return out
+
+    if cuda:
+        gpu.replay = timed_replay
+    p._host_results = timed_results
+    rows = {"total": [], "pre": [], "launch": [], "wait": [], "post": [], "chain_gpu": []}
+    try:
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+            rows["total"].append(t1 - t0)
+            if cuda:
+                rows["pre"].append(marks["launch"] - t0)
+                rows["launch"].append(marks["launched"] - marks["launch"])
+                rows["wait"].append(marks["results"] - marks["launched"])
+                rows["chain_gpu"].append(1e-3 * gpu.elapsed_ms(*evs))
+            rows["post"].append(t1 - marks["results"])
+    finally:
+        gpu.replay, p._host_results = replay, host_results
+    return "phases (median µs): " + ", ".join(f"{k} {1e6 * np.median(v):.1f}" for k, v in rows.items() if v)
+
+
+def main() -> int:
+    ap = Parser(__doc__)
+    ap.add_argument("--family", default="qwen3_next", choices=sorted(mtp_cupy.EMBEDDED), help="the model family")
+    ap.add_argument("--checkpoint", help="a checkpoint of --family (default: its embedded model)")
+    ap.add_argument("--device", choices=["auto", "cuda", "ref"], default="auto",
+                    help="cuda, the NumPy device (ref), or cuda when there is one (auto)")
+    ap.add_argument("--batch", type=positive_int, default=1, help="sequences per call (1: propose, else propose_batch)")
+    ap.add_argument("--k", type=positive_int, default=1, help="drafts per call")
+    ap.add_argument("--ctx", type=positive_int, default=64, help="prefilled rows per sequence")
+    ap.add_argument("--calls", type=positive_int, default=1000, help="timed calls (and as many profiled)")
+    ap.add_argument("--top", type=positive_int, default=25, help="functions listed by own time")
+    ap.add_argument("--skip-chain", action="store_true", help="launch nothing (host bookkeeping only)")
+    ap.add_argument("--no-profile", action="store_true", help="phases only, no cProfile listing")
+    a = ap.parse_args()
+    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, a.checkpoint)
+    if a.skip_chain:
+        p._chain = lambda *args, **kw: None
+    fn = call_of(p, states, toks, h, a.ctx, a.k)
+    for _ in range(20):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(a.calls):
+        fn()
+    us = 1e6 * (time.perf_counter() - t0) / a.calls
+    print(f"{a.family} device={a.device} batch={a.batch} k={a.k} graphs={p.cuda_graphs and p.graph_safe} "
+          f"skip_chain={a.skip_chain}: {us:.1f} µs wall per call (propose + after_verify)")
+    print(phases(p, fn, a.calls))
+    if a.no_profile:
+        return 0
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.calls):
+        fn()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)
+    print(s.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
