@@ -47,17 +47,29 @@ extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const flo
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
 
 // Sum of the chunk partials of row r, scaled by the folded RMS factor; fills mixes[0..mix). One warp per
-// coefficient (lanes stride the chunks, then a fixed-order warp sum): the partials are read in parallel, not
-// as nsplit dependent loads per thread. blockDim a multiple of 32.
+// coefficient (lanes stride the chunks, then a fixed-order warp sum), RED_Q coefficients per warp at once so
+// their loads are in flight together (mix + 1 = 25 coefficients on 8 warps: one round of L2 latency, not
+// four). blockDim a multiple of 32.
+#define RED_Q 4
 __device__ __forceinline__ void reduce_mixes(const float* part, u32 r, u32 rows, u32 mix, u32 nsplit, u32 n_elems,
                                              float rms_eps, float* mixes) {
     __shared__ float raw[MIX_MAX + 1];
     const u32 lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    for (u32 m = threadIdx.x >> 5; m <= mix; m += nw) {
-        float v = 0.f;
-        for (u32 s = lane; s < nsplit; s += 32) v += part[((u64)s * rows + r) * (mix + 1) + m];
-        v = warp_sum(v);
-        if (lane == 0) raw[m] = v;
+    for (u32 m0 = threadIdx.x >> 5; m0 <= mix; m0 += RED_Q * nw) {
+        float v[RED_Q];
+#pragma unroll
+        for (int q = 0; q < RED_Q; ++q) v[q] = 0.f;
+        for (u32 s = lane; s < nsplit; s += 32) {
+            const float* ps = part + ((u64)s * rows + r) * (mix + 1);
+#pragma unroll
+            for (int q = 0; q < RED_Q; ++q)
+                if (m0 + q * nw <= mix) v[q] += ps[m0 + q * nw];
+        }
+#pragma unroll
+        for (int q = 0; q < RED_Q; ++q) {
+            const float t = warp_sum(v[q]);
+            if (lane == 0 && m0 + q * nw <= mix) raw[m0 + q * nw] = t;
+        }
     }
     __syncthreads();
     const float rinv = rsqrtf(raw[mix] / (float)n_elems + rms_eps);
@@ -76,46 +88,37 @@ __device__ __forceinline__ void stream_sum(const __nv_bfloat16* X, const float* 
     }
 }
 
-// Sinkhorn over the hc x hc matrix held whole in every lane's registers (C[j][k], zero outside hc x hc): no
-// shuffles, so each normalisation is hc independent row (or column) sums, hc correctly rounded reciprocals and
-// hc*hc multiplies (x * (1 / d), not x / d: a division per element on one warp was slower than the shuffles).
-// Sums run in index order from 0 and nothing is contracted into an FMA, as in the twin.
-__device__ __forceinline__ void sinkhorn_regs(float (&C)[HC_MAX][HC_MAX], u32 hc, float eps, u32 iters) {
-#pragma unroll
-    for (int j = 0; j < HC_MAX; ++j) {
-        float mx = -INFINITY, s = 0.f;
-#pragma unroll
-        for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) mx = fmaxf(mx, C[j][k]);
-#pragma unroll
-        for (int k = 0; k < HC_MAX; ++k) C[j][k] = (j < (int)hc && k < (int)hc) ? expf(C[j][k] - mx) : 0.f;
-#pragma unroll
-        for (int k = 0; k < HC_MAX; ++k) if (k < (int)hc) s += C[j][k];
-        const float rs = __frcp_rn(s);
-#pragma unroll
-        for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = __fadd_rn(__fmul_rn(C[j][k], rs), eps);
-    }
+// Sinkhorn over the hc x hc matrix, one entry per lane: lane j * HC_MAX + k (< 16) holds C[j][k], every other
+// lane and every entry outside hc x hc holds 0. A row sum is two xor-shuffles (lanes k ^ 1, k ^ 2), a column sum
+// two more (j ^ 1, j ^ 2 as lane ^ 4, ^ 8), so all 16 entries normalise at once: (c0 + c1) + (c2 + c3), the
+// order the twin sums in (with zero padding it is plain index order for hc < 4). Each division is a multiply by
+// the correctly rounded reciprocal (x * (1 / d)); nothing is contracted into an FMA. All 32 lanes call it.
+__device__ __forceinline__ float row_sum4(float c) {
+    c = __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 1));
+    return __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 2));
+}
+
+__device__ __forceinline__ float col_sum4(float c) {
+    c = __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 4));
+    return __fadd_rn(c, __shfl_xor_sync(0xffffffffu, c, 8));
+}
+
+__device__ __forceinline__ float sinkhorn_lanes(float logit, bool in, float eps, u32 iters) {
+    float mx = in ? logit : -INFINITY;
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    float c = in ? expf(logit - mx) : 0.f;
+    const float rs = __frcp_rn(row_sum4(c));
+    c = in ? __fadd_rn(__fmul_rn(c, rs), eps) : 0.f;
     for (u32 it = 0; it < (iters > 0u ? iters : 1u); ++it) {   // the first column pass always runs
         if (it > 0) {
-#pragma unroll
-            for (int j = 0; j < HC_MAX; ++j) {
-                float s = 0.f;
-#pragma unroll
-                for (int k = 0; k < HC_MAX; ++k) if (k < (int)hc) s += C[j][k];
-                const float rs = __frcp_rn(s + eps);
-#pragma unroll
-                for (int k = 0; k < HC_MAX; ++k) if (j < (int)hc && k < (int)hc) C[j][k] = __fmul_rn(C[j][k], rs);
-            }
+            const float rr = __frcp_rn(__fadd_rn(row_sum4(c), eps));
+            c = in ? __fmul_rn(c, rr) : 0.f;
         }
-#pragma unroll
-        for (int k = 0; k < HC_MAX; ++k) {
-            float s = 0.f;
-#pragma unroll
-            for (int j = 0; j < HC_MAX; ++j) if (j < (int)hc) s += C[j][k];
-            const float rs = __frcp_rn(s + eps);
-#pragma unroll
-            for (int j = 0; j < HC_MAX; ++j) if (j < (int)hc && k < (int)hc) C[j][k] = __fmul_rn(C[j][k], rs);
-        }
+        const float rc = __frcp_rn(__fadd_rn(col_sum4(c), eps));
+        c = in ? __fmul_rn(c, rc) : 0.f;
     }
+    return c;
 }
 
 // Collapse (docs/model_math.md B.2): pre_j = sigmoid(mix_j s0 + b_j) + hc_eps -> x = sum_j pre_j X_j (bf16);
@@ -138,21 +141,12 @@ extern "C" __global__ void hc_pre(const __nv_bfloat16* __restrict__ X, const flo
             pre[lane] = sigmoidf_(mixes[lane] * scale[0] + base[lane]) + hc_eps;
             if (write) post_out[(u64)r * hc + lane] = 2.f * sigmoidf_(mixes[hc + lane] * scale[1] + base[hc + lane]);
         }
-        if (write) {   // one block per row writes comb; the others only need pre
-            float C[HC_MAX][HC_MAX];
-#pragma unroll
-            for (int j = 0; j < HC_MAX; ++j)
-#pragma unroll
-                for (int k = 0; k < HC_MAX; ++k) {
-                    const int m = 2 * (int)hc + j * (int)hc + k;
-                    C[j][k] = (j < (int)hc && k < (int)hc) ? mixes[m] * scale[2] + base[m] : 0.f;
-                }
-            sinkhorn_regs(C, hc, hc_eps, iters);
-#pragma unroll
-            for (int j = 0; j < HC_MAX; ++j)
-#pragma unroll
-                for (int k = 0; k < HC_MAX; ++k)
-                    if (j < (int)hc && k < (int)hc && lane == j * (int)hc + k) comb_out[(u64)r * hc * hc + lane] = C[j][k];
+        if (write) {   // one block per row writes comb; the others only need pre (the branch is block-uniform)
+            const int j = lane / HC_MAX, k = lane % HC_MAX;
+            const bool in = lane < HC_MAX * HC_MAX && j < (int)hc && k < (int)hc;
+            const int m = 2 * (int)hc + j * (int)hc + k;
+            const float c = sinkhorn_lanes(in ? mixes[m] * scale[2] + base[m] : 0.f, in, hc_eps, iters);
+            if (in) comb_out[(u64)r * hc * hc + j * hc + k] = c;
         }
     }
     __syncthreads();

@@ -47,12 +47,12 @@ def sinkhorn(logits: np.ndarray, eps: float, iters: int) -> np.ndarray:
 
 
 def _sum(c: np.ndarray, axis: int) -> np.ndarray:
-    """Sum over the last (-1) or second-last (-2) axis in index order (as the kernel sums), keeping dims."""
+    """Sum over the last (-1) or second-last (-2) axis as the kernel's shuffles add, keeping dims: the hc <= 4
+    entries padded with zeros to four, then (c0 + c1) + (c2 + c3)."""
     part = (lambda t: c[..., t:t + 1]) if axis == -1 else (lambda t: c[..., t:t + 1, :])
-    acc = part(0)
-    for t in range(1, c.shape[axis]):
-        acc = acc + part(t)
-    return acc
+    zero = np.zeros_like(part(0))
+    p = [part(t) if t < c.shape[axis] else zero for t in range(4)]
+    return (p[0] + p[1]) + (p[2] + p[3])
 
 
 @twin("hyper_connection", "hc_mix")
