@@ -22,6 +22,7 @@
 // Routing. One warp per row; the row's scores live in shared memory (2 * n_experts floats).
 
 enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
+constexpr int STAGE_U = 8;   // loads a lane issues before it uses them (routing rows: global, then shared memory)
 
 // (v, i) beats (bv, bi): larger value, ties to the lower index. NaN never wins (taken experts are NaN).
 __device__ __forceinline__ bool beats(float v, u32 i, float bv, u32 bi) {
@@ -37,15 +38,28 @@ __device__ __forceinline__ void warp_best(float& bv, u32& bi) {
     }
 }
 
-// Best unselected entry of sel[0, n). The sentinel (-inf, n) loses to any real entry, -inf included, so
-// the result is always < n while n - taken > 0.
-__device__ __forceinline__ u32 argbest(const float* sel, u32 n, u32 lane) {
-    float bv = -INFINITY;
-    u32 bi = n;
-    for (u32 i = lane; i < n; i += 32)
-        if (beats(sel[i], i, bv, bi)) bv = sel[i], bi = i;
-    warp_best(bv, bi);
-    return bi;
+// A selection key as an unsigned int in the order `beats` ranks values: larger float -> larger key, -0 as +0,
+// NaN (a taken expert) -> 0, below every real value (-inf included).
+__device__ __forceinline__ u32 order_key(float v) {
+    const u32 u = __float_as_uint(v);
+    return v != v ? 0u : v == 0.f ? 0x80000000u : (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// This lane's best unselected entry of sel[lane], sel[lane + 32], ... below n, as (key, index); (0, n) when it
+// has none. Index order with a strict compare keeps the lower index of equal keys; STAGE_U shared loads are
+// issued before the compares that use them.
+__device__ __forceinline__ void lane_best(const float* sel, u32 n, u32 lane, u32& bk, u32& bi) {
+    bk = 0u, bi = n;
+    for (u32 i0 = lane; i0 < n; i0 += 32 * STAGE_U) {
+        float v[STAGE_U];
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u) v[u] = i0 + 32 * u < n ? sel[i0 + 32 * u] : __int_as_float(0x7fc00000);
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u) {
+            const u32 k = order_key(v[u]);
+            if (k > bk) bk = k, bi = i0 + 32 * u;
+        }
+    }
 }
 
 __device__ __forceinline__ float score_of(int fn, float z) {
@@ -53,20 +67,41 @@ __device__ __forceinline__ float score_of(int fn, float z) {
     return sqrtf(z > 20.f ? z : log1pf(expf(z)));  // sqrt(softplus(z)); softplus(z) = z above 20 (torch)
 }
 
-// sc[i] = score(z[i]); sel[i] = sc[i] + bias[i] with NaN mapped to -inf (selection key only).
+// dst[i] = src[i] for this lane's entries (i % 32 == lane), STAGE_U loads in flight at a time: a plain loop would
+// wait for each global load before issuing the next (16 DRAM latencies for 512 experts).
+__device__ __forceinline__ void stage_row(const float* __restrict__ src, float* dst, u32 E, u32 lane) {
+    for (u32 i0 = lane; i0 < E; i0 += 32 * STAGE_U) {
+        float v[STAGE_U];
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u) v[u] = i0 + 32 * u < E ? __ldg(src + i0 + 32 * u) : 0.f;
+#pragma unroll
+        for (int u = 0; u < STAGE_U; ++u)
+            if (i0 + 32 * u < E) dst[i0 + 32 * u] = v[u];
+    }
+}
+
+// sc[i] = score(z[i]); sel[i] = sc[i] + bias[i] with NaN mapped to -inf (selection key only). The logits (and
+// bias) are staged in sc (and sel) first; every later pass reads only the lane's own shared entries.
 __device__ void score_row(int fn, const float* z, const float* bias, float* sc, float* sel, u32 E, u32 lane) {
+    stage_row(z, sc, E, lane);
+    if (bias) stage_row(bias, sel, E, lane);
     if (fn == SCORE_SOFTMAX) {
         float mx = -INFINITY, sum = 0.f;
-        for (u32 i = lane; i < E; i += 32) mx = fmaxf(mx, z[i]);
+#pragma unroll (STAGE_U)
+        for (u32 i = lane; i < E; i += 32) mx = fmaxf(mx, sc[i]);
         mx = warp_max(mx);
-        for (u32 i = lane; i < E; i += 32) sc[i] = expf(z[i] - mx), sum += sc[i];
+#pragma unroll (STAGE_U)
+        for (u32 i = lane; i < E; i += 32) sc[i] = expf(sc[i] - mx), sum += sc[i];
         sum = warp_sum(sum);
+#pragma unroll (STAGE_U)
         for (u32 i = lane; i < E; i += 32) sc[i] /= sum;
     } else {
-        for (u32 i = lane; i < E; i += 32) sc[i] = score_of(fn, z[i]);
+#pragma unroll (STAGE_U)
+        for (u32 i = lane; i < E; i += 32) sc[i] = score_of(fn, sc[i]);
     }
+#pragma unroll (STAGE_U)
     for (u32 i = lane; i < E; i += 32) {
-        const float v = sc[i] + (bias ? bias[i] : 0.f);
+        const float v = sc[i] + (bias ? sel[i] : 0.f);
         sel[i] = v != v ? -INFINITY : v;
     }
     __syncwarp();
@@ -106,12 +141,21 @@ __device__ void finish_row(const float* sc, float* sel, u32 E, u32 top_k, i32 fi
                            float eps, float scale, i32* ids, float* w, u32 lane) {
     i32 id = hashed ? fixed_id : -1;
     if (!hashed) {
+        // Each lane keeps the best of its own entries; a round is two warp reductions (the largest key, then the
+        // lowest index holding it: ties to the lower id, as `beats`), and only the winner's lane rescans. A lane
+        // reads and writes only its own entries (i % 32 == lane), so no warp sync is needed between rounds.
+        u32 bk, bi;
+        lane_best(sel, E, lane, bk, bi);
         for (u32 t = 0; t < top_k; ++t) {
-            const u32 bi = argbest(sel, E, lane);
-            if (lane == t) id = (i32)bi;
-            if (lane == (bi & 31)) sel[bi] = __int_as_float(0x7fc00000);
-            __syncwarp();
+            const u32 mk = __reduce_max_sync(0xffffffffu, bk);
+            const u32 win = __reduce_min_sync(0xffffffffu, bk == mk ? bi : 0xffffffffu);
+            if (lane == t) id = (i32)win;
+            if (lane == (win & 31)) {
+                sel[win] = __int_as_float(0x7fc00000);
+                lane_best(sel, E, lane, bk, bi);
+            }
         }
+        __syncwarp();
     }
     const bool mine = lane < top_k;
     float v = mine && id >= 0 && (u32)id < E ? sc[id] : 0.f;
