@@ -11,7 +11,12 @@ how far each is from its own memory roofline. Two modes:
 The profiled call runs with graphs off (ncu times each kernel alone, with L2 flushed before each: the sum of
 kernel times is what the step costs without launch gaps). It also prints the graph-replay step time measured
 with CUDA events (cold L2) in the same process, so "sum of kernels" vs "graph step" splits the gap between
-kernel time and launch / dependency gaps."""
+kernel time and launch / dependency gaps.
+
+`--events` times every kernel of one eager propose in place instead, without ncu: a CUDA event pair around
+each launch, all of them queued behind a multi-GB memset so the kernels run back to back at the clocks and
+with the L2 contents of a real step (ncu runs each kernel alone, after an idle gap, on an idle-clocked GPU).
+Its table is per kernel name: launches, µs, share of the step."""
 from __future__ import annotations
 
 import csv
@@ -87,12 +92,68 @@ def profile(a) -> None:
           f"copy {copy_bandwidth(gpu) / 1e9:.0f} GB/s", flush=True)
 
 
+def timeline(a) -> None:
+    """`--events`: per-kernel CUDA-event times of one eager propose(k), queued behind a blocking memset."""
+    import cupy as cp
+
+    import mtp_cupy
+    from mtp_cupy.bench import EventTimer, median
+    from mtp_cupy.bench.drafter import Drafter
+    gpu = mtp_cupy.device("cuda")
+    o = Drafter(a.family, gpu, a.ctx, a.k, a.batch)
+    p, fn = o.prop, o.call(a.k, a.batch)
+    timer = EventTimer.cupy()
+    p.cuda_graphs = True
+    for _ in range(3):
+        fn()
+    step = median(timer.time(fn, 10, p.stream)[0]) / a.k
+    p.cuda_graphs = False
+    for _ in range(2):
+        fn()
+    block = cp.empty(a.block_gb << 30, cp.uint8)
+    launched, real = [], gpu.launch
+
+    def launch(handle, grid, block_dim, shared, args, stream):
+        s = gpu._stream(stream)
+        e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+        e0.record(s)
+        real(handle, grid, block_dim, shared, args, stream)
+        e1.record(s)
+        launched.append((handle.name, e0, e1))
+
+    p.stream.synchronize()
+    cp.cuda.runtime.memsetAsync(block.data.ptr, 0, block.nbytes, p.stream.ptr)   # the queue fills behind it
+    gpu.launch = launch
+    try:
+        fn()
+    finally:
+        gpu.launch = real
+    p.stream.synchronize()
+    per = OrderedDict()
+    for name, e0, e1 in launched:
+        d = per.setdefault(name, [0, 0.0])
+        d[0] += 1
+        d[1] += 1e3 * cp.cuda.get_elapsed_time(e0, e1)
+    span = 1e3 * cp.cuda.get_elapsed_time(launched[0][1], launched[-1][2])
+    total = sum(v[1] for v in per.values())
+    print(f"# {a.family}: graph step {step:.1f} µs (k={a.k}, batch {a.batch}, ctx {a.ctx}); eager propose "
+          f"{len(launched)} launches, kernels {total:.1f} µs, first to last event {span:.1f} µs "
+          f"({total / a.k:.1f} / {span / a.k:.1f} µs per step)")
+    print("\n| kernel | launches | µs | % of kernels |\n|---|---|---|---|")
+    for name, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {name} | {n} | {us:.1f} | {100 * us / total:.0f}% |")
+
+
 def main() -> None:
     ap = Parser(__doc__)
     ap.add_argument("--family", choices=FAMILIES, default="deepseek_v4", help="the family whose step is profiled")
     ap.add_argument("--ctx", type=positive_int, default=2048, help="drafter rows prefilled before the step")
     ap.add_argument("--k", type=positive_int, default=1, help="draft steps in the profiled propose")
     ap.add_argument("--batch", type=positive_int, default=1, help="sequences drafted together (propose_batch, up to 64)")
+    ap.add_argument("--events", action="store_true", help="time each kernel in place with CUDA events instead "
+                    "of under ncu (default: off)")
+    ap.add_argument("--block-gb", type=positive_int, default=4,
+                    help="GiB of the memset the --events launches queue behind (default: 4)")
     ap.add_argument("--summarize", metavar="CSV", help="print the per-kernel table of an ncu CSV and exit "
                     "(needs no GPU)")
     ap.add_argument("--copy-gbs", type=float, default=None,
@@ -108,7 +169,7 @@ def main() -> None:
     else:
         if a.batch > 64:
             ap.error(f"--batch {a.batch}: batches go up to 64")
-        profile(a)
+        timeline(a) if a.events else profile(a)
 
 
 if __name__ == "__main__":
