@@ -72,7 +72,8 @@ def assert_bf16_near(a, b, max_frac=0.01, atol=0.0):
 
 def check_pool(prop, states):
     """Proposer invariants over live states: rows == positions recorded, exactly the blocks those rows
-    need, positions increasing, and every pool block either held by one state or free (no leak)."""
+    need, positions increasing, every pool block either held by one state or free (no leak), and the cache's
+    int32 mirror of the block tables (what a batch stages from) equal to every state's own table."""
     from mtp_cupy.cache import PagedKvCache
     used = 0
     for st in states:
@@ -80,6 +81,11 @@ def check_pool(prop, states):
         assert all(b > a for a, b in zip(st.keys, st.keys[1:]))
         used += len(st.blocks.table)
     assert used + prop.kv.free_count == prop.pool_blocks
+    live = [st for st in states if st.blocks.table]
+    if live:
+        tab, lens = prop.kv.tables_of([st.blocks for st in live])
+        for st, row, n in zip(live, tab, lens):
+            assert n == len(st.blocks.table) and row[:n].tolist() == st.blocks.table
 
 
 def clear_argmax(logits, margin: float) -> bool:

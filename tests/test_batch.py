@@ -133,3 +133,68 @@ def test_pool_sizing_option_and_report():
     prop = load("deepseek_v3", max_batch=4)
     assert prop.sequences_that_fit() == 4 and prop.pool_blocks == 4 * 6
     assert load("qwen3_next", max_batch=2, max_sequences=5).sequences_that_fit() == 5
+
+
+def test_wide_batch_errors_name_the_sequence(rng):
+    """Past four sequences the checks run as array operations; each problem still names its sequence and
+    leaves every sequence as it was."""
+    prop = load("qwen3_next")
+    lens = [int(n) for n in rng.integers(5, 30, 8)]
+    sts = prefill_alike(rng, (prop,), lens)[0]
+    snap = lambda: [(list(s.keys), s.blocks.rows, list(s.blocks.table)) for s in sts]  # noqa: E731
+    before, free = snap(), prop.kv.free_count
+    hs, toks, bad = hidden(rng, prop, 8), [1] * 8, int(rng.integers(0, 8))
+    pos = list(lens)
+    cases = [(dict(pos={bad: lens[bad] + 2}), f"sequence {bad}: position {lens[bad] + 2} would leave a hole"),
+             (dict(pos={bad: lens[bad] - 1}), f"sequence {bad}: position {lens[bad] - 1} is not after"),
+             (dict(tok={bad: prop.vocab_size}), f"sequence {bad}: token id {prop.vocab_size} is out of range"),
+             (dict(tok={bad: -1}), f"sequence {bad}: token id -1 is out of range"),
+             (dict(pos={bad: prop.max_seq_len - 1}), "past max_seq_len")]
+    for change, msg in cases:
+        p, t = list(pos), list(toks)
+        for s, v in change.get("pos", {}).items():
+            p[s] = v
+        for s, v in change.get("tok", {}).items():
+            t[s] = v
+        with pytest.raises(InputError, match=msg):
+            prop.propose_batch(sts, t, hs, p, 2)
+        assert snap() == before and prop.kv.free_count == free
+    prop.free_state(sts[bad])
+    with pytest.raises(InputError, match="freed"):
+        prop.propose_batch(sts, toks, hs, pos, 2)
+    live = [s for i, s in enumerate(sts) if i != bad]
+    res = prop.propose_batch(live, toks[:7], hs[:7], [p for i, p in enumerate(pos) if i != bad], 2)
+    assert all(len(r.tokens) == 2 for r in res)
+    check_pool(prop, live)
+
+
+@pytest.mark.parametrize("fam", ["deepseek_v3", "qwen3_next"])
+def test_after_verify_batch_equals_one_at_a_time(fam, rng):
+    """after_verify_batch trims each sequence as after_verify does; a bad count, a repeated or freed state, or
+    a length mismatch is an InputError that names the problem and changes no sequence."""
+    a, b = load(fam), load(fam)
+    B = 6
+    lens = [int(n) for n in rng.integers(10, 40, B)]
+    sa, sb = prefill_alike(rng, (a, b), lens)
+    toks, hs = [int(t) for t in rng.integers(0, a.vocab_size, B)], hidden(rng, a, B)
+    ra, rb = a.propose_batch(sa, toks, hs, lens, 3), b.propose_batch(sb, toks, hs, lens, 3)
+    assert [r.tokens for r in ra] == [r.tokens for r in rb]
+    snap = lambda sts: [(list(s.keys), s.blocks.rows, list(s.blocks.table), s.last_num_drafted)  # noqa: E731
+                        for s in sts]
+    before = snap(sa)
+    for bad_args, msg in (((sa, [0] * (B - 1)), "6 states but 5"),
+                          ((sa, [0, 1, 2, 4, 0, 0]), "sequence 3: num_accepted 4 outside"),
+                          ((sa, [0, 0, -1, 0, 0, 0]), "sequence 2: num_accepted -1"),
+                          ((sa[:2] + sa[:1], [0, 0, 0]), "twice")):
+        with pytest.raises(InputError, match=msg):
+            a.after_verify_batch(*bad_args)
+        assert snap(sa) == before
+    acc = [int(x) for x in rng.integers(0, 4, B)]
+    a.after_verify_batch(sa, acc)
+    for st, n in zip(sb, acc):
+        b.after_verify(st, n)
+    assert snap(sa) == snap(sb)
+    check_pool(a, sa)
+    a.free_state(sa[0])
+    with pytest.raises(InputError, match="sequence 0: proposer state was freed"):
+        a.after_verify_batch(sa[:2], [0, 0])

@@ -64,6 +64,9 @@ def test_seq_blocks_reserve_truncate(ref, rng):
         assert used + kv.free_count == kv.num_blocks
         for x in seqs:
             assert len(x.table) == PagedKvCache.blocks_for(x.rows)
+        if all(x.table for x in seqs):   # the int32 mirror a batch stages from holds every table
+            tab, lens = kv.tables_of(seqs)
+            assert [row[:n].tolist() for row, n in zip(tab, lens)] == [x.table for x in seqs]
     for s in seqs:
         s.release()
     assert kv.free_count == kv.num_blocks

@@ -105,9 +105,10 @@ def test_packed_slab_reads_back_through_the_twin_accessors(rng):
         np.testing.assert_array_equal(access.kv_slots(got[3], rows), [_slot(table, int(r)) for r in rows])
 
 
-@pytest.mark.parametrize("B", [1, 4])
-def test_staged_slabs_read_back_through_the_twin_accessors(rng, B):
-    """stage_mtp_meta (k steps, B sequences; B == 1 is propose's scalar path) at a non-default stride."""
+@pytest.mark.parametrize("B,as_array", [(1, False), (4, False), (4, True), (9, True)])
+def test_staged_slabs_read_back_through_the_twin_accessors(rng, B, as_array):
+    """stage_mtp_meta (k steps, B sequences; B == 1 is propose's scalar path) at a non-default stride, from
+    lists of block ids or from an int32 [B, L] array with lens (the cache mirror's form, junk past lens)."""
     dev, k = RefBackend(), 3
     max_len = 2000
     stride = slab.stride(max_len) + 8 * int(rng.integers(1, 32)) if B > 1 else 0
@@ -117,7 +118,14 @@ def test_staged_slabs_read_back_through_the_twin_accessors(rng, B):
     rows0 = [int(rng.integers(0, len(t) * 16 - k + 1)) for t in tables]
     positions = [int(rng.integers(0, 1 << 30)) for _ in range(B)]
     stage = np.full((k + 1, row_bytes), 0xAB, np.uint8)
-    stage_mtp_meta(stage, k, positions, rows0, tables, 16, stride)
+    if as_array:
+        lens = [len(t) for t in tables]
+        arr = rng.integers(0, 1 << 30, (B, max(lens) + 3)).astype(np.int32)
+        for s, t in enumerate(tables):
+            arr[s, :len(t)] = t
+        stage_mtp_meta(stage, k, positions, rows0, arr, 16, stride, lens=lens)
+    else:
+        stage_mtp_meta(stage, k, positions, rows0, tables, 16, stride)
     buf = dev.upload(stage)
     for i in range(k):
         meta = buf.ptr.offset(i * row_bytes)

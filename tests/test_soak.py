@@ -92,10 +92,14 @@ class Soak:
                     self.counts["capacity"] += 1
         elif op == "verify":
             drafted = [st for st in self.live if st.last_num_drafted]
-            for st in drafted:
-                k = st.last_num_drafted
-                a = int(rng.integers(0, k + 1))
-                p.after_verify(st, a)
+            ks = [st.last_num_drafted for st in drafted]
+            accs = [int(rng.integers(0, k + 1)) for k in ks]
+            if drafted and rng.random() < 0.5:      # the batch call, or one call per sequence
+                p.after_verify_batch(drafted, accs)
+            else:
+                for st, a in zip(drafted, accs):
+                    p.after_verify(st, a)
+            for st, k, a in zip(drafted, ks, accs):
                 del self.keys[id(st)][len(self.keys[id(st)]) - (k - a):]
                 touched.add(id(st))
         elif op == "bad" and self.live:

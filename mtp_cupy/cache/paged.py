@@ -72,12 +72,13 @@ class PagedKvCache:
         """All n blocks or none (CapacityError, pool unchanged)."""
         if n > len(self._free):
             raise CapacityError(f"KV pool exhausted: {n} blocks asked, {len(self._free)} of {self.num_blocks} free")
-        out = [self._free.pop() for _ in range(n)]
+        out = [self._free.pop() for _ in range(n)] if n > 1 else [self._free.pop()]
         for b in out:
             self._used[b] = 1
         return out
 
     def free_blocks(self, blocks) -> None:
+        """Give blocks back (InputError, pool unchanged, for one not handed out or given twice)."""
         blocks = list(blocks)
         for b in blocks:
             if not 0 <= b < self.num_blocks or not self._used[b]:
@@ -131,13 +132,18 @@ class SeqBlocks:
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` rows (all blocks or none)."""
-        need = _blocks_for(rows, self.cache.block_size) - len(self.table)
-        if need > 0:
-            new = self.cache.alloc_blocks(need)
-            if self.row is None:
-                self.row = self.cache._take_row()
-            self.cache._tables[self.row, len(self.table):len(self.table) + need] = new
-            self.table.extend(new)
+        c, n = self.cache, len(self.table)
+        need = _blocks_for(rows, c.block_size) - n
+        if need <= 0:
+            return
+        new = c.alloc_blocks(need)
+        if self.row is None:
+            self.row = c._take_row()
+        if need == 1:   # a draft crossing into the next block: the common case, a scalar store
+            c._tables[self.row, n] = new[0]
+        else:
+            c._tables[self.row, n:n + need] = new
+        self.table.extend(new)
 
     def slot(self, row: int) -> int:
         return self.cache.slot_of(self.table, row)

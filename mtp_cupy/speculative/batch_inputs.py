@@ -33,7 +33,7 @@ def check_sequences(prop, states, tokens, positions, k: int) -> tuple[list[int],
     toks, poss = [], []
     for s, (st, t, p) in enumerate(zip(states, tokens, positions)):
         prop._live(st)
-        toks.append(check_token(t, prop.vocab_size))
+        toks.append(check_token(t, prop.vocab_size, "token" if B == 1 else f"sequence {s}: token"))
         p = check_position(p, prop.max_seq_len)
         if p + k > prop.max_seq_len:
             raise InputError(f"{k} drafts from position {p} run past max_seq_len {prop.max_seq_len}")
