@@ -70,3 +70,21 @@ def test_seq_blocks_reserve_truncate(ref, rng):
     for s in seqs:
         s.release()
     assert kv.free_count == kv.num_blocks
+
+
+def test_table_mirror_grows_with_the_longest_table_and_the_live_sequences(ref, rng):
+    """The int32 mirror a batch stages from widens past its first 16 columns and gains rows past its first
+    four sequences without losing a table; a released sequence's row is reused."""
+    kv = PagedKvCache(ref, CacheSpec("latent", 4), num_blocks=400)
+    seqs = [SeqBlocks(kv) for _ in range(7)]
+    for s in seqs:
+        s.reserve(16 * int(rng.integers(1, 12)))
+    seqs[3].reserve(16 * 90)                      # widens the mirror
+    row0 = seqs[0].row
+    seqs[0].release()
+    seqs[0] = SeqBlocks(kv)
+    assert seqs[0].row == row0
+    seqs[0].reserve(16 * 33)
+    tab, lens = kv.tables_of(seqs)
+    assert tab.shape[1] == max(lens) == 90
+    assert [row[:n].tolist() for row, n in zip(tab, lens)] == [s.table for s in seqs]

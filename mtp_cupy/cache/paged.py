@@ -51,9 +51,10 @@ class PagedKvCache:
         self.bufs = {s.name: gpu.alloc(s.row_bytes * s.num_layers * num_blocks * block_size) for s in specs}
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._used = bytearray(num_blocks)   # 1 = handed out (a bytearray: per-call paths index it one at a time)
-        # every live SeqBlocks' table mirrored in one int32 row of `_tables` (grown by doubling), so a batch's
-        # tables stage as one gather (`tables_of`) instead of converting B Python lists on every call
-        self._tables = np.zeros((0, num_blocks), np.int32)
+        # every live SeqBlocks' table mirrored in one int32 row of `_tables` (rows and width grown by doubling:
+        # width is the longest table yet, not the pool), so a batch's tables stage as one gather (`tables_of`)
+        # instead of converting B Python lists on every call
+        self._tables = np.zeros((0, 16), np.int32)
         self._rows_free: list[int] = []
 
     @staticmethod
@@ -92,11 +93,18 @@ class PagedKvCache:
     # -- the block-table mirror ---------------------------------------------------------------------
     def _take_row(self) -> int:
         if not self._rows_free:
-            n = len(self._tables)
+            n, w = self._tables.shape
             grow = max(n, 4)
-            self._tables = np.concatenate([self._tables, np.zeros((grow, self.num_blocks), np.int32)])
+            self._tables = np.concatenate([self._tables, np.zeros((grow, w), np.int32)])
             self._rows_free = list(range(n + grow - 1, n - 1, -1))
         return self._rows_free.pop()
+
+    def _widen(self, width: int) -> None:
+        n, w = self._tables.shape
+        if width > w:
+            wide = np.zeros((n, max(width, 2 * w)), np.int32)
+            wide[:, :w] = self._tables
+            self._tables = wide
 
     def _give_row(self, row: int) -> None:
         self._rows_free.append(row)
@@ -139,6 +147,7 @@ class SeqBlocks:
         new = c.alloc_blocks(need)
         if self.row is None:
             self.row = c._take_row()
+        c._widen(n + need)
         if need == 1:   # a draft crossing into the next block: the common case, a scalar store
             c._tables[self.row, n] = new[0]
         else:

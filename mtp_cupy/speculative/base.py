@@ -509,12 +509,10 @@ class MtpProposerBase:
 
     @contextlib.contextmanager
     def _ordered_after(self, stream):
-        caller = None
-        if stream is not None:
-            try:
-                caller = self.gpu.external_stream(stream)
-            except ConfigError as e:
-                raise InputError(str(e)) from None
+        try:
+            caller = self.gpu.external_stream(stream)
+        except ConfigError as e:
+            raise InputError(str(e)) from None
         if caller is not None and caller == self.stream:
             caller = None
         if caller is not None:
