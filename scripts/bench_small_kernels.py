@@ -1,0 +1,97 @@
+"""Per-launch µs of a draft step's small kernels (V4's mHC, the MoE routers, RMSNorm) at real dims, each
+captured as a CUDA graph of --launches back-to-back launches and timed with CUDA events (median of --reps
+replays): the cost a kernel adds inside a step's graph, launch included, without ncu's idle-clock gaps.
+
+    python scripts/bench_small_kernels.py [--launches 50] [--reps 5]
+
+The inputs stay in L2 across a graph's launches, so these are the kernels' latency floors, not cold-L2
+times; `profile_step.py --events` times the same kernels inside a real step."""
+from __future__ import annotations
+
+import numpy as np
+
+import mtp_cupy
+from mtp_cupy import ops
+from mtp_cupy.bench.cli import Parser, positive_int, run_main
+from mtp_cupy.ops._util import launch
+
+
+def bench(launches: int, reps: int) -> None:
+    gpu = mtp_cupy.device("cuda")      # a one-line ConfigError without CUDA
+    import cupy as cp
+    hc, dim, rows = 4, 4096, 1          # DeepSeek-V4-Flash streams
+    mix = (2 + hc) * hc
+    rng = np.random.default_rng(0)
+
+    def dev(a):
+        b = gpu.alloc(a.nbytes)
+        gpu.copy_h2d(b.ptr, a)
+        return b
+
+    X = dev(np.zeros((rows, hc, dim), np.uint16) + 0x3c00)       # bf16 1.0
+    fn = dev((rng.standard_normal((mix, hc * dim)) * 0.01).astype(np.float32))
+    scale, base = dev(np.ones(3, np.float32)), dev(np.zeros(mix, np.float32))
+    xo, post, comb = gpu.alloc(2 * rows * dim), gpu.alloc(4 * rows * hc), gpu.alloc(4 * rows * hc * hc)
+    work, Y = gpu.alloc(ops.hc_work_bytes(rows, dim, hc)), gpu.alloc(2 * rows * hc * dim)
+    s = cp.cuda.Stream(non_blocking=True)
+
+    def timed(name, f):
+        with s:
+            f()
+            s.synchronize()
+            s.begin_capture()
+            for _ in range(launches):
+                f()
+            g = s.end_capture()
+        g.launch(stream=s)
+        s.synchronize()
+        e0, e1, ts = cp.cuda.Event(), cp.cuda.Event(), []
+        for _ in range(reps):
+            e0.record(s)
+            g.launch(stream=s)
+            e1.record(s)
+            e1.synchronize()
+            ts.append(1e3 * cp.cuda.get_elapsed_time(e0, e1) / launches)
+        print(f"| {name} | {np.median(ts):.2f} |", flush=True)
+
+    def pre_only(iters):
+        return lambda: launch(gpu, "hyper_connection", "hc_pre").grid(rows, 4).block(256) \
+            .arg_ptr(X.ptr).arg_ptr(work.ptr).arg_ptr(scale.ptr).arg_ptr(base.ptr).arg_ptr(xo.ptr) \
+            .arg_ptr(post.ptr).arg_ptr(comb.ptr).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(32) \
+            .arg_f32(1e-6).arg_f32(1e-6).arg_u32(iters).launch(s)
+
+    from mtp_cupy.ops import hyper_connection as H
+    print("| kernel (V4 dims unless named) | µs per launch |\n|---|---|")
+    timed("hc_mix (mix 24)", lambda: H._mix(gpu, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix, s))
+    for it in (20, 1):
+        timed(f"hc_pre finishing kernel, {it} Sinkhorn iterations", pre_only(it))
+    timed("hc_pre (hc_mix + hc_pre, 20 iterations)", lambda: ops.hc_pre(
+        gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr, post.ptr, comb.ptr, work.ptr, rows, dim, hc, 1e-6, 1e-6,
+        20, stream=s))
+    timed("hc_post", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr, Y.ptr, rows, dim, hc, stream=s))
+    timed("hc_head (hc_mix + hc_head)", lambda: ops.hc_head(gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr,
+                                                           work.ptr, rows, dim, hc, 1e-6, 1e-6, stream=s))
+    timed("hc_add", lambda: ops.hc_add(gpu, X.ptr, xo.ptr, rows, dim, hc, stream=s))
+    timed("hc_expand (about an empty kernel)", lambda: ops.hc_expand(gpu, xo.ptr, Y.ptr, rows, dim, hc, stream=s))
+    wn = dev(np.full(dim, 0x3f80, np.uint16))
+    timed("rms_norm 4096 bf16", lambda: ops.rms_norm(gpu, xo.ptr, wn.ptr, Y.ptr, 1, dim, 1e-6, stream=s))
+    wn7, x7, y7 = dev(np.full(7168, 0x3f80, np.uint16)), dev(np.full(7168, 0x3c00, np.uint16)), gpu.alloc(2 * 7168)
+    timed("rms_norm 7168 bf16", lambda: ops.rms_norm(gpu, x7.ptr, wn7.ptr, y7.ptr, 1, 7168, 1e-6, stream=s))
+    for E, K in ((512, 10), (256, 6)):
+        lg, ids, ww = dev(rng.standard_normal(E).astype(np.float32)), gpu.alloc(4 * K), gpu.alloc(4 * K)
+        timed(f"moe_topk_softmax E={E} k={K}",
+              lambda: ops.moe_topk_softmax(gpu, lg.ptr, ids.ptr, ww.ptr, 1, E, K, stream=s))
+        timed(f"moe_topk_sqrtsoftplus E={E} k={K}",
+              lambda: ops.moe_topk_sqrtsoftplus(gpu, lg.ptr, 0, ids.ptr, ww.ptr, 1, E, K, stream=s))
+
+
+def main() -> None:
+    ap = Parser(__doc__)
+    ap.add_argument("--launches", type=positive_int, default=50, help="launches captured in each graph")
+    ap.add_argument("--reps", type=positive_int, default=5, help="timed replays of each graph (the median is shown)")
+    a = ap.parse_args()
+    bench(a.launches, a.reps)
+
+
+if __name__ == "__main__":
+    run_main(main)
