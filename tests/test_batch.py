@@ -145,7 +145,7 @@ def test_wide_batch_errors_name_the_sequence(rng):
     before, free = snap(), prop.kv.free_count
     hs, toks, bad = hidden(rng, prop, 8), [1] * 8, int(rng.integers(0, 8))
     pos = list(lens)
-    cases = [(dict(pos={bad: lens[bad] + 2}), f"sequence {bad}: position {lens[bad] + 2} would leave a hole"),
+    cases = [(dict(pos={bad: lens[bad] + 1}), f"sequence {bad}: position {lens[bad] + 1} would leave a hole"),
              (dict(pos={bad: lens[bad] - 1}), f"sequence {bad}: position {lens[bad] - 1} is not after"),
              (dict(tok={bad: prop.vocab_size}), f"sequence {bad}: token id {prop.vocab_size} is out of range"),
              (dict(tok={bad: -1}), f"sequence {bad}: token id -1 is out of range"),
