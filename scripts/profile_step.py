@@ -63,39 +63,9 @@ def summarize(path: str, copy_gbs: float | None, step_us: float | None) -> str:
     return "\n".join(out)
 
 
-def profile(a) -> None:
-    """One eager propose(k) of a real-dims family between cudaProfilerStart / Stop, after timing its graph
-    replay (cold L2, CUDA events, median of 10)."""
-    import cupy as cp
-
-    import mtp_cupy
-    from mtp_cupy.bench import EventTimer, copy_bandwidth, median
-    from mtp_cupy.bench.drafter import Drafter
-    gpu = mtp_cupy.device("cuda")
-    o = Drafter(a.family, gpu, a.ctx, a.k, a.batch)
-    p, fn = o.prop, o.call(a.k, a.batch)
-    timer = EventTimer.cupy()
-    p.cuda_graphs = True
-    for _ in range(3):
-        fn()
-    gpu_us, _ = timer.time(fn, 10, p.stream)
-    step = median(gpu_us) / a.k
-    p.cuda_graphs = False
-    for _ in range(2):
-        fn()
-    p.stream.synchronize()
-    cp.cuda.runtime.profilerStart()
-    fn()
-    p.stream.synchronize()
-    cp.cuda.runtime.profilerStop()
-    print(f"# {a.family}: graph step {step:.1f} µs (k={a.k}, batch {a.batch}, ctx {a.ctx}, cold L2, median of 10); "
-          f"copy {copy_bandwidth(gpu) / 1e9:.0f} GB/s", flush=True)
-
-
-def timeline(a) -> None:
-    """`--events`: per-kernel CUDA-event times of one eager propose(k), queued behind a blocking memset."""
-    import cupy as cp
-
+def warmed(a):
+    """(gpu, proposer, its propose callable, graph step µs): the real-dims family built, its graph replay timed
+    (cold L2, CUDA events, median of 10), then left warmed up eagerly with graphs off."""
     import mtp_cupy
     from mtp_cupy.bench import EventTimer, median
     from mtp_cupy.bench.drafter import Drafter
@@ -110,6 +80,29 @@ def timeline(a) -> None:
     p.cuda_graphs = False
     for _ in range(2):
         fn()
+    return gpu, p, fn, step
+
+
+def profile(a) -> None:
+    """One eager propose(k) of a real-dims family between cudaProfilerStart / Stop, after timing its graph
+    replay (cold L2, CUDA events, median of 10)."""
+    gpu, p, fn, step = warmed(a)        # a one-line ConfigError without CUDA
+    import cupy as cp
+
+    from mtp_cupy.bench import copy_bandwidth
+    p.stream.synchronize()
+    cp.cuda.runtime.profilerStart()
+    fn()
+    p.stream.synchronize()
+    cp.cuda.runtime.profilerStop()
+    print(f"# {a.family}: graph step {step:.1f} µs (k={a.k}, batch {a.batch}, ctx {a.ctx}, cold L2, median of 10); "
+          f"copy {copy_bandwidth(gpu) / 1e9:.0f} GB/s", flush=True)
+
+
+def timeline(a) -> None:
+    """`--events`: per-kernel CUDA-event times of one eager propose(k), queued behind a blocking memset."""
+    gpu, p, fn, step = warmed(a)
+    import cupy as cp
     block = cp.empty(a.block_gb << 30, cp.uint8)
     launched, real = [], gpu.launch
 
