@@ -246,3 +246,13 @@ def test_random_device_tensors(ref):
     assert [int(w.weight) - int(lins[0].weight) for w in lins] == [0, 2 * 8 * 64, 4 * 8 * 64]
     w = r.fp8_block(256, 128)
     assert w.fmt == "fp8_block" and (w.n, w.k) == (256, 128) and len(r.owners) == 4
+
+
+def test_profile_host_ref_smoke():
+    """The host-path probe on the NumPy device: the phase line for a propose and a propose_batch, and the
+    cProfile listing naming the proposer's own code."""
+    one = ok(run("profile_host.py", "--family", "qwen3_next", "--device", "ref", "--skip-chain", "--calls", "20"))
+    assert "batch=1 k=1" in one and "phases (median µs): total" in one and "_propose" in one
+    wide = ok(run("profile_host.py", "--family", "deepseek_v3", "--device", "ref", "--skip-chain", "--calls", "5",
+                  "--batch", "5", "--k", "2", "--no-profile"))
+    assert "batch=5 k=2" in wide and "post" in wide and "_propose" not in wide
