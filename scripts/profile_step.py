@@ -145,8 +145,9 @@ def main() -> None:
     ap.add_argument("--batch", type=positive_int, default=1, help="sequences drafted together (propose_batch, up to 64)")
     ap.add_argument("--events", action="store_true", help="time each kernel in place with CUDA events instead "
                     "of under ncu (default: off)")
-    ap.add_argument("--block-gb", type=positive_int, default=4,
-                    help="GiB of the memset the --events launches queue behind (default: 4)")
+    ap.add_argument("--block-gb", type=positive_int, default=16,
+                    help="GiB of the memset the --events launches queue behind; too small a one lets the host fall "
+                    "behind and puts its gaps into the kernels' times (4 did for Qwen3-Next) (default: 16)")
     ap.add_argument("--summarize", metavar="CSV", help="print the per-kernel table of an ncu CSV and exit "
                     "(needs no GPU)")
     ap.add_argument("--copy-gbs", type=float, default=None,
