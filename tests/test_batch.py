@@ -198,3 +198,14 @@ def test_after_verify_batch_equals_one_at_a_time(fam, rng):
     a.free_state(sa[0])
     with pytest.raises(InputError, match="sequence 0: proposer state was freed"):
         a.after_verify_batch(sa[:2], [0, 0])
+
+
+def test_batch_calls_take_a_list_of_states(rng):
+    prop = load("qwen3_next")
+    st = prefill_alike(rng, (prop,), [6])[0][0]
+    for call, args in ((prop.propose_batch, (st, [1], hidden(rng, prop, 1), [6], 1)),
+                       (prop.propose_batch, ([st, "x"], [1, 1], hidden(rng, prop, 2), [6, 6], 1)),
+                       (prop.after_verify_batch, (st, [0]))):
+        with pytest.raises(InputError, match="list of proposer states"):
+            call(*args)
+    assert st.keys == list(range(6)) and st.blocks.rows == 6

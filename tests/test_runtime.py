@@ -156,6 +156,10 @@ def test_forward_buffers(dev):
         fb.nope
     with pytest.raises(CapacityError):
         ForwardBuffers(dev, {}, scratch_bytes=1024)
+    for clash in ("scratch", "mtp_meta", "layout", "region_bytes"):   # a region may not hide an attribute
+        with pytest.raises(ValueError, match=clash):
+            ForwardBuffers(dev, {clash: 64})
+    assert fb.layout["logits"][1] == 4000 and int(fb.logits) == int(fb.buf.ptr) + fb.layout["logits"][0]
     # the slab lands where the layout says: write through the region, read back at the offset
     slab = pack_mtp_attn_meta(5, 80, 6, [5], fb.mtp_meta_capacity)
     dev.copy_h2d(fb.mtp_meta, slab)

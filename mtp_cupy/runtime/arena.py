@@ -109,6 +109,9 @@ def carve(gpu: Backend, regions: dict[str, int]):
     return buf, {name: buf.ptr.offset(off) for name, (off, _) in lay.items()}
 
 
+_RESERVED = ("scratch", "layout", "total_bytes", "buf", "scratch_bytes")
+
+
 class ForwardBuffers:
     """Named device regions in one allocation. `regions` maps name -> bytes; `scratch` is always present.
 
@@ -117,21 +120,18 @@ class ForwardBuffers:
     def __init__(self, gpu: Backend, regions: dict[str, int], scratch_bytes: int = DEFAULT_SCRATCH):
         if scratch_bytes < MTP_META_OFFSET + TABLE_OFFSET:
             raise CapacityError(f"scratch of {scratch_bytes} bytes leaves no room for MTP metadata")
-        if "scratch" in regions:
-            raise ValueError("region 'scratch' is reserved")
+        taken = [n for n in regions if n in _RESERVED or hasattr(type(self), n)]
+        if taken:
+            raise ValueError(f"region names {taken} are reserved")
         self.layout, self.total_bytes = layout({**regions, "scratch": scratch_bytes})
         self.buf = gpu.alloc(self.total_bytes)
         self.scratch_bytes = scratch_bytes
-        # the region pointers as plain attributes: the per-call paths read them often
+        # each region's pointer is a plain attribute: the per-call paths read them often
         for name, (off, _) in self.layout.items():
-            if name not in self.__dict__ and not hasattr(type(self), name):
-                self.__dict__[name] = self.buf.ptr.offset(off)
+            setattr(self, name, self.buf.ptr.offset(off))
 
-    def __getattr__(self, name: str) -> DevicePtr:
-        layout = self.__dict__.get("layout")
-        if layout is None or name not in layout:
-            raise AttributeError(f"ForwardBuffers has no region {name!r}")
-        return self.buf.ptr.offset(layout[name][0])
+    def __getattr__(self, name: str) -> DevicePtr:   # only reached for a name that is no region
+        raise AttributeError(f"ForwardBuffers has no region {name!r}")
 
     def region_bytes(self, name: str) -> int:
         return self.layout[name][1]

@@ -54,7 +54,7 @@ from ..runtime.arena import ForwardBuffers, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
-from .batch_inputs import batch_masks, check_sequences
+from .batch_inputs import batch_masks, check_sequences, state_list
 from .inputs import check_position, check_token, host_ints, is_device_pointer, stage_hidden, take_hidden
 from .options import ProposerOptions
 from .proposer import DraftResult, ProposerState, mtp_rows_to_trim
@@ -370,8 +370,8 @@ class MtpProposerBase:
 
         Raises InputError (bad ids, shapes, dtypes, devices, a hole in a sequence's rows, ...) or CapacityError
         (KV pool, max_seq_len); no sequence changes on failure."""
-        return self._propose(states, tokens, hiddens, positions, num_drafts, grammar_bitmasks, return_logits,
-                             min_logprob, stream, device_results, single=False)
+        return self._propose(state_list(states, "propose_batch"), tokens, hiddens, positions, num_drafts,
+                             grammar_bitmasks, return_logits, min_logprob, stream, device_results, single=False)
 
     def _propose(self, states, tokens, hiddens, positions, num_drafts, grammar_bitmasks, return_logits,
                  min_logprob, stream, device_results, single: bool) -> list[DraftResult]:
@@ -472,27 +472,23 @@ class MtpProposerBase:
             for s in range(len(states)):
                 low = np.flatnonzero(lps[:, s] < min_logprob)
                 done[s] = int(low[0]) + 1 if low.size else k
-        for st, r0, d in zip(states, rows0, done):
+        for st, r0, p, d in zip(states, rows0, positions, done):
             b = st.blocks
             b.rows = r0 + k
             if d < k:
                 b.truncate(r0 + d)
+            st.keys.extend(range(p, p + d))
+            st.last_num_drafted, st.last_pair_key, st.last_drafts = d, p + d - 1, []
         if "device_ids" in out:   # nothing read back: the drafts live on the device (no grammar warnings)
             lg = out["device_logits"]
-            for s, (st, p, d) in enumerate(zip(states, positions, done)):
-                st.keys.extend(range(p, p + d))
-                st.last_num_drafted, st.last_pair_key, st.last_drafts = d, p + d - 1, []
-                res.append(DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"],
-                                       stream=self.stream, device_logits=None if lg is None else lg[s]))
-            return res
+            return [DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"], stream=self.stream,
+                                device_logits=None if lg is None else lg[s]) for s in range(len(states))]
         cols, flags, logits = out["ids"].T.tolist(), out["flags"], out["logits"]
         for s, (st, p, d) in enumerate(zip(states, positions, done)):
-            toks = cols[s] if d == k else cols[s][:d]
+            toks = st.last_drafts = cols[s] if d == k else cols[s][:d]
             if flags is not None:
                 for i in np.flatnonzero(flags[:d, s]):
                     log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0", i, p + i)
-            st.keys.extend(range(p, p + d))
-            st.last_num_drafted, st.last_pair_key, st.last_drafts = d, p + d - 1, toks
             lg = None
             if logits is not None:
                 lg = np.ascontiguousarray(logits[:d, s])
@@ -624,6 +620,7 @@ class MtpProposerBase:
     def after_verify_batch(self, states: list[ProposerState], num_accepted) -> None:
         """`after_verify` for every sequence of a batch in one call (states and accepted counts in order); every
         count is checked before any sequence changes (InputError naming the sequence)."""
+        states = state_list(states, "after_verify_batch")
         acc = host_ints(num_accepted, self.gpu, "num_accepted")
         if len(acc) != len(states):
             raise InputError(f"{len(states)} states but {len(acc)} accepted counts")

@@ -8,6 +8,15 @@ from ..errors import InputError
 from .inputs import check_bitmask, check_position, check_token
 
 
+def state_list(states, call: str) -> list:
+    """The states of a batch call as a list; InputError for anything but a list or tuple of ProposerState."""
+    from .proposer import ProposerState
+    if not isinstance(states, (list, tuple)) or not all(isinstance(s, ProposerState) for s in states):
+        raise InputError(f"{call} takes a list of proposer states (from alloc_state), got {type(states).__name__}"
+                         + ("" if not isinstance(states, (list, tuple)) else " holding other objects"))
+    return list(states)
+
+
 def check_sequences(prop, states, tokens, positions, k: int) -> tuple[list[int], list[int]]:
     """(tokens, positions) as ints after checking B, k, every state and the no-hole rule."""
     B = len(states)
