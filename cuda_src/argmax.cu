@@ -152,34 +152,40 @@ __device__ __forceinline__ void argmax_rows(const void* x, u32 n, u32 row_stride
 
 extern "C" __global__ __launch_bounds__(THREADS) void
 argmax_bf16(const __nv_bfloat16* x, u32 n, i32* out_id, float* out_val, u8* ws) {
+    pdl_entry();
     argmax_rows<true, false, false>(x, n, 0, nullptr, 0, out_id, out_val, nullptr, nullptr, ws);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS) void
 argmax_f32(const float* x, u32 n, i32* out_id, float* out_val, u8* ws) {
+    pdl_entry();
     argmax_rows<false, false, false>(x, n, 0, nullptr, 0, out_id, out_val, nullptr, nullptr, ws);
 }
 
 // Batched: row r at x + r * row_stride (elements); grid (blocks per row, rows).
 extern "C" __global__ __launch_bounds__(THREADS) void
 argmax_bf16_batch(const __nv_bfloat16* x, u32 n, u32 rows, u32 row_stride, i32* out_id, float* out_val, u8* ws) {
+    pdl_entry();
     argmax_rows<true, false, false>(x, n, row_stride, nullptr, 0, out_id, out_val, nullptr, nullptr, ws);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS) void
 argmax_f32_batch(const float* x, u32 n, u32 rows, u32 row_stride, i32* out_id, float* out_val, u8* ws) {
+    pdl_entry();
     argmax_rows<false, false, false>(x, n, row_stride, nullptr, 0, out_id, out_val, nullptr, nullptr, ws);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS) void
 argmax_bf16_batch_lp(const __nv_bfloat16* x, u32 n, u32 rows, u32 row_stride, i32* out_id, float* out_val,
                      float* out_lp, u8* ws) {
+    pdl_entry();
     argmax_rows<true, true, false>(x, n, row_stride, nullptr, 0, out_id, out_val, out_lp, nullptr, ws);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS) void
 argmax_f32_batch_lp(const float* x, u32 n, u32 rows, u32 row_stride, i32* out_id, float* out_val, float* out_lp,
                     u8* ws) {
+    pdl_entry();
     argmax_rows<false, true, false>(x, n, row_stride, nullptr, 0, out_id, out_val, out_lp, nullptr, ws);
 }
 
@@ -188,6 +194,7 @@ argmax_f32_batch_lp(const float* x, u32 n, u32 rows, u32 row_stride, i32* out_id
 extern "C" __global__ __launch_bounds__(THREADS) void
 argmax_bitmask(const void* x, u32 is_bf16, u32 n, u32 rows, u32 row_stride, const i32* mask, u32 mask_row_words,
                i32* out_id, i32* out_flag, float* out_val, u8* ws) {
+    pdl_entry();
     if (is_bf16)
         argmax_rows<true, false, true>(x, n, row_stride, mask, mask_row_words, out_id, out_val, nullptr, out_flag, ws);
     else

@@ -20,6 +20,28 @@ typedef long long i64;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
+// Programmatic dependent launch (PDL). Every kernel starts with pdl_entry(): wait until the kernel before it in
+// the stream has finished and its writes are visible, then let the next kernel's blocks be scheduled while this
+// one runs (they park in their own wait). A kernel may instead trigger first and wait later, reading before the
+// wait only memory no kernel of the step writes (the streaming GEMVs prefetch their weights). Launched without
+// the PDL attribute, both instructions are no-ops.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_entry() {
+    pdl_wait();
+    pdl_trigger();
+}
+
 __device__ __forceinline__ float bf2f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ __nv_bfloat16 f2bf(float v) { return __float2bfloat16_rn(v); }
 __device__ __forceinline__ float bits2f(u16 b) { return __uint_as_float(((u32)b) << 16); }

@@ -93,6 +93,7 @@ __device__ __forceinline__ void score_rows_any(const float* qs, const float* ws,
 extern "C" __global__ __launch_bounds__(SCORE_WARPS * 32) void dsa_index_scores(
     const u16* q, const float* w, const u16* cache, const u8* meta, u32 meta_stride, float* scores, u32 num_seqs,
     u32 heads, u32 head_dim, u32 score_stride, float scale) {
+    pdl_entry();
     extern __shared__ float4 smem_v[];  // float4: 16-byte aligned for the vector reads
     float* smem = reinterpret_cast<float*>(smem_v);
     const u32 s = blockIdx.y;
@@ -183,6 +184,7 @@ __device__ __forceinline__ void block_scan2(bool a, bool b, u32* red, u32* pa, u
 extern "C" __global__ __launch_bounds__(TOPK_THREADS) void dsa_topk(
     const float* scores, u32 score_stride, const u8* meta, u32 meta_stride, i32* sel, u32 sel_stride, u32 num_seqs,
     u32 k) {
+    pdl_entry();
     __shared__ u32 hist[256];
     __shared__ u32 pick[2];
     __shared__ u32 red[2 * TOPK_WARPS];

@@ -5,6 +5,7 @@
 
 // x[i] += r[i] over n elements, in place (fp32 add, one bf16 rounding).
 extern "C" __global__ void bf16_residual_add(__nv_bfloat16* x, const __nv_bfloat16* r, u32 n) {
+    pdl_entry();
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         x[i] = f2bf(bf2f(x[i]) + bf2f(r[i]));
 }
@@ -25,6 +26,7 @@ __device__ __forceinline__ void block_zero(u16* dst, u32 n) {
 
 // out[r] = [a[r, :na] | b[r, :nb]], bit-exact; one block per row.
 extern "C" __global__ void bf16_concat(const u16* a, const u16* b, u16* out, u32 rows, u32 na, u32 nb) {
+    pdl_entry();
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         u16* o = out + (u64)r * (na + nb);
         block_copy(o, a + (u64)r * na, na);
@@ -39,6 +41,7 @@ __device__ __forceinline__ float sigmoid_f32(float g) { return 1.f / (1.f + expf
 extern "C" __global__ void sigmoid_gate_mul(const __nv_bfloat16* x, const __nv_bfloat16* gate, __nv_bfloat16* out,
                                             u32 rows, u32 heads, u32 dim, u32 gate_row_stride,
                                             u32 gate_head_stride) {
+    pdl_entry();
     const u32 hd = heads * dim, n = rows * hd;  // the launcher keeps rows * heads * dim < 2^32
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         const u32 r = i / hd, h = (i % hd) / dim, d = i % dim;
@@ -51,6 +54,7 @@ extern "C" __global__ void sigmoid_gate_mul(const __nv_bfloat16* x, const __nv_b
 // [rows, n]. limit > 0 is DeepSeek-V4's clamped SwiGLU: silu(min(g, limit)) * clamp(u, -limit, limit).
 extern "C" __global__ void silu_mul(const __nv_bfloat16* g, const __nv_bfloat16* u, __nv_bfloat16* out, u32 rows,
                                     u32 n, u32 g_stride, u32 u_stride, float limit) {
+    pdl_entry();
     const u32 total = rows * n;  // the launcher keeps rows * n < 2^32
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < total; i += gridDim.x * blockDim.x) {
         const u32 r = i / n, j = i % n;
@@ -80,6 +84,7 @@ __device__ __forceinline__ void embed_row_block(const u16* table, const i32* ids
 // Prefill gather: ids are host-uploaded tokens.
 extern "C" __global__ void embed_rows(const u16* table, const i32* ids, u32 ids_stride, u16* out, u32 rows,
                                       u32 dim, u32 vocab) {
+    pdl_entry();
     embed_row_block(table, ids, ids_stride, out, rows, dim, vocab);
 }
 
@@ -87,11 +92,13 @@ extern "C" __global__ void embed_rows(const u16* table, const i32* ids, u32 ids_
 // the host ever seeing the id (one launch, no sync).
 extern "C" __global__ void embed_from_argmax(const u16* table, const i32* ids, u32 ids_stride, u16* out,
                                              u32 rows, u32 dim, u32 vocab) {
+    pdl_entry();
     embed_row_block(table, ids, ids_stride, out, rows, dim, vocab);
 }
 
 // y[i] = y[i] + alpha * x[i] over n elements (fp32, product not fused, one bf16 rounding).
 extern "C" __global__ void scale_add(__nv_bfloat16* y, const __nv_bfloat16* x, float alpha, u32 n) {
+    pdl_entry();
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         y[i] = f2bf(bf2f(y[i]) + __fmul_rn(alpha, bf2f(x[i])));
 }

@@ -79,6 +79,7 @@ __device__ __forceinline__ float dot8(uint4 w, uint4 x, float acc) {
 extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_regs(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
+    pdl_entry();
     __shared__ float red[8][G_ROWS];
     const u32 lane = threadIdx.x, ks = threadIdx.y, KS = blockDim.y, m = blockIdx.y;
     const u32 wid = threadIdx.z * KS + ks;
@@ -131,6 +132,7 @@ constexpr int FR = 2, FC = 2;
 extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
+    pdl_entry();
     constexpr u32 STAGE = FR * FC * 32;  // uint4 per warp and stage
     const u32 lane = threadIdx.x, ks = threadIdx.y, KS = blockDim.y, m = blockIdx.y;
     if (m >= M) return;
@@ -394,6 +396,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
     };
 
     for (u32 p = 1; p < NS; ++p) issue();
+    pdl_wait();   // the ring's first stages are weights; x and y belong to the kernels around this one
     u32 cslot = 0;
     const float fm = F == NVFP4 ? scale2 * 256.f : F == MXFP4 ? 0x1p64f : 1.f;  // undo fp4_scale
     for (u32 i = 0; i < ntile; ++i) {
@@ -513,6 +516,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
 extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batchm(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<BF16, 1, 1>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -520,6 +524,7 @@ extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batchm(
 extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch32(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<BF16, 4, 2>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -528,6 +533,7 @@ extern "C" __global__ __launch_bounds__(512) void gemv_fp8w(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<FP8_ROW, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -536,6 +542,7 @@ extern "C" __global__ __launch_bounds__(512) void w8a16_gemv(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<FP8_BLOCK, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -544,6 +551,7 @@ extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_e8m0(
     const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<FP8_BLOCK_E8M0, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -552,6 +560,7 @@ extern "C" __global__ __launch_bounds__(512) void w4a16_gemv(
     const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
     u32 y_stride, u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<NVFP4, 1, 1>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -560,6 +569,7 @@ extern "C" __global__ __launch_bounds__(512) void w4a16_gemv_mx(
     const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<MXFP4, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -570,6 +580,7 @@ extern "C" __global__ __launch_bounds__(512) void gemv_fp8w_batch32(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<FP8_ROW, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -577,6 +588,7 @@ extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_batch32(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<FP8_BLOCK, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -584,6 +596,7 @@ extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_e8m0_batch32(
     const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<FP8_BLOCK_E8M0, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -591,6 +604,7 @@ extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_batch32(
     const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
     u32 y_stride, u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<NVFP4, 4, 1>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -598,6 +612,7 @@ extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_mx_batch32(
     const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_trigger();
     mma_stream<MXFP4, 4, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -605,6 +620,7 @@ extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_mx_batch32(
 extern "C" __global__ __launch_bounds__(256) void dense_gemv_bf16_batchm_regs(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
+    pdl_entry();
     mma_regs<BF16, 1, 1, 4>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -612,6 +628,7 @@ extern "C" __global__ __launch_bounds__(256) void w8a16_gemv_regs(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
 {
+    pdl_entry();
     mma_regs<FP8_BLOCK, 1, 1, 4>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -619,6 +636,7 @@ extern "C" __global__ __launch_bounds__(256) void w4a16_gemv_regs(
     const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
     u32 y_stride, u32 out_f32)
 {
+    pdl_entry();
     mma_regs<NVFP4, 1, 1, 4>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
@@ -646,6 +664,7 @@ __device__ __forceinline__ void ldmatrix_x4(u32 r[4], const void* smem) {
 extern "C" __global__ __launch_bounds__(256) void dense_gemm_bf16(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
+    pdl_entry();
     u16 (*sx)[TM][TPAD] = (u16 (*)[TM][TPAD])g_dsm;         // [GS][TM][TPAD]
     u16 (*sw)[TN][TPAD] = (u16 (*)[TN][TPAD])(sx + GS);     // [GS][TN][TPAD]
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, wm = warp >> 2, wn = warp & 3;

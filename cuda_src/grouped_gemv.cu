@@ -98,6 +98,7 @@ __device__ __forceinline__ void grouped_gemv_impl(const u16* __restrict__ x, con
 extern "C" __global__ void grouped_gemv_bf16(const u16* x, const u8* W, void* y, u32 groups, u32 m, u32 n, u32 k,
                                              u32 row0, u32 group_rows, u64 x_group_stride, u64 x_row_stride,
                                              u64 y_group_stride, u64 y_row_stride, u32 out_f32, u32 lpr) {
+    pdl_entry();
     grouped_gemv_impl<FMT_BF16>(x, W, nullptr, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride,
                                 y_group_stride, y_row_stride, out_f32, lpr);
 }
@@ -105,6 +106,7 @@ extern "C" __global__ void grouped_gemv_bf16(const u16* x, const u8* W, void* y,
 extern "C" __global__ void grouped_gemv_fp8_block(const u16* x, const u8* W, const float* scale, void* y, u32 groups,
                                                   u32 m, u32 n, u32 k, u32 row0, u32 group_rows, u64 x_group_stride,
                                                   u64 x_row_stride, u64 y_group_stride, u64 y_row_stride, u32 out_f32, u32 lpr) {
+    pdl_entry();
     grouped_gemv_impl<FMT_FP8_F32>(x, W, scale, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride,
                                    y_group_stride, y_row_stride, out_f32, lpr);
 }
@@ -113,6 +115,7 @@ extern "C" __global__ void grouped_gemv_fp8_block_e8m0(const u16* x, const u8* W
                                                        u32 groups, u32 m, u32 n, u32 k, u32 row0, u32 group_rows,
                                                        u64 x_group_stride, u64 x_row_stride, u64 y_group_stride,
                                                        u64 y_row_stride, u32 out_f32, u32 lpr) {
+    pdl_entry();
     grouped_gemv_impl<FMT_FP8_E8M0>(x, W, scale, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride,
                                     y_group_stride, y_row_stride, out_f32, lpr);
 }

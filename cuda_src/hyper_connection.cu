@@ -16,6 +16,7 @@
 // re-read from L2 per row.
 extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const float* __restrict__ fn,
                                   float* __restrict__ part, u32 rows, u32 k, u32 mix, u32 chunk) {
+    pdl_entry();
     __shared__ float red[32][MIX_MAX + 1];
     const u32 s = blockIdx.x, r = blockIdx.y, c0 = s * chunk, c1 = min(k, c0 + chunk);
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
@@ -130,6 +131,7 @@ extern "C" __global__ void hc_pre(const __nv_bfloat16* __restrict__ X, const flo
                                   __nv_bfloat16* __restrict__ x_out, float* __restrict__ post_out,
                                   float* __restrict__ comb_out, u32 rows, u32 dim, u32 hc, u32 nsplit,
                                   float rms_eps, float hc_eps, u32 iters) {
+    pdl_entry();
     __shared__ float mixes[MIX_MAX];
     __shared__ float pre[HC_MAX];
     const u32 r = blockIdx.x, mix = (2 + hc) * hc;
@@ -159,6 +161,7 @@ extern "C" __global__ void hc_head(const __nv_bfloat16* __restrict__ X, const fl
                                    const float* __restrict__ scale, const float* __restrict__ base,
                                    __nv_bfloat16* __restrict__ y, u32 rows, u32 dim, u32 hc, u32 nsplit,
                                    float rms_eps, float hc_eps) {
+    pdl_entry();
     __shared__ float mixes[HC_MAX];
     __shared__ float pre[HC_MAX];
     const u32 r = blockIdx.x;
@@ -172,6 +175,7 @@ extern "C" __global__ void hc_head(const __nv_bfloat16* __restrict__ X, const fl
 // every stream of its (r, d), reading all of X before writing, so Y may be X. grid (dim blocks, rows).
 extern "C" __global__ void hc_post(const __nv_bfloat16* f, const __nv_bfloat16* X, const float* __restrict__ post,
                                    const float* __restrict__ comb, __nv_bfloat16* Y, u32 rows, u32 dim, u32 hc) {
+    pdl_entry();
     __shared__ float p[HC_MAX], cm[HC_MAX * HC_MAX];
     const u32 r = blockIdx.y;
     if (threadIdx.x < hc) p[threadIdx.x] = post[(u64)r * hc + threadIdx.x];
@@ -198,6 +202,7 @@ extern "C" __global__ void hc_post(const __nv_bfloat16* f, const __nv_bfloat16* 
 // out[r, j, :] = x[r, :] for every stream j (the seed's expansion of one hidden into hc streams).
 extern "C" __global__ void hc_expand(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* __restrict__ out, u32 rows,
                                      u32 dim, u32 hc) {
+    pdl_entry();
     const u64 n = (u64)rows * dim;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / dim, d = i % dim;
@@ -208,6 +213,7 @@ extern "C" __global__ void hc_expand(const __nv_bfloat16* __restrict__ x, __nv_b
 
 // X[r, j, :] += x[r, :] for every stream j (fp32 add, one bf16 rounding): adds e_proj(e) to each h_proj stream.
 extern "C" __global__ void hc_add(__nv_bfloat16* X, const __nv_bfloat16* __restrict__ x, u32 rows, u32 dim, u32 hc) {
+    pdl_entry();
     const u64 n = (u64)rows * dim;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / dim, d = i % dim;

@@ -16,6 +16,7 @@ __device__ __forceinline__ i64 row_slot(const i64* slots, u32 slot_stride, u32 r
 extern "C" __global__ void reshape_and_cache(const u16* src, u32 src_stride, const i64* slots, u32 slot_stride,
                                              u16* cache, u32 rows, u32 width, u32 cache_row_width,
                                              u32 col_offset) {
+    pdl_entry();
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 slot = row_slot(slots, slot_stride, r);
         if (slot < 0) continue;
@@ -29,6 +30,7 @@ extern "C" __global__ void reshape_and_cache(const u16* src, u32 src_stride, con
 extern "C" __global__ void reshape_and_cache_fp8(const __nv_bfloat16* src, u32 src_stride, const i64* slots,
                                                  u32 slot_stride, u8* cache, u32 rows, u32 width,
                                                  u32 cache_row_width, u32 col_offset, float scale) {
+    pdl_entry();
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 slot = row_slot(slots, slot_stride, r);
         if (slot < 0) continue;
@@ -47,6 +49,7 @@ extern "C" __global__ void reshape_and_cache_fp8(const __nv_bfloat16* src, u32 s
 extern "C" __global__ __launch_bounds__(256) void reshape_and_cache_fp8_blocks(
     const __nv_bfloat16* src, u32 src_stride, const i64* slots, u32 slot_stride, u8* cache, u32 rows, u32 width,
     u32 nope) {
+    pdl_entry();
     const u32 rope_off = kv_fp8_block_rope_off(nope), scale_off = kv_fp8_block_scale_off(nope, width);
     const u32 row_bytes = kv_fp8_block_row_bytes(nope, width), nblk = (nope + 63) / 64;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;

@@ -181,6 +181,7 @@ __device__ void topk_row(const float* logits, const float* bias, i32* ids, float
 // Qwen3-Next: softmax over all experts (fp32), top-k of the probabilities, renormalised when norm.
 extern "C" __global__ void moe_topk_softmax(const float* logits, i32* ids, float* w, u32 m, u32 n_experts,
                                             u32 top_k, u32 norm, float scale) {
+    pdl_entry();
     topk_row<SCORE_SOFTMAX>(logits, nullptr, ids, w, m, n_experts, top_k, 1, 1, norm, 0.f, scale);
 }
 
@@ -189,12 +190,14 @@ extern "C" __global__ void moe_topk_softmax(const float* logits, i32* ids, float
 extern "C" __global__ void moe_topk_sigmoid_grouped(const float* logits, const float* bias, i32* ids, float* w,
                                                     u32 m, u32 n_experts, u32 top_k, u32 n_group,
                                                     u32 topk_group, u32 norm, float scale) {
+    pdl_entry();
     topk_row<SCORE_SIGMOID>(logits, bias, ids, w, m, n_experts, top_k, n_group, topk_group, norm, 1e-20f, scale);
 }
 
 // DeepSeek-V4: s = sqrt(softplus(z)); selection by s + bias, no groups; weights s / sum(s) * scale.
 extern "C" __global__ void moe_topk_sqrtsoftplus(const float* logits, const float* bias, i32* ids, float* w,
                                                  u32 m, u32 n_experts, u32 top_k, u32 norm, float scale) {
+    pdl_entry();
     topk_row<SCORE_SQRTSOFTPLUS>(logits, bias, ids, w, m, n_experts, top_k, 1, 1, norm, 0.f, scale);
 }
 
@@ -204,6 +207,7 @@ extern "C" __global__ void moe_topk_sqrtsoftplus(const float* logits, const floa
 extern "C" __global__ void moe_topk_hash(const float* logits, const u8* token_ids, u32 token_ids_stride,
                                          const i32* tid2eid, u32 vocab, i32* ids, float* w, u32 m,
                                          u32 n_experts, u32 top_k, u32 score_fn, u32 norm, float scale) {
+    pdl_entry();
     float *sc = moe_smem, *sel = moe_smem + n_experts;
     const u32 r = blockIdx.x, lane = threadIdx.x;
     if (r >= m) return;
@@ -497,6 +501,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_bf16(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_BF16, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -505,6 +510,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_f32(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_F32, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -513,6 +519,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_row(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_FP8_ROW, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -521,6 +528,7 @@ extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_row(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_FP8_ROW, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -529,6 +537,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_FP8_BLOCK, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -537,6 +546,7 @@ extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_block(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_FP8_BLOCK, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -545,6 +555,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_fp8_block_e8m0(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_FP8_E8M0, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -553,6 +564,7 @@ extern "C" __global__ __launch_bounds__(256, 1) void moe_gemv_grouped_fp8_block_
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_FP8_E8M0, false, 2, PG_MAX>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -561,6 +573,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_nvfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_NVFP4, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -569,6 +582,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gemv_mxfp4(
     const u64* tab, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x, u32 x_row_stride,
     u32 x_slot_stride, float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_gemv<F_MXFP4, false, 4, 1>(tab, nullptr, ids, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride,
                                      y, N, K, 0.f);
 }
@@ -578,6 +592,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_bf16(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_BF16, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -586,6 +601,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_row(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_FP8_ROW, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -594,6 +610,7 @@ extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_row
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_FP8_ROW, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -602,6 +619,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_FP8_BLOCK, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -610,6 +628,7 @@ extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_blo
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_FP8_BLOCK, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -618,6 +637,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_fp8_block_e8m0(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_FP8_E8M0, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -626,6 +646,7 @@ extern "C" __global__ __launch_bounds__(256, 1) void moe_gate_up_grouped_fp8_blo
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_FP8_E8M0, true, 2, PG_MAX>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -634,6 +655,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_nvfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_NVFP4, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -642,6 +664,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_mxfp4(
     const u64* tab_gate, const u64* tab_up, const i32* ids, u32 n_pairs, u32 n_slots, u32 n_experts, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_gemv<F_MXFP4, true, 4, 1>(tab_gate, tab_up, ids, n_pairs, n_slots, n_experts, x, x_row_stride,
                                     x_slot_stride, h, N, K, limit);
 }
@@ -651,6 +674,7 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_mxfp4(
 // is NULL; the shared term is skipped when ys is NULL. fp32 throughout, k in order, one rounding.
 extern "C" __global__ void moe_weighted_sum(const float* y, const float* w, u32 top_k, const float* ys,
                                             const float* gate, __nv_bfloat16* out, u32 m, u32 hidden) {
+    pdl_entry();
     const u64 total = (u64)m * hidden;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / hidden, d = i - r * hidden;

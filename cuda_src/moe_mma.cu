@@ -79,6 +79,7 @@ __device__ void scan2_exclusive(u32* a, u32* b, u32 n, u32* ws) {
 extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab, const i32* ids, u32 n_pairs,
                                                                    u32 n_experts, u32* plan)
 {
+    pdl_entry();
     __shared__ u32 ws[64];
     const u32 E = n_experts, tid = threadIdx.x, nt = blockDim.x;
     u32* cnt = (u32*)g_dsm;  // [E + 1] pairs per key (key E: the none list), then each key's first position
@@ -375,6 +376,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_bf16(
     const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
     float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_mma<BF16, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
@@ -382,6 +384,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_row(
     const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
     float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_mma<FP8_ROW, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
@@ -389,6 +392,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block(
     const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
     float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_mma<FP8_BLOCK, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
@@ -396,6 +400,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block_e8m0
     const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
     float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_mma<FP8_BLOCK_E8M0, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K,
                                       0.f);
 }
@@ -404,6 +409,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_nvfp4(
     const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
     float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_mma<NVFP4, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
@@ -411,6 +417,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_mxfp4(
     const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
     float* y, u32 N, u32 K)
 {
+    pdl_entry();
     expert_mma<MXFP4, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
@@ -419,6 +426,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_bf16(
     const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_mma<BF16, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit);
 }
 
@@ -426,6 +434,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_row(
     const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_mma<FP8_ROW, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                               limit);
 }
@@ -434,6 +443,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block(
     const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_mma<FP8_BLOCK, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                                 limit);
 }
@@ -442,6 +452,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block_e
     const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_mma<FP8_BLOCK_E8M0, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,
                                      N, K, limit);
 }
@@ -450,6 +461,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_nvfp4(
     const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_mma<NVFP4, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                             limit);
 }
@@ -458,6 +470,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_mxfp4(
     const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
+    pdl_entry();
     expert_mma<MXFP4, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                             limit);
 }

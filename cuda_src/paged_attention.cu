@@ -400,6 +400,7 @@ extern "C" __global__ __launch_bounds__(THREADS, 1) void
 mla_decode_partial(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, float* ws_o,
                    float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
                    const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk) {
+    pdl_entry();
     mla_entry<KV_BF16>(q, cache, meta, meta_stride, ws_o, ws_ml, heads, row_width, v_width, scale, window, sel,
                        sel_stride, splits, min_chunk, 0);
 }
@@ -408,6 +409,7 @@ extern "C" __global__ __launch_bounds__(THREADS, 1) void
 mla_decode_partial_fp8(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, float* ws_o,
                        float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
                        const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk, u32 nope) {
+    pdl_entry();
     mla_entry<KV_FP8_BLOCK>(q, cache, meta, meta_stride, ws_o, ws_ml, heads, row_width, v_width, scale, window, sel,
                             sel_stride, splits, min_chunk, nope);
 }
@@ -436,6 +438,7 @@ extern "C" __global__ __launch_bounds__(THREADS, 1) void
 gqa_decode_partial(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache,
                    const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
                    u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
+    pdl_entry();
     gqa_entry<KV_BF16>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
                        head_dim, scale, kv_scale, splits, min_chunk);
 }
@@ -444,6 +447,7 @@ extern "C" __global__ __launch_bounds__(THREADS, 1) void
 gqa_decode_partial_fp8(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache,
                        const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
                        u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
+    pdl_entry();
     gqa_entry<KV_FP8>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
                       head_dim, scale, kv_scale, splits, min_chunk);
 }
@@ -454,6 +458,7 @@ gqa_decode_partial_fp8(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cac
 extern "C" __global__ __launch_bounds__(128) void
 attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bfloat16* out, u32 num_seqs,
              u32 heads, u32 dv, u32 splits) {
+    pdl_entry();
     __shared__ float w[MAX_SPLITS];
     __shared__ float inv_l;
     const u32 h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;

@@ -6,6 +6,7 @@
 // *out = max |x| over n bf16 (NaN wins). |x| as bits orders like an unsigned integer, so the max is an
 // integer max: a warp reduction, then one atomicMax per warp on an `out` the launcher zeroed.
 extern "C" __global__ void absmax_bf16(const u16* x, u32 n, u32* out) {
+    pdl_entry();
     u32 mx = 0;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x)
         mx = max(mx, (u32)(x[i] & 0x7fffu));
@@ -15,6 +16,7 @@ extern "C" __global__ void absmax_bf16(const u16* x, u32 n, u32* out) {
 
 // One block per row: scale = rowmax / 448 (1.0 for a zero row), q = e4m3(w / scale), saturating.
 extern "C" __global__ void quantize_fp8_rows(const __nv_bfloat16* w, u32 n, u32 k, u8* q, float* scale) {
+    pdl_entry();
     __shared__ float red[32];
     const __nv_bfloat16* row = w + (u64)blockIdx.x * k;
     float mx = 0.f;
@@ -38,6 +40,7 @@ __device__ __forceinline__ u32 f_to_e2m1(float v) {
 // block_scale = e4m3(clamp(block_amax / (6 * scale2), 2^-9, 448)), 1.0 for an all-zero block;
 // codes = E2M1(w / (block_scale * scale2)).
 extern "C" __global__ void quantize_nvfp4(const __nv_bfloat16* w, u32 n, u32 k, u8* q, u8* scale, float scale2) {
+    pdl_entry();
     const u64 blocks = (u64)n * (k / 16);
     for (u64 b = blockIdx.x * (u64)blockDim.x + threadIdx.x; b < blocks; b += (u64)gridDim.x * blockDim.x) {
         const uint4* src = (const uint4*)(w + b * 16);

@@ -123,6 +123,7 @@ __device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloa
 // DeepSeek / GLM: y = w * x * rms(x) over contiguous rows of `dim` (w NULL: no weight).
 extern "C" __global__ __launch_bounds__(1024) void rms_norm_w(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
+    pdl_entry();
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
         rms_row(x + (u64)r * dim, nullptr, w, y + (u64)r * dim, dim, eps, false, red, p);
@@ -131,6 +132,7 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_w(
 // Qwen3-Next: y = (1 + w) * x * rms(x) (w NULL: no weight).
 extern "C" __global__ __launch_bounds__(1024) void rms_norm_1pw(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim, float eps) {
+    pdl_entry();
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
         rms_row(x + (u64)r * dim, nullptr, w, y + (u64)r * dim, dim, eps, true, red, p);
@@ -146,6 +148,7 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_1pw(
 extern "C" __global__ __launch_bounds__(512) void add_rms_norm_w(
     __nv_bfloat16* x, const __nv_bfloat16* res, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim,
     float eps) {
+    pdl_entry();
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
         rms_row(x + (u64)r * dim, res + (u64)r * dim, w, y + (u64)r * dim, dim, eps, false, red, p);
@@ -155,6 +158,7 @@ extern "C" __global__ __launch_bounds__(512) void add_rms_norm_w(
 extern "C" __global__ __launch_bounds__(512) void add_rms_norm_1pw(
     __nv_bfloat16* x, const __nv_bfloat16* res, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 dim,
     float eps) {
+    pdl_entry();
     __shared__ float red[64];
     for (u32 r = blockIdx.x, p = 0; r < rows; r += gridDim.x, ++p)
         rms_row(x + (u64)r * dim, res + (u64)r * dim, w, y + (u64)r * dim, dim, eps, true, red, p);
@@ -180,6 +184,7 @@ __device__ __forceinline__ void rms_norm_heads(const __nv_bfloat16* x, const __n
 extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided_w(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 heads, u32 dim,
     u32 x_row_stride, u32 x_head_stride, u32 y_row_stride, u32 y_head_stride, float eps) {
+    pdl_entry();
     rms_norm_heads<false>(x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps);
 }
 
@@ -187,6 +192,7 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided_w(
 extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided_1pw(
     const __nv_bfloat16* x, const __nv_bfloat16* w, __nv_bfloat16* y, u32 rows, u32 heads, u32 dim,
     u32 x_row_stride, u32 x_head_stride, u32 y_row_stride, u32 y_head_stride, float eps) {
+    pdl_entry();
     rms_norm_heads<true>(x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps);
 }
 
@@ -195,6 +201,7 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided_1pw(
 extern "C" __global__ __launch_bounds__(512) void layer_norm_w_bias(
     const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b, __nv_bfloat16* y, u32 rows,
     u32 dim, float eps) {
+    pdl_entry();
     __shared__ float red[64];
     const u32 nvec = dim >> 3;
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {  // two block sums per row: halves 0 and 1

@@ -12,6 +12,7 @@
 extern "C" __global__ void rope(__nv_bfloat16* x, const u32* pos, u32 pos_stride, u32 rows, u32 heads, u32 rot_dim,
                                 u32 rot_offset, u32 row_stride, u32 head_stride, const float* inv_freq,
                                 u32 interleaved, float mscale, u32 inverse) {
+    pdl_entry();
     const u32 half = rot_dim >> 1, n = rows * heads * half;  // the launcher keeps n < 2^31
     for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
         const u32 i = t % half, h = (t / half) % heads, r = t / (half * heads);

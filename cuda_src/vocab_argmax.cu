@@ -18,6 +18,7 @@ __device__ __forceinline__ u16 bf16_bits(float v) { return __bfloat16_as_ushort(
 
 extern "C" __global__ void pack_argmax_lanes(const i32* local_id, const float* val, u32 v0, u32 rank, u32 world,
                                              u16* lanes, u32 rows) {
+    pdl_entry();
     const u32 r = blockIdx.x;
     if (r >= rows) return;
     const u32 g = v0 + (u32)local_id[r];
@@ -35,6 +36,7 @@ extern "C" __global__ void pack_argmax_lanes(const i32* local_id, const float* v
 
 // `>` keeps the earlier (lower) rank on a tie.
 extern "C" __global__ void decode_argmax_lanes(const u16* lanes, u32 world, i32* out_id, u32 rows) {
+    pdl_entry();
     const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     const u16* row = lanes + (u64)r * 4 * world;
@@ -46,6 +48,7 @@ extern "C" __global__ void decode_argmax_lanes(const u16* lanes, u32 world, i32*
 }
 
 extern "C" __global__ void pack_argmax_pair(const i32* local_id, const float* val, u32 v0, u32* pair, u32 rows) {
+    pdl_entry();
     const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     pair[2 * r] = __float_as_uint(val[r]);
@@ -53,6 +56,7 @@ extern "C" __global__ void pack_argmax_pair(const i32* local_id, const float* va
 }
 
 extern "C" __global__ void decode_argmax_pairs(const u32* pairs, u32 world, i32* out_id, u32 rows) {
+    pdl_entry();
     const u32 r = blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= rows) return;
     u32 best = 0;
@@ -63,5 +67,6 @@ extern "C" __global__ void decode_argmax_pairs(const u32* pairs, u32 world, i32*
 }
 
 extern "C" __global__ void widen_bf16_f32(const u16* src, float* dst, u32 n) {
+    pdl_entry();
     for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = bits2f(src[i]);
 }

@@ -14,7 +14,10 @@ Per family and k (drafts per propose): prefill --ctx drafter rows; warm up (prop
 times: eager, CUDA-graph capture, replay); then --iters timed calls, each after a 256 MB memset on the
 proposer's stream (cold L2), with CUDA events on `prop.stream` around `propose(st, tok, h, ctx, k);
 after_verify(st, 0)` and the wall clock around the same; again with `prop.cuda_graphs = False`. Reported per
-draft step: GPU µs = event time / k, wall µs = wall / k, host µs = max(wall - GPU, 0) / k (medians).
+draft step: GPU µs = event time / k, wall µs = wall / k, host µs = max(wall - GPU, 0) / k (medians). "graph
+alone" replays the captured graph with nothing around it (same flush and events): the call's GPU µs less it is
+the host path the events hold (checks, staging, reading results); the first-step overhead of the graph itself is
+3/2 (graph alone at k = 1 - at k = 3).
 Floor µs = (weight_bytes_per_step + KV bytes read) / D2D copy bandwidth (read + write, median of 10 1-GiB
 copies in this process); "% of floor" = step / floor (100% = at the floor).
 Batch > 1 runs propose_batch (every family; graphed per batch bucket, like propose); the floor of a batch
@@ -85,6 +88,8 @@ def parse_args():
                    "(smoke run of the peer code; use with --tiny)")
     p.add_argument("--no-batch-invariant", action="store_true", help="build the proposers with batch_invariant=False "
                    "(the fastest kernel per batch width; a sequence's drafts may then depend on its batch)")
+    p.add_argument("--no-pdl", action="store_true", help="launch kernels without programmatic dependent launch "
+                   "(CUDA; by default each kernel's launch overlaps the end of the one before it)")
     a = p.parse_args()
     quick = dict(ctx=1024, ks=[1, 3], iters=10)
     tiny = dict(ctx=32, ks=[1, 3], iters=2)
@@ -122,14 +127,14 @@ def main() -> int:
                            qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, no_torch=a.no_torch,
                            torch_cpu=a.torch_cpu, torch_moe=a.torch_moe, batch_invariant=not a.no_batch_invariant)
     t_start = time.perf_counter()
-    gpu = mtp_cupy.device(a.device)
+    gpu = mtp_cupy.device(a.device, pdl=not a.no_pdl)
     bw = copy_bandwidth(gpu)
     name = device_name(gpu)
     tstat = (False, "--no-torch") if a.no_torch else torch_status()
     header = dict(device=name, date=datetime.datetime.now().isoformat(timespec="seconds"),
                   copy_gbs=bw / 1e9 if bw else None, iters=a.iters, ctx=a.ctx, ks=a.ks, batches=a.batches,
                   torch=tstat[1], argv=sys.argv[1:], qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, tiny=a.tiny,
-                  torch_moe=a.torch_moe)
+                  torch_moe=a.torch_moe, pdl=not a.no_pdl)
     print(f"# bench_draft: {name}; {header['date']}; copy bandwidth {fmt(header['copy_gbs'], 0)} GB/s; "
           f"families {', '.join(fams)}; ctx {a.ctx}; ks {a.ks}; batches {a.batches}; iters {a.iters}; "
           f"torch: {tstat[1]}", flush=True)

@@ -46,7 +46,9 @@ def quantize_nvfp4(gpu, w_bf16, n: int, k: int, out_w, out_scale, scale2: float,
 
 def quantize_linear(gpu, W: Linear, fmt: str, stream=None) -> Linear:
     """A new Linear in `fmt` ("fp8_row" or "nvfp4") quantised on the device from a bf16 Linear. nvfp4 reads
-    the abs-max back to the host (one synchronisation) for scale2."""
+    the abs-max back to the host (one synchronisation) for scale2. Returns once the codes are written: the
+    streaming GEMVs read their weights before they wait for the kernel ahead of them (pdl_entry in common.cuh),
+    so a weight must not be the output of the kernel just before its GEMV."""
     need(W.fmt == "bf16", f"quantize_linear: source must be bf16, not {W.fmt}")
     need(fmt in ("fp8_row", "nvfp4"), f"quantize_linear: target {fmt!r} is not fp8_row or nvfp4")
     n, k = W.n, W.k
@@ -56,10 +58,12 @@ def quantize_linear(gpu, W: Linear, fmt: str, stream=None) -> Linear:
     q, s = buf.ptr, buf.ptr.offset(off)
     if fmt == "fp8_row":
         quantize_fp8_rows(gpu, W.weight, n, k, q, s, stream)
+        gpu.synchronize(stream)
         return Linear("fp8_row", n, k, q, s, owners=[buf])
     tmp = gpu.alloc(4)
     absmax(gpu, W.weight, n * k, tmp.ptr, stream)
     gpu.synchronize(stream)
     scale2 = nvfp4_scale2(gpu.read(tmp.ptr, "f32", 1)[0])
     quantize_nvfp4(gpu, W.weight, n, k, q, s, scale2, stream)
+    gpu.synchronize(stream)
     return Linear("nvfp4", n, k, q, s, scale2, owners=[buf])

@@ -10,7 +10,7 @@ from .ptr import NULL, DevicePtr
 log = logging.getLogger("mtp_cupy")
 
 
-def device(kind: str = "auto", device_id: int = 0) -> Backend:
+def device(kind: str = "auto", device_id: int = 0, *, pdl: bool = True) -> Backend:
     """The device proposers and target runners run on.
 
     Parameters
@@ -21,6 +21,9 @@ def device(kind: str = "auto", device_id: int = 0) -> Backend:
         "ref" (with a warning on the "mtp_cupy" logger).
     device_id : int
         The GPU to use with "cuda" / "auto" (under mpirun: the rank); ignored by "ref".
+    pdl : bool, default True
+        CUDA: launch kernels with programmatic dependent launch, so that each kernel's launch overlaps the end of
+        the one before it (eager and in graphs); False launches them plainly. Ignored by "ref".
 
     Returns
     -------
@@ -38,7 +41,7 @@ def device(kind: str = "auto", device_id: int = 0) -> Backend:
         from ..refdev import RefBackend
         return RefBackend()
     if cuda_available():
-        return CupyBackend(device_id)
+        return CupyBackend(device_id, pdl=pdl)
     if kind == "cuda":
         raise ConfigError("device 'cuda' asked for, but no CUDA device is available (is cupy installed?)")
     from ..refdev import RefBackend

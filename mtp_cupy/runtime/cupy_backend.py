@@ -47,7 +47,9 @@ BOUNCE_BYTES = 1 << 16   # device-to-host reads up to this size go through a pin
 class CupyBackend(Backend):
     name = "cuda"
 
-    def __init__(self, device_id: int = 0) -> None:
+    def __init__(self, device_id: int = 0, pdl: bool = True) -> None:
+        """A CUDA device. `pdl`: launch kernels with programmatic dependent launch (see runtime/pdl.py); each
+        kernel's launch then overlaps the tail of the one before it, in eager runs and in captured graphs."""
         super().__init__()
         import cupy
         self.cp = cupy
@@ -60,6 +62,11 @@ class CupyBackend(Backend):
         self._narrow = None
         self.cupy_major = int(cupy.__version__.split(".")[0])
         self.launches = 0
+        self.pdl = None
+        if pdl:
+            from .pdl import PdlLauncher
+            self.pdl = PdlLauncher()
+        self._cufunc: dict[int, int] = {}   # id(RawKernel) -> CUfunction handle
 
     @property
     def is_cuda(self) -> bool:
@@ -90,13 +97,19 @@ class CupyBackend(Backend):
         return stream if stream is not None else self.cp.cuda.get_current_stream()
 
     def launch(self, handle, grid, block, shared, args, stream) -> None:
-        conv = tuple(_SCALAR[k](v) for k, v in args)
         if shared > 48 * 1024 and self._smem_optin.get(id(handle.fn), 0) < shared:
             # more than 48 KiB of dynamic shared memory needs the per-kernel opt-in attribute
             handle.fn.max_dynamic_shared_size_bytes = shared
             self._smem_optin[id(handle.fn)] = shared
         try:
-            handle.fn(grid, block, conv, shared_mem=shared, stream=self._stream(stream))
+            if self.pdl is not None:
+                f = self._cufunc.get(id(handle.fn))
+                if f is None:
+                    f = self._cufunc[id(handle.fn)] = int(handle.fn.kernel.ptr)
+                self.pdl.launch(f, grid, block, shared, args, self._stream(stream).ptr)
+            else:
+                handle.fn(grid, block, tuple(_SCALAR[k](v) for k, v in args), shared_mem=shared,
+                          stream=self._stream(stream))
         except Exception as e:
             raise KernelError(f"launch of {handle.module}.{handle.name} failed: {e}") from e
         self.launches += 1

@@ -1,0 +1,180 @@
+"""Programmatic dependent launch (runtime/pdl.py, pdl_entry in common.cuh).
+
+Statically, on the sources: a kernel launched with the PDL attribute may start before the kernel ahead of it has
+finished, so every kernel in cuda_src must wait (griddepcontrol.wait) before it reads what that kernel wrote.
+The rule checked: a kernel's first statement is `pdl_entry();` (wait, then trigger), or `pdl_trigger();` when
+its body calls one of LATE_WAIT, device functions that read only weights before their own `pdl_wait()`.
+
+On a GPU: kernels chained on one stream give the same bits with PDL on and off, eagerly and in a graph, and a
+launch that the driver refuses raises KernelError."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from mtp_cupy.runtime.backend import CUDA_SRC, cuda_modules
+from test_kernel_signatures import _KERNEL, _close, expand_kernel_macros, strip_comments
+
+LATE_WAIT = {"mma_stream"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
+
+
+def _body(code: str, m: re.Match) -> str:
+    """The text between the braces of the kernel whose name `m` matched."""
+    b = code.index("{", _close(code, m.end() - 1))
+    depth = 0
+    for j in range(b, len(code)):
+        depth += {"{": 1, "}": -1}.get(code[j], 0)
+        if depth == 0:
+            return code[b + 1:j]
+    raise AssertionError(f"unbalanced braces in {m.group(1)}")
+
+
+def pdl_violations(src: str, late_wait: set[str]) -> list[str]:
+    """Kernels of `src` that do not start with pdl_entry() (or pdl_trigger() and a late-wait call)."""
+    code = expand_kernel_macros(strip_comments(src))
+    bad = []
+    for m in _KERNEL.finditer(code):
+        body = _body(code, m)
+        first = body.strip().split(";", 1)[0].strip()
+        if first == "pdl_entry()":
+            continue
+        if first == "pdl_trigger()" and any(re.search(r"\b%s\s*<" % f, body) or re.search(r"\b%s\s*\(" % f, body)
+                                            for f in late_wait):
+            continue
+        bad.append(f"{m.group(1)}: first statement {first[:60]!r}")
+    return bad
+
+
+def _device_fn_body(code: str, name: str) -> str:
+    m = re.search(r"__device__[^;{]*?\b%s\s*\(" % name, code)
+    assert m, f"device function {name} not found"
+    b = code.index("{", _close(code, m.end() - 1))
+    depth = 0
+    for j in range(b, len(code)):
+        depth += {"{": 1, "}": -1}.get(code[j], 0)
+        if depth == 0:
+            return code[b + 1:j]
+
+
+def test_the_rule_catches_a_kernel_without_the_wait():
+    src = '''
+    extern "C" __global__ void ok(const float* x) { pdl_entry(); float v = x[0]; }
+    extern "C" __global__ void late(const float* x) { pdl_trigger(); mma_stream<1>(x); }
+    extern "C" __global__ void reads_first(const float* x) { float v = x[0]; pdl_entry(); }
+    extern "C" __global__ void trigger_only(const float* x) { pdl_trigger(); float v = x[0]; }
+    '''
+    bad = pdl_violations(src, LATE_WAIT)
+    assert [b.split(":")[0] for b in bad] == ["reads_first", "trigger_only"]
+
+
+@pytest.mark.parametrize("module", cuda_modules())
+def test_every_kernel_waits_before_it_reads(module):
+    assert not pdl_violations((CUDA_SRC / f"{module}.cu").read_text(), LATE_WAIT)
+
+
+def test_late_waiters_wait():
+    code = strip_comments((CUDA_SRC / "gemv.cu").read_text())
+    for name in LATE_WAIT:
+        body = _device_fn_body(code, name)
+        assert body.count("pdl_wait();") == 1, f"{name} must call pdl_wait() once"
+        # before it, the weight ring's prefill only: neither the input x nor the output y is named
+        before = body[:body.index("pdl_wait();")]
+        assert not re.search(r"(?<![.\w])[xy]\b", before), f"{name} touches x or y before pdl_wait()"
+
+
+# -- on the GPU ------------------------------------------------------------------------------------------------
+
+def _chain(dev, x0, w_n, w1, w2):
+    """(run, buffers): norm -> GEMV (late wait) -> norm -> GEMV on `dev`, each kernel reading the one before;
+    buffers[1:5] are the intermediates and the output."""
+    from mtp_cupy import ops
+    from mtp_cupy.weights.linear import Linear
+    from helpers import up
+    N, D = w1.shape
+    bufs = [up(dev, x0), dev.alloc(2 * D), dev.alloc(2 * N), dev.alloc(2 * N), dev.alloc(2 * D)]
+    wn, b1, b2 = up(dev, w_n), up(dev, w1), up(dev, w2)
+    l1, l2 = Linear("bf16", N, D, b1.ptr, owners=[b1]), Linear("bf16", D, N, b2.ptr, owners=[b2])
+
+    def run():
+        ops.rms_norm(dev, bufs[0].ptr, wn.ptr, bufs[1].ptr, 1, D, 1e-6)
+        ops.linear(dev, bufs[1].ptr, l1, bufs[2].ptr, invariant=True)
+        ops.rms_norm(dev, bufs[2].ptr, None, bufs[3].ptr, 1, N, 1e-6)
+        ops.linear(dev, bufs[3].ptr, l2, bufs[4].ptr, invariant=True)
+    return run, bufs + [wn, l1, l2]
+
+
+def _inputs(D=2048, N=6144):
+    from helpers import rand_bf16
+    seed = int(np.random.SeedSequence().entropy % (1 << 31))
+    print(f"seed {seed}")
+    rng = np.random.default_rng(seed)
+    return (rand_bf16(rng, (1, D)), rand_bf16(rng, (D,)), rand_bf16(rng, (N, D), D ** -0.5),
+            rand_bf16(rng, (D, N), N ** -0.5))
+
+
+def _poison(dev, bufs):
+    for b in bufs[1:5]:
+        dev.fill(b.ptr, b.nbytes)      # 0xFF bytes: NaN in bf16, so a read that overtakes its writer shows
+
+
+def test_the_chain_runs_on_the_numpy_device():
+    from mtp_cupy.refdev import RefBackend
+    from helpers import get
+    dev = RefBackend()
+    run, bufs = _chain(dev, *_inputs(256, 512))
+    _poison(dev, bufs)
+    run()
+    assert np.all(np.isfinite(get(dev, bufs[4], "bf16", (1, 256)).astype(np.float32)))
+
+
+@pytest.mark.gpu
+def test_pdl_on_and_off_give_the_same_bits():
+    """The chain eager and captured, with PDL on and off, intermediates poisoned before every run: all runs
+    bit-identical, finite, and within bf16 rounding of the NumPy device's run."""
+    cp = pytest.importorskip("cupy")
+    if not cp.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mtp_cupy.refdev import RefBackend
+    from mtp_cupy.runtime.cupy_backend import CupyBackend
+    from helpers import assert_close, get
+
+    inputs = _inputs()
+    D = inputs[0].shape[1]
+    outs = []
+    for pdl in (False, True):
+        dev = CupyBackend(pdl=pdl)
+        run, bufs = _chain(dev, *inputs)
+        stream = dev.new_stream()
+        graph = dev.capture(run, stream)
+        for graphed in (False, True) * 5:
+            _poison(dev, bufs)
+            if graphed:
+                dev.replay(graph, stream)
+                dev.synchronize(stream)
+            else:
+                run()
+            outs.append(get(dev, bufs[4], "bf16", (1, D)))
+    ref = RefBackend()
+    run, bufs = _chain(ref, *inputs)
+    run()
+    want = get(ref, bufs[4], "bf16", (1, D))
+    for o in outs:
+        assert np.array_equal(o.view(np.uint16), outs[0].view(np.uint16))
+    assert np.all(np.isfinite(outs[0].astype(np.float32)))
+    assert_close(outs[0], want, 1e-2, "CUDA chain against the NumPy device")
+
+
+@pytest.mark.gpu
+def test_a_refused_launch_raises_kernel_error():
+    cp = pytest.importorskip("cupy")
+    if not cp.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mtp_cupy import KernelError
+    from mtp_cupy.runtime.cupy_backend import CupyBackend
+    dev = CupyBackend(pdl=True)
+    h = dev.kernel("rms_norm", "rms_norm_w")
+    with pytest.raises(KernelError, match="rms_norm_w"):
+        dev.launch(h, (1, 1, 1), (4096, 1, 1), 0, [("ptr", 0), ("ptr", 0), ("ptr", 0), ("u32", 0), ("u32", 0),
+                                                   ("f32", 1.0)], None)
