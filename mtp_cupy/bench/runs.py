@@ -60,7 +60,7 @@ def stage_row_meta(prop, st, position: int, row: int) -> None:
     """Put the metadata slab of one step (`position`, cache `row`) at the proposer's ``meta``, as the chain
     does before each step: stage it in the pinned stage, copy slab 0 to the device."""
     prop._stage_slabs([st], [row], [position], 1, 1)
-    prop.gpu.copy_h2d_async(prop.meta, prop._stage[0, :prop.meta_stride])
+    prop.gpu.copy_h2d_async(prop.meta, prop._stage[prop._meta_off:prop._meta_off + prop.meta_stride])
     prop.gpu.synchronize()
 
 

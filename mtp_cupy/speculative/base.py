@@ -113,17 +113,20 @@ class MtpProposerBase:
         B, k, words = self.max_batch, self.max_drafts, (self.vocab_size + 31) // 32
         hmax = max(int(np.prod(s)) for s in self._hidden_shapes())
         self.meta_stride = slab_spec.stride(self.max_seq_len)
+        # call_in: what one copy brings in per call, [step-0 token ids i32 [B] | every step's slabs]; its host
+        # twin is the pinned `_stage`, laid out alike (step i's W slabs at meta_off + i * W * meta_stride)
+        self._meta_off = -(-4 * B // 256) * 256
         regions = {"ids": 4 * B * (k + 1), "hidden_in": 2 * hmax * B, "logits": 4 * self.vocab_eff * B,
-                   "flags": 4 * B * k, "lp": 4 * B * k, "mask": 4 * words * B * k, "meta": B * self.meta_stride,
+                   "flags": 4 * B * k, "lp": 4 * B * k, "mask": 4 * words * B * k,
+                   "call_in": self._meta_off + k * B * self.meta_stride,
                    "prefill_ids": 4 * (self.max_prefill_rows + 1),
                    "prefill_pos": 4 * self.max_prefill_rows, "prefill_slots": 8 * self.max_prefill_rows,
                    "prefill_hidden": 2 * self.hidden_size * self.max_prefill_rows}
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
-        self.meta = self.bufs.meta
-        # pinned host staging of every step's slabs [max_drafts, max_batch * stride], and the inbox of a call's
-        # token ids (i32 [max_batch]) and host hiddens (bf16 [max_batch, hmax]) that the chain copies in itself
-        # (inside the graph: no copy call per propose); made on first use
+        self.meta = self.bufs.call_in.offset(self._meta_off)   # step 0's slabs
+        # pinned host staging of call_in, and the inbox of a call's host hiddens (bf16 [max_batch, hmax]); the
+        # chain copies both in itself (inside the graph: no copy call per propose); made on first use
         self._stage = None
         self._inbox = None
         self._hmax = hmax
@@ -532,37 +535,43 @@ class MtpProposerBase:
             self._pad_zeroed = True
 
     def _stage_inputs(self, toks: list[int], hid, W: int, h_elems: int) -> None:
-        """The call's token ids (pad rows: 0) and, for a host hidden, its bf16 rows into the pinned inbox that
-        `_chain` copies from. Rows past len(toks) keep what an earlier call left there: finite (checked), never
-        read back. The previous chain must have read the inbox first (a wait for it only)."""
+        """The call's token ids (pad rows: 0) into the pinned stage and, for a host hidden, its bf16 rows into
+        the pinned inbox, both of which `_chain` copies from. Hidden rows past len(toks) keep what an earlier
+        call left there: finite (checked), never read back. The previous chain must have read both first (a
+        wait for it only)."""
         if self._stage_done is not None:
             self.gpu.host_wait(self._stage_done)
             self._stage_done = None
         if self._inbox is None:
-            self._inbox = self.gpu.alloc_pinned(4 * self.max_batch + 2 * self.max_batch * self._hmax)
+            self._inbox = self.gpu.alloc_pinned(2 * self.max_batch * self._hmax)
             self._inbox[:] = 0
-        ids = self._inbox[:4 * self.max_batch].view(np.int32)
+        ids = self._staging()[:4 * self.max_batch].view(np.int32)
         ids[:len(toks)] = toks
         ids[len(toks):W] = 0
         if hid.host is not None:
             src = np.ascontiguousarray(hid.host).reshape(-1).view(np.uint8)
-            self._inbox[4 * self.max_batch:4 * self.max_batch + src.size] = src
+            self._inbox[:src.size] = src
+
+    def _staging(self) -> np.ndarray:
+        """The pinned host twin of the call_in region (made on first use)."""
+        if self._stage is None:
+            self._stage = self.gpu.alloc_pinned(self.bufs.region_bytes("call_in"))
+            self._stage[:] = 0
+        return self._stage
 
     def _stage_slabs(self, states, rows0, positions, k: int, W: int) -> None:
         """Every step's slabs into the pinned stage; rows past len(states) (up to W) get the pad slab. The chain
         copies from the stage when it runs, so the previous chain must have run first (`_stage_inputs` waited
         for it)."""
-        if self._stage is None:
-            self._stage = self.gpu.alloc_pinned(self.max_drafts * self.max_batch * self.meta_stride)
-            self._stage = self._stage.reshape(self.max_drafts, -1)
         S, B = self.meta_stride, len(states)
+        steps = self._staging()[self._meta_off:self._meta_off + k * W * S].reshape(k, W * S)
         if B == 1:
-            stage_mtp_meta(self._stage, k, positions, rows0, [states[0].blocks.table], self.kv.block_size, S)
+            stage_mtp_meta(steps, k, positions, rows0, [states[0].blocks.table], self.kv.block_size, S)
         else:
             tables, lens = self.kv.tables_of([st.blocks for st in states])
-            stage_mtp_meta(self._stage, k, positions, rows0, tables, self.kv.block_size, S, lens=lens)
+            stage_mtp_meta(steps, k, positions, rows0, tables, self.kv.block_size, S, lens=lens)
         if W > B:
-            self._stage[:k, B * S:W * S] = np.tile(self._pad_slab, W - B)
+            steps[:, B * S:] = np.tile(self._pad_slab, W - B)
 
     def _logits_at(self, step: int, W: int, keep: bool) -> DevicePtr:
         if not keep:
@@ -576,15 +585,15 @@ class MtpProposerBase:
         """The k steps over W rows. Per-call values come from pinned host staging (ids, `inbox` bytes of host
         hiddens, every step's slabs) copied in by the chain itself, or live in device buffers, so the same
         launches replay as a graph; eagerly, step 0 may read the hiddens at `hidden0` instead."""
-        b = self.bufs
-        self.gpu.copy_h2d_async(b.ids, self._inbox[:4 * W])
+        b, S = self.bufs, self.meta_stride
+        self.gpu.copy_h2d_async(b.call_in, self._stage[:self._meta_off + k * W * S])   # ids and all k steps' slabs
         if inbox:
-            self.gpu.copy_h2d_async(b.hidden_in, self._inbox[4 * self.max_batch:4 * self.max_batch + inbox])
+            self.gpu.copy_h2d_async(b.hidden_in, self._inbox[:inbox])
         hid = b.hidden_in if hidden0 is None else hidden0
         for i in range(k):
-            self.gpu.copy_h2d_async(self.meta, self._stage[i, :W * self.meta_stride])
             logits = self._logits_at(i, W, keep_logits)
-            self._forward(b.ids.offset(4 * W * i), hid, W, self.meta, self.meta_stride, logits)
+            ids = b.call_in if i == 0 else b.ids.offset(4 * W * i)
+            self._forward(ids, hid, W, self.meta.offset(i * W * S), S, logits)
             self._pick(i, W, logits, masked, want_lp, keep_logits)
             hid = self.carry
 
