@@ -17,7 +17,8 @@ after_verify(st, 0)` and the wall clock around the same; again with `prop.cuda_g
 draft step: GPU µs = event time / k, wall µs = wall / k, host µs = max(wall - GPU, 0) / k (medians). "graph
 alone" replays the captured graph with nothing around it (same flush and events): the call's GPU µs less it is
 the host path the events hold (checks, staging, reading results); the first-step overhead of the graph itself is
-3/2 (graph alone at k = 1 - at k = 3).
+3/2 (graph alone at k = 1 - at k = 3). `--flush read` empties L2 with a read of the buffer instead (clean lines):
+the difference is what the first kernels pay to write back the memset's dirty lines.
 Floor µs = (weight_bytes_per_step + KV bytes read) / D2D copy bandwidth (read + write, median of 10 1-GiB
 copies in this process); "% of floor" = step / floor (100% = at the floor).
 Batch > 1 runs propose_batch (every family; graphed per batch bucket, like propose); the floor of a batch
@@ -49,6 +50,7 @@ from mtp_cupy.bench.draft_bench import DraftBenchConfig, run_family
 from mtp_cupy.bench.draft_table import fmt, table
 from mtp_cupy.bench.draft_plot import plot
 from mtp_cupy.bench.drafter import FAMILIES, TITLES
+from mtp_cupy.bench.timing import FLUSHES
 from mtp_cupy.testing.torch_peers import MOE_PATHS
 
 
@@ -88,6 +90,9 @@ def parse_args():
                    "(smoke run of the peer code; use with --tiny)")
     p.add_argument("--no-batch-invariant", action="store_true", help="build the proposers with batch_invariant=False "
                    "(the fastest kernel per batch width; a sequence's drafts may then depend on its batch)")
+    p.add_argument("--flush", choices=FLUSHES, default="memset", help="how L2 is emptied before each timed call: "
+                   "memset leaves it full of dirty lines of the flush buffer, read (a sum of it) of clean ones "
+                   "(default: memset)")
     p.add_argument("--no-pdl", action="store_true", help="launch kernels without programmatic dependent launch "
                    "(CUDA; by default each kernel's launch overlaps the end of the one before it)")
     a = p.parse_args()
@@ -125,7 +130,8 @@ def main() -> int:
     fams = FAMILIES if a.family == "all" else (a.family,)
     cfg = DraftBenchConfig(ctx=a.ctx, ks=a.ks, batches=a.batches, iters=a.iters, seed=a.seed, tiny=a.tiny,
                            qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, no_torch=a.no_torch,
-                           torch_cpu=a.torch_cpu, torch_moe=a.torch_moe, batch_invariant=not a.no_batch_invariant)
+                           torch_cpu=a.torch_cpu, torch_moe=a.torch_moe, batch_invariant=not a.no_batch_invariant,
+                           flush=a.flush)
     t_start = time.perf_counter()
     gpu = mtp_cupy.device(a.device, pdl=not a.no_pdl)
     bw = copy_bandwidth(gpu)
@@ -134,7 +140,7 @@ def main() -> int:
     header = dict(device=name, date=datetime.datetime.now().isoformat(timespec="seconds"),
                   copy_gbs=bw / 1e9 if bw else None, iters=a.iters, ctx=a.ctx, ks=a.ks, batches=a.batches,
                   torch=tstat[1], argv=sys.argv[1:], qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, tiny=a.tiny,
-                  torch_moe=a.torch_moe, pdl=not a.no_pdl)
+                  torch_moe=a.torch_moe, pdl=not a.no_pdl, flush=a.flush)
     print(f"# bench_draft: {name}; {header['date']}; copy bandwidth {fmt(header['copy_gbs'], 0)} GB/s; "
           f"families {', '.join(fams)}; ctx {a.ctx}; ks {a.ks}; batches {a.batches}; iters {a.iters}; "
           f"torch: {tstat[1]}", flush=True)

@@ -30,6 +30,7 @@ class DraftBenchConfig:
     torch_cpu: bool = False
     torch_moe: str = "auto"
     batch_invariant: bool = True
+    flush: str = "memset"
 
 
 def per_step(gpu_us, wall_us, k: int) -> dict:
@@ -138,7 +139,7 @@ def _ours(fam: str, gpu, a: DraftBenchConfig, bw: float | None, res: dict) -> di
     kmax, bmax = max(a.ks), max(a.batches)
     rows, o, timer = {}, None, None
     try:
-        timer = EventTimer.for_device(gpu)
+        timer = EventTimer.for_device(gpu, a.flush)
         o = Drafter(fam, gpu, a.ctx, kmax, bmax, tiny=a.tiny, seed=a.seed, qwen_quant=a.qwen_quant,
                     batch_invariant=a.batch_invariant,
                     glm_head_fp8=a.glm_head_fp8)
@@ -201,7 +202,7 @@ def _torch(fam: str, a: DraftBenchConfig, tstat: tuple[bool, str], bw: float | N
         return tres
     dev = "cuda" if cuda else "cpu"
     res.update(torch_device=dev, torch_peers=[])
-    timer = EventTimer.torch(dev)
+    timer = EventTimer.torch(dev, a.flush)
     for B in a.batches:
         peer = None
         try:

@@ -3,7 +3,9 @@
 
 `EventTimer` times a callable one call at a time. Before each timed call it writes `FLUSH_BYTES` to a
 buffer on the same stream, which evicts L2 (50 MB on an H100, 60 MB on an H200), outside the event pair and
-outside the wall clock; then it records an event, calls, records a second event and waits for it. The same
+outside the wall clock (or, with `flush="read"`, sums the buffer: L2 is then full of clean lines, as after a
+target's forward that mostly reads weights, not of dirty ones the first kernels must write back); then it
+records an event, calls, records a second event and waits for it. The same
 loop runs on three kinds of device, each giving the flush and the events:
 
 * a CUDA device through CuPy (`EventTimer.cupy`): `cudaMemsetAsync` on the stream passed to `time`, CuPy
@@ -36,13 +38,23 @@ def median(xs) -> float | None:
     return float(np.median(xs)) if len(xs) else None
 
 
+FLUSHES = ("memset", "read")
+
+
+def _flush_mode(flush: str) -> str:
+    if flush not in FLUSHES:
+        raise ValueError(f"flush must be one of {', '.join(FLUSHES)}, not {flush!r}")
+    return flush
+
+
 class _CupyEvents:
     """Flush and events of a CUDA device through CuPy, on the stream given to each call."""
 
-    def __init__(self):
+    def __init__(self, flush: str = "memset"):
         import cupy as cp
-        self.cp = cp
+        self.cp, self.mode = cp, _flush_mode(flush)
         self.buf = cp.empty(FLUSH_BYTES, cp.uint8)
+        self.sink = cp.empty((), cp.uint64)
         self.e0, self.e1 = cp.cuda.Event(), cp.cuda.Event()
 
     def _stream(self, stream):
@@ -50,7 +62,11 @@ class _CupyEvents:
 
     def flush(self, i: int, stream, sync: bool) -> None:
         s = self._stream(stream)
-        self.cp.cuda.runtime.memsetAsync(self.buf.data.ptr, i & 0xFF, self.buf.nbytes, s.ptr)
+        if self.mode == "read":
+            with s:
+                self.cp.sum(self.buf.view(self.cp.uint64), out=self.sink)
+        else:
+            self.cp.cuda.runtime.memsetAsync(self.buf.data.ptr, i & 0xFF, self.buf.nbytes, s.ptr)
         if sync:
             s.synchronize()
 
@@ -68,15 +84,18 @@ class _CupyEvents:
 class _TorchEvents:
     """Flush and events on torch's current CUDA stream (the stream argument is not used)."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, flush: str = "memset"):
         import torch
-        self.torch = torch
+        self.torch, self.mode = torch, _flush_mode(flush)
         self.buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
         self.e0 = torch.cuda.Event(enable_timing=True)
         self.e1 = torch.cuda.Event(enable_timing=True)
 
     def flush(self, i: int, stream, sync: bool) -> None:
-        self.buf.fill_(i & 0xFF)
+        if self.mode == "read":
+            self.sink = self.buf.view(self.torch.int64).sum()
+        else:
+            self.buf.fill_(i & 0xFF)
         if sync:
             self.torch.cuda.synchronize()
 
@@ -127,14 +146,16 @@ class EventTimer:
         self.events, self.iters, self.warmup, self.sync_flush = events, int(iters), int(warmup), bool(sync_flush)
 
     @classmethod
-    def cupy(cls, **kw) -> "EventTimer":
-        """A timer on a CUDA device through CuPy (CuPy events, cudaMemsetAsync flush); `kw` as the class."""
-        return cls(_CupyEvents(), **kw)
+    def cupy(cls, flush: str = "memset", **kw) -> "EventTimer":
+        """A timer on a CUDA device through CuPy (CuPy events; the flush a cudaMemsetAsync, or a sum of the
+        buffer with flush="read"); `kw` as the class."""
+        return cls(_CupyEvents(flush), **kw)
 
     @classmethod
-    def torch(cls, device: str, **kw) -> "EventTimer":
-        """A timer of torch work on `device` ("cuda...": torch events on the current stream; else the host)."""
-        return cls(_TorchEvents(device) if device.startswith("cuda") else _HostEvents(), **kw)
+    def torch(cls, device: str, flush: str = "memset", **kw) -> "EventTimer":
+        """A timer of torch work on `device` ("cuda...": torch events on the current stream, the flush as in
+        `cupy`; else the host)."""
+        return cls(_TorchEvents(device, flush) if device.startswith("cuda") else _HostEvents(), **kw)
 
     @classmethod
     def host(cls, **kw) -> "EventTimer":
@@ -142,9 +163,9 @@ class EventTimer:
         return cls(_HostEvents(), **kw)
 
     @classmethod
-    def for_device(cls, gpu, **kw) -> "EventTimer":
-        """The timer of an mtp_cupy device: `cupy` on CUDA, `host` on the NumPy device."""
-        return cls.cupy(**kw) if gpu.is_cuda else cls.host(**kw)
+    def for_device(cls, gpu, flush: str = "memset", **kw) -> "EventTimer":
+        """The timer of an mtp_cupy device: `cupy` (with `flush`) on CUDA, `host` on the NumPy device."""
+        return cls.cupy(flush, **kw) if gpu.is_cuda else cls.host(**kw)
 
     @property
     def has_gpu_time(self) -> bool:
