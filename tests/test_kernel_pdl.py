@@ -20,15 +20,15 @@ from test_kernel_signatures import _KERNEL, _close, expand_kernel_macros, strip_
 LATE_WAIT = {"mma_stream"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
 
 
-def _body(code: str, m: re.Match) -> str:
-    """The text between the braces of the kernel whose name `m` matched."""
-    b = code.index("{", _close(code, m.end() - 1))
+def _body(code: str, paren: int, name: str) -> str:
+    """The text between the braces that follow the parameter list opening at code[paren] ('(')."""
+    b = code.index("{", _close(code, paren))
     depth = 0
     for j in range(b, len(code)):
         depth += {"{": 1, "}": -1}.get(code[j], 0)
         if depth == 0:
             return code[b + 1:j]
-    raise AssertionError(f"unbalanced braces in {m.group(1)}")
+    raise AssertionError(f"unbalanced braces in {name}")
 
 
 def pdl_violations(src: str, late_wait: set[str]) -> list[str]:
@@ -36,7 +36,7 @@ def pdl_violations(src: str, late_wait: set[str]) -> list[str]:
     code = expand_kernel_macros(strip_comments(src))
     bad = []
     for m in _KERNEL.finditer(code):
-        body = _body(code, m)
+        body = _body(code, m.end() - 1, m.group(1))
         first = body.strip().split(";", 1)[0].strip()
         if first == "pdl_entry()":
             continue
@@ -50,12 +50,7 @@ def pdl_violations(src: str, late_wait: set[str]) -> list[str]:
 def _device_fn_body(code: str, name: str) -> str:
     m = re.search(r"__device__[^;{]*?\b%s\s*\(" % name, code)
     assert m, f"device function {name} not found"
-    b = code.index("{", _close(code, m.end() - 1))
-    depth = 0
-    for j in range(b, len(code)):
-        depth += {"{": 1, "}": -1}.get(code[j], 0)
-        if depth == 0:
-            return code[b + 1:j]
+    return _body(code, m.end() - 1, name)
 
 
 def test_the_rule_catches_a_kernel_without_the_wait():

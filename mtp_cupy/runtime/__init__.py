@@ -23,7 +23,8 @@ def device(kind: str = "auto", device_id: int = 0, *, pdl: bool = True) -> Backe
         The GPU to use with "cuda" / "auto" (under mpirun: the rank); ignored by "ref".
     pdl : bool, default True
         CUDA: launch kernels with programmatic dependent launch, so that each kernel's launch overlaps the end of
-        the one before it (eager and in graphs); False launches them plainly. Ignored by "ref".
+        the one before it (eager and in graphs; compute capability 9.0 and newer); False launches them plainly.
+        Ignored by "ref".
 
     Returns
     -------

@@ -49,7 +49,8 @@ class CupyBackend(Backend):
 
     def __init__(self, device_id: int = 0, pdl: bool = True) -> None:
         """A CUDA device. `pdl`: launch kernels with programmatic dependent launch (see runtime/pdl.py); each
-        kernel's launch then overlaps the tail of the one before it, in eager runs and in captured graphs."""
+        kernel's launch then overlaps the tail of the one before it, in eager runs and in captured graphs. It
+        needs compute capability 9.0 (Hopper); on older GPUs kernels launch plainly."""
         super().__init__()
         import cupy
         self.cp = cupy
@@ -63,7 +64,7 @@ class CupyBackend(Backend):
         self.cupy_major = int(cupy.__version__.split(".")[0])
         self.launches = 0
         self.pdl = None
-        if pdl:
+        if pdl and int(cupy.cuda.Device(device_id).compute_capability) >= 90:
             from .pdl import PdlLauncher
             self.pdl = PdlLauncher()
         self._cufunc: dict[int, int] = {}   # id(RawKernel) -> CUfunction handle
