@@ -81,9 +81,9 @@ def table(res: dict, header: dict) -> str:
     tl, tnotes = _torch_lines(res)
     L += tl
     L.append("")
-    L.append("| batch | k | ours µs/step | graph on / off µs (GPU) | host µs on / off | graph alone µs | floor µs | "
-             "% of floor | experts | torch eager µs/step | torch graph µs/step | torch floor µs | torch experts | vs torch eager | "
-             "vs torch graph |")
+    L.append("| batch | k | ours µs/step | graph on / off µs (GPU) | host µs on / off | graph alone µs | "
+             "floor µs | % of floor | experts | torch eager µs/step | torch graph µs/step | torch floor µs | "
+             "torch experts | vs torch eager | vs torch graph |")
     L.append("|" + "---|" * 15)
     for r in res["rows"]:
         m, t = r["ours"], r.get("torch") or {}
@@ -91,8 +91,8 @@ def table(res: dict, header: dict) -> str:
         te, tg = best_t(t, "eager"), best_t(t, "graph")
         alone = (m.get("graph_on") or {}).get("chain_us")
         L.append(f"| {r['batch']} | {r['k']} | {fmt(b)} | {_pair(m, 'gpu_us')} | {_pair(m, 'host_us')} | "
-                 f"{fmt(alone)} | {fmt(r['floor_us'])} | {_pct(b, r['floor_us'])} | {fmt(r.get('experts'), 0)} | {fmt(te)} | "
-                 f"{fmt(tg)} | {fmt(t.get('floor_us'))} | {fmt(t.get('experts'), 0)} | {_ratio(te, b)} | "
+                 f"{fmt(alone)} | {fmt(r['floor_us'])} | {_pct(b, r['floor_us'])} | {fmt(r.get('experts'), 0)} | "
+                 f"{fmt(te)} | {fmt(tg)} | {fmt(t.get('floor_us'))} | {fmt(t.get('experts'), 0)} | {_ratio(te, b)} | "
                  f"{_ratio(tg, b)} |")
     for n in tnotes + res["notes"]:
         L.append(f"- {n}")
