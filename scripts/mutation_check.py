@@ -147,6 +147,13 @@ MUTATIONS = [
     M("hf-verify-multirow-glm", "GLM-5's transformers target verifies in one multi-row forward again",
       "mtp_cupy/integrations/transformers.py", 'if mt in ("glm_moe_dsa", "deepseek_v32"):',
       'if mt in ("deepseek_v32",):', "tests/test_embedded.py::test_lossless_where_a_multirow_transformers_verify_was_not"),
+    # -- programmatic dependent launch: a kernel launched early must wait before it reads ---------------------
+    M("pdl-kernel-without-wait", "rope starts without pdl_entry(): under PDL it may read q before its writer ends",
+      "cuda_src/rope.cu", "    pdl_entry();\n", "", "tests/test_kernel_pdl.py"),
+    M("pdl-gemv-reads-x-early", "the streaming GEMV reads x before its pdl_wait()",
+      "cuda_src/gemv.cu", "    pdl_wait();   // the ring's first stages are weights",
+      "    const uint4 x_early = __ldg((const uint4*)x);\n    pdl_wait();   // the ring's first stages are weights",
+      "tests/test_kernel_pdl.py"),
 ]
 
 
