@@ -62,11 +62,17 @@ def watch_ties(prop) -> list[np.ndarray]:
     """Record, for every draft step the proposer runs from now on, each row's selection margins on the NumPy
     device: the routing gap (the last chosen expert's selection key minus the best unchosen one's, from the
     router logits the step computed) and, for GLM-5, the indexer's top-k gap. A step whose margin is near zero
-    may legitimately choose otherwise on another device. Returns the list the margins [m] are appended to."""
+    may legitimately choose otherwise on another device. Returns the list the margins [m] are appended to; the
+    rows each step's slab says a sequence holds are appended to `margins.rows` alike (the indexer's gap is over
+    exactly those rows: step i of a propose reads its own slab, not step 0's)."""
     moe = getattr(prop, "moe", None) or prop.ffn
-    c, gpu, margins = moe.cfg, prop.gpu, []
+    c, gpu, margins, step = moe.cfg, prop.gpu, _Margins(), {}
     bias = gpu.read(moe.bias, np.float32, c.n_experts).astype(np.float64) if int(moe.bias) else 0.0
-    fwd = moe.forward
+    fwd, step_fwd = moe.forward, prop._forward
+
+    def step_forward(ids, hidden, m, meta, meta_stride, logits):
+        step["meta"], step["stride"] = meta, meta_stride
+        return step_fwd(ids, hidden, m, meta, meta_stride, logits)
 
     def forward(x, out, m=1, **kw):
         fwd(x, out, m=m, **kw)
@@ -84,14 +90,28 @@ def watch_ties(prop) -> list[np.ndarray]:
             key = np.where(np.repeat(keep, c.n_experts // c.n_group, 1), key, -np.inf)
         srt = -np.sort(-key, axis=1)
         gap = np.minimum(gap, srt[:, c.top_k - 1] - srt[:, c.top_k])
+        rows = np.array([int(gpu.read(step["meta"].offset(r * step["stride"] + SEQ_LEN_OFFSET), np.int32, 1)[0])
+                         for r in range(m)])   # this step's slab: the rows each sequence holds now
         if hasattr(prop, "indexer"):
             ix = prop.indexer
             sc = gpu.read(ix.ptr["scores"], np.float32, (m, ix.score_stride)).astype(np.float64)
-            for r in range(m):       # this step's slab says how many rows the sequence holds
-                n = int(gpu.read(prop.meta.offset(r * prop.meta_stride + SEQ_LEN_OFFSET), np.int32, 1)[0])
-                row = np.sort(sc[r, :n])[::-1]
+            for r in range(m):
+                row = np.sort(sc[r, :rows[r]])[::-1]
                 if row.size > ix.d.topk:
                     gap[r] = min(gap[r], row[ix.d.topk - 1] - row[ix.d.topk])
         margins.append(gap)
-    moe.forward = forward
+        margins.rows.append(rows)
+    moe.forward, prop._forward = forward, step_forward
     return margins
+
+
+class _Margins(list):
+    """watch_ties' record: the margins per step, and `rows`, the rows per sequence each step's slab held."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[np.ndarray] = []
+
+    def clear(self) -> None:
+        super().clear()
+        self.rows.clear()

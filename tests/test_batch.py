@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round
+from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round, watch_ties
 from helpers import check_pool
 from mtp_cupy.errors import CapacityError, InputError
 
@@ -209,3 +209,19 @@ def test_batch_calls_take_a_list_of_states(rng):
         with pytest.raises(InputError, match="list of proposer states"):
             call(*args)
     assert st.keys == list(range(6)) and st.blocks.rows == 6
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_tie_watch_reads_each_steps_slab(fam, rng):
+    """The GPU tests' near-tie watch must see, at draft step i, the rows the sequence holds at that step (its
+    prefilled rows, plus one per step so far): a watch that read step 0's slab at every step measured GLM-5's
+    indexer gap over too few rows and let a true near-tie through."""
+    prop = mtp_cupy.load_proposer(ckpt(fam), gpu=mtp_cupy.device("ref"), max_seq_len=96, max_batch=8)
+    margins = watch_ties(prop)
+    lens = [int(n) for n in rng.integers(2, 40, 3)]
+    states = prefill_alike(rng, (prop,), lens)[0]
+    prop.propose_batch(states, [int(t) for t in rng.integers(0, prop.vocab_size, 3)], hidden(rng, prop, 3), lens, 3)
+    assert len(margins) == len(margins.rows) == 3
+    for i, rows in enumerate(margins.rows):
+        assert rows.tolist() == [n + 1 + i for n in lens], (i, rows, lens)
+        assert np.all(np.isfinite(margins[i]) | (margins[i] == np.inf)) and not np.any(np.isnan(margins[i]))

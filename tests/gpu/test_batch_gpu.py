@@ -38,7 +38,7 @@ def test_cuda_batch_matches_ref_device(fam, B, rng):
         lens = [int(n) for n in rng.integers(2, 40, B)]
         sc, sr = prefill_alike(rng, (cu, rf), lens)
         toks, hs = [int(t) for t in rng.integers(0, cu.vocab_size, B)], hidden(rng, cu, B)
-        del margins[:]
+        margins.clear()
         gc = cu.propose_batch(sc, toks, hs, lens, 3, return_logits=True)
         gr = rf.propose_batch(sr, toks, hs, lens, 3, return_logits=True)
         compared = 0
