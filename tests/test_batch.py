@@ -169,11 +169,11 @@ def test_wide_batch_errors_name_the_sequence(rng):
 
 
 @pytest.mark.parametrize("fam", ["deepseek_v3", "qwen3_next"])
-def test_after_verify_batch_equals_one_at_a_time(fam, rng):
+@pytest.mark.parametrize("B", [3, 6, 8])   # below and from ARRAY_MIN_BATCH: the per-sequence and the array path
+def test_after_verify_batch_equals_one_at_a_time(fam, B, rng):
     """after_verify_batch trims each sequence as after_verify does; a bad count, a repeated or freed state, or
     a length mismatch is an InputError that names the problem and changes no sequence."""
     a, b = load(fam), load(fam)
-    B = 6
     lens = [int(n) for n in rng.integers(10, 40, B)]
     sa, sb = prefill_alike(rng, (a, b), lens)
     toks, hs = [int(t) for t in rng.integers(0, a.vocab_size, B)], hidden(rng, a, B)
@@ -182,10 +182,12 @@ def test_after_verify_batch_equals_one_at_a_time(fam, rng):
     snap = lambda sts: [(list(s.keys), s.blocks.rows, list(s.blocks.table), s.last_num_drafted)  # noqa: E731
                         for s in sts]
     before = snap(sa)
-    for bad_args, msg in (((sa, [0] * (B - 1)), "6 states but 5"),
-                          ((sa, [0, 1, 2, 4, 0, 0]), "sequence 3: num_accepted 4 outside"),
-                          ((sa, [0, 0, -1, 0, 0, 0]), "sequence 2: num_accepted -1"),
-                          ((sa[:2] + sa[:1], [0, 0, 0]), "twice")):
+    over, neg = [0] * B, [0] * B
+    over[1], neg[B - 1] = 4, -1
+    for bad_args, msg in (((sa, [0] * (B - 1)), f"{B} states but {B - 1}"),
+                          ((sa, over), "sequence 1: num_accepted 4 outside"),
+                          ((sa, neg), f"sequence {B - 1}: num_accepted -1"),
+                          ((sa[:B - 1] + sa[:1], [0] * B), "twice")):
         with pytest.raises(InputError, match=msg):
             a.after_verify_batch(*bad_args)
         assert snap(sa) == before

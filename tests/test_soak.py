@@ -2,7 +2,10 @@
 join, prefill, propose in batches of random subsets, are verified with ragged accepted counts, catch up, and
 leave, with bad calls in between. After every operation: no KV block leaked or shared, every sequence's rows
 are exactly the positions this test derives from the calls it made, and the KV contents of every sequence
-an operation did not touch are unchanged. CI runs 10^4 operations; `-m slow` runs 10^5."""
+an operation did not touch are unchanged. Batches run up to 8 sequences, so both the per-sequence path and the
+array path (ARRAY_MIN_BATCH and more) of the batch calls are driven; each family also runs loaded without
+drafter context, where positions may skip ahead (runs of positions start and are trimmed away). CI runs 10^4
+operations; `-m slow` runs 10^5."""
 import hashlib
 import tempfile
 
@@ -13,6 +16,7 @@ import mtp_cupy
 from helpers import check_pool
 from mtp_cupy.errors import CapacityError, InputError
 from mtp_cupy.families import family
+from mtp_cupy.speculative.batch_inputs import ARRAY_MIN_BATCH
 
 SMALL = {
     "deepseek_v3": dict(hidden_size=64, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
@@ -25,7 +29,7 @@ SMALL = {
     "glm5": dict(hidden_size=64, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2,
                  moe_intermediate_size=32, vocab_size=128),
 }
-SEQ, LIVE, K = 64, 6, 3
+SEQ, LIVE, K, BATCH = 64, 10, 3, 8
 
 
 def kv_digest(prop, st) -> str:
@@ -39,11 +43,14 @@ def kv_digest(prop, st) -> str:
 
 
 class Soak:
-    def __init__(self, fam: str, rng):
+    def __init__(self, fam: str, rng, holes: bool = False):
         path = family(fam).write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"soak_{fam}_"), seed=1, **SMALL[fam])
-        self.p = mtp_cupy.load_proposer(path, gpu=mtp_cupy.device("ref"), max_seq_len=SEQ, max_batch=4,
-                                        max_drafts=K, max_sequences=3)     # 12 blocks for up to 6 sequences
+        self.p = mtp_cupy.load_proposer(path, gpu=mtp_cupy.device("ref"), max_seq_len=SEQ, max_batch=BATCH,
+                                        max_drafts=K, max_sequences=5,     # 20 blocks for up to 10 sequences
+                                        drafter_context=not holes)
+        self.holes = holes
         self.rng, self.live, self.keys, self.digest = rng, [], {}, {}
+        self.wide = self.runs = 0   # batches on the array path; checks of a state holding several runs
         self.counts = dict.fromkeys(("join", "leave", "prefill", "propose", "verify", "capacity", "bad"), 0)
 
     def hid(self, n):
@@ -51,6 +58,11 @@ class Soak:
 
     def nxt(self, st) -> int:
         return self.keys[id(st)][-1] + 1 if self.keys[id(st)] else 0
+
+    def at(self, st) -> int:
+        """The position the next rows take: the next one, or without drafter context sometimes a later one."""
+        gap = int(self.rng.integers(1, 4)) if self.holes and self.rng.random() < 0.3 else 0
+        return self.nxt(st) + gap
 
     def step(self) -> None:
         p, rng = self.p, self.rng
@@ -67,23 +79,25 @@ class Soak:
             del self.keys[id(st)], self.digest[id(st)]
         elif op == "prefill" and self.live:
             st = self.live[int(rng.integers(len(self.live)))]
-            n, start = int(rng.integers(1, 13)), self.nxt(st)
+            n, start = int(rng.integers(1, 13)), self.at(st)
             if start + n <= SEQ:
                 try:
-                    p.prefill(st, rng.integers(0, p.vocab_size, n + 1), self.hid(n))
+                    p.prefill(st, rng.integers(0, p.vocab_size, n + 1), self.hid(n), start_position=start)
                     self.keys[id(st)] += list(range(start, start + n))
                     touched.add(id(st))
                 except CapacityError:
                     self.counts["capacity"] += 1
         elif op == "propose" and self.live:
-            B = int(rng.integers(1, min(4, len(self.live)) + 1))
+            most = min(BATCH, len(self.live))
+            B = most if rng.random() < 0.5 else int(rng.integers(1, most + 1))   # wide batches half the time
             sts = [self.live[i] for i in rng.choice(len(self.live), B, replace=False) if self.keys[id(self.live[i])]]
             sts = [st for st in sts if st.last_num_drafted == 0]
             k = int(rng.integers(1, K + 1))
-            if sts and all(self.nxt(st) + k <= SEQ for st in sts):
-                pos = [self.nxt(st) for st in sts]
+            pos = [self.at(st) for st in sts]
+            if sts and all(q + k <= SEQ for q in pos):
                 try:
                     res = p.propose_batch(sts, rng.integers(0, p.vocab_size, len(sts)), self.hid(len(sts)), pos, k)
+                    self.wide += len(sts) >= ARRAY_MIN_BATCH
                     for st, r, q in zip(sts, res, pos):
                         assert len(r.tokens) == k and all(0 <= t < p.vocab_size for t in r.tokens)
                         self.keys[id(st)] += list(range(q, q + k))
@@ -96,6 +110,7 @@ class Soak:
             accs = [int(rng.integers(0, k + 1)) for k in ks]
             if drafted and rng.random() < 0.5:      # the batch call, or one call per sequence
                 p.after_verify_batch(drafted, accs)
+                self.wide += len(drafted) >= ARRAY_MIN_BATCH
             else:
                 for st, a in zip(drafted, accs):
                     p.after_verify(st, a)
@@ -106,7 +121,7 @@ class Soak:
             st = self.live[int(rng.integers(len(self.live)))]
             q = self.nxt(st)
             bad = [lambda: p.propose(st, p.vocab_size, self.hid(1)[0], q, 1),          # token out of range
-                   lambda: p.propose(st, 1, self.hid(1)[0], q + 1, 1),                 # a hole
+                   lambda: p.propose(st, 1, self.hid(1)[0], q + (-1 if self.holes else 1), 1),  # a hole / overlap
                    lambda: p.propose_batch([st, st], [1, 1], self.hid(2), [q, q], 1),  # a state twice
                    lambda: p.prefill(st, [1, 2], self.hid(2)),                          # hiddens of the wrong count
                    lambda: p.after_verify(st, st.last_num_drafted + 1)]
@@ -120,7 +135,10 @@ class Soak:
     def check(self, touched) -> None:
         check_pool(self.p, self.live)
         for st in self.live:
-            assert st.keys == self.keys[id(st)] and st.blocks.rows == len(st.keys)
+            keys = self.keys[id(st)]
+            assert st.keys == keys and st.blocks.rows == len(keys)
+            assert st.newest_position == (keys[-1] if keys else -1) and st.next_position == self.nxt(st)
+            self.runs += len(st.runs) > 1
             d = kv_digest(self.p, st) if id(st) in touched or id(st) not in self.digest or self.rng.random() < .1 \
                 else None
             if d is not None:
@@ -130,14 +148,16 @@ class Soak:
 
 
 def soak(rng, ops: int) -> None:
-    runs = {fam: Soak(fam, rng) for fam in SMALL}
+    runs = [Soak(fam, rng, holes) for fam in SMALL for holes in (False, True)]
     for i in range(ops):
-        runs[list(SMALL)[i % len(SMALL)]].step()
-    for fam, s in runs.items():
+        runs[i % len(runs)].step()
+    for s in runs:
         for st in s.live:
             s.p.free_state(st)
-        assert s.p.kv.free_count == s.p.pool_blocks, fam
-        assert s.counts["propose"] > ops // 40 and s.counts["capacity"] > 0, (fam, s.counts)
+        what = (s.p.family, s.holes, s.counts)
+        assert s.p.kv.free_count == s.p.pool_blocks, what
+        assert s.counts["propose"] > ops // 80 and s.counts["capacity"] > 0 and s.wide > 0, what
+        assert not s.holes or s.runs > 0, what
 
 
 def test_soak(rng):

@@ -4,7 +4,12 @@ ids.
 
 A row of cache `c` at layer `l` for slot `s = block * block_size + offset` lives at
     base[c] + ((l * num_blocks + block) * block_size + offset) * row_bytes[c]
-`slot_addr` is the one place that arithmetic is written."""
+`slot_addr` is the one place that arithmetic is written.
+
+Every live SeqBlocks owns one row of the cache's mirror: its block table (int32 `_tables[row]`) and its
+per-sequence counters (int64 `_cols[row]`: ROWS, NBLOCKS, then OWNER_COLUMNS columns its owner keeps, such as a
+proposer's positions and draft counts), so a batch of sequences reads and updates its state with one gather and
+one scatter instead of a Python loop."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +22,11 @@ from ..runtime.dtypes import dtype as _dtype
 from ..runtime.ptr import DevicePtr
 from ..runtime.slab import BLOCK_SIZE
 from ..runtime.slab import blocks_for as _blocks_for
+
+ROWS, NBLOCKS = 0, 1          # `_cols` columns: rows held, blocks in the table
+OWNER = 2                     # the first of the owner's columns
+OWNER_COLUMNS = 6
+SEQ_COLUMNS = OWNER + OWNER_COLUMNS
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,7 @@ class PagedKvCache:
         # width is the longest table yet, not the pool), so a batch's tables stage as one gather (`tables_of`)
         # instead of converting B Python lists on every call
         self._tables = np.zeros((0, 16), np.int32)
+        self._cols = np.zeros((0, SEQ_COLUMNS), np.int64)
         self._rows_free: list[int] = []
 
     @staticmethod
@@ -96,8 +107,11 @@ class PagedKvCache:
             n, w = self._tables.shape
             grow = max(n, 4)
             self._tables = np.concatenate([self._tables, np.zeros((grow, w), np.int32)])
+            self._cols = np.concatenate([self._cols, np.zeros((grow, SEQ_COLUMNS), np.int64)])
             self._rows_free = list(range(n + grow - 1, n - 1, -1))
-        return self._rows_free.pop()
+        row = self._rows_free.pop()
+        self._cols[row] = 0
+        return row
 
     def _widen(self, width: int) -> None:
         n, w = self._tables.shape
@@ -114,6 +128,40 @@ class PagedKvCache:
         lens = [len(s.table) for s in seqs]
         rows = [s.row for s in seqs]
         return self._tables[rows, :max(lens)], lens
+
+    def grow_one(self, seqs: list["SeqBlocks"], rows: np.ndarray, nblocks: np.ndarray) -> None:
+        """One more block for each of `seqs` (mirror rows `rows`, tables of `nblocks` blocks now), handed out as
+        one-at-a-time reserves in that order would; all or none (CapacityError, nothing changed)."""
+        n = len(seqs)
+        if n > len(self._free):
+            raise CapacityError(f"KV pool exhausted: {n} blocks asked, {len(self._free)} of {self.num_blocks} free")
+        m = len(self._free)
+        new = self._free[m - n:][::-1]   # pop() order
+        del self._free[m - n:]
+        np.frombuffer(self._used, np.uint8)[new] = 1
+        self._widen(int(nblocks.max()) + 1)
+        self._tables[rows, nblocks] = new
+        self._cols[rows, NBLOCKS] = nblocks + 1
+        for sb, b in zip(seqs, new):
+            sb.table.append(b)
+
+    def shrink_one(self, seqs: list["SeqBlocks"], rows: np.ndarray, nblocks: np.ndarray) -> None:
+        """Give back the last block of each of `seqs` (mirror rows `rows`, tables of `nblocks` >= 1 blocks), in
+        the order one-at-a-time truncates would. Row counts are the caller's."""
+        last = self._tables[rows, nblocks - 1]
+        used = np.frombuffer(self._used, np.uint8)
+        if not used[last].all():
+            raise InputError(f"block {int(last[used[last] == 0][0])} is not allocated")
+        used[last] = 0
+        self._cols[rows, NBLOCKS] = nblocks - 1
+        self._free.extend(last.tolist())
+        for sb in seqs:
+            sb.table.pop()
+
+    def tables_at(self, rows: np.ndarray, nblocks: np.ndarray) -> np.ndarray:
+        """int32 [B, max(nblocks)]: the block tables of the mirror rows `rows` (entries past a row's own
+        nblocks are stale: no reader looks there)."""
+        return self._tables[rows, :max(int(nblocks.max()), 1)]
 
     # -- addressing ------------------------------------------------------------------------------
     def base(self, cache: str, layer: int = 0) -> DevicePtr:
@@ -132,11 +180,24 @@ class PagedKvCache:
 
 
 class SeqBlocks:
-    """The block table of one sequence in a PagedKvCache, grown and trimmed with its row count."""
+    """The block table of one sequence in a PagedKvCache, grown and trimmed with its row count (`rows`, kept in
+    the cache's `_cols` mirror with the table's length)."""
 
     def __init__(self, cache: PagedKvCache):
-        self.cache, self.table, self.rows = cache, [], 0
-        self.row = cache._take_row()   # this table's row in the cache's mirror (`PagedKvCache.tables_of`)
+        self.cache, self.table = cache, []
+        self.row = cache._take_row()   # this sequence's row in the cache's mirror (`PagedKvCache.tables_of`)
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.row is None else self.cache._cols.item(self.row, ROWS)
+
+    @rows.setter
+    def rows(self, n: int) -> None:
+        if self.row is None:
+            if n == 0:
+                return
+            self.row = self.cache._take_row()
+        self.cache._cols[self.row, ROWS] = n
 
     def reserve(self, rows: int) -> None:
         """Make room for `rows` rows (all blocks or none)."""
@@ -152,6 +213,7 @@ class SeqBlocks:
             c._tables[self.row, n] = new[0]
         else:
             c._tables[self.row, n:n + need] = new
+        c._cols[self.row, NBLOCKS] = n + need
         self.table.extend(new)
 
     def slot(self, row: int) -> int:
@@ -165,12 +227,13 @@ class SeqBlocks:
         if keep < len(self.table):
             self.cache.free_blocks(self.table[keep:])
             del self.table[keep:]
+            self.cache._cols[self.row, NBLOCKS] = keep
         self.rows = rows
 
     def release(self) -> None:
         if self.table:
             self.cache.free_blocks(self.table)
-        self.table, self.rows = [], 0
+        self.table = []
         if self.row is not None:
             self.cache._give_row(self.row)
             self.row = None

@@ -244,7 +244,7 @@ def generate(model, input_ids, logits_processor=None, stopping_criteria=None, ge
                         break
                 if done:
                     break
-                nxt = st.keys[-1] + 1 if st.keys else 0
+                nxt = st.next_position
                 if nxt < pos:   # rows the trim rule dropped: rebuilt from the target's own hiddens
                     drafter.prefill(st, ids[nxt:pos + 1], to_drafter(torch.stack(hid[nxt:pos])), start_position=nxt,
                                     stream=stream)

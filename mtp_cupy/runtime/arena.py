@@ -53,7 +53,7 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     B, bs = len(tables), block_size
     if lens is None:
         lens = [len(t) for t in tables]
-    slab, most = stride or stage.shape[1], max(lens)
+    slab, most = stride or stage.shape[1], int(lens.max()) if isinstance(lens, np.ndarray) else max(lens)
     if TABLE_OFFSET + 4 * most > slab or B * slab > stage.shape[1]:
         raise CapacityError(f"{B} MTP slabs with block tables of up to {most} entries do not fit "
                             f"{slab}-byte slabs in a {stage.shape[1]}-byte stage row")
@@ -70,7 +70,9 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     v = stage[:k, :B * slab]
     v32, v64 = v.view(np.int32).reshape(k, B, slab // 4), v.view(np.int64).reshape(k, B, slab // 8)
     v32[:, :, _POS32] = np.asarray(positions, dtype=np.int64)[None, :] + step
-    v64[:, :, _SLOT64] = tables[np.arange(B)[None, :], rows // bs].astype(np.int64) * bs + rows % bs
+    blk, off = np.divmod(rows, bs)
+    blk += np.arange(0, B * tables.shape[1], tables.shape[1])                   # flat index of each entry
+    v64[:, :, _SLOT64] = tables.ravel().take(blk) * np.int64(bs) + off
     v32[:, :, _SEQ_LEN32] = rows + 1
     v32[:, :, _TABLE32:_TABLE32 + most] = tables[None, :, :most]
 

@@ -48,16 +48,17 @@ import numpy as np
 
 from .. import ops
 from ..cache import PagedKvCache, SeqBlocks
+from ..cache.paged import NBLOCKS, ROWS
 from ..errors import CapacityError, ConfigError, InputError
 from ..runtime import slab as slab_spec
 from ..runtime.arena import ForwardBuffers, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
-from .batch_inputs import batch_masks, check_sequences, state_list
+from .batch_inputs import ARRAY_MIN_BATCH, batch_masks, check_sequences, mirror_rows, state_list
 from .inputs import check_position, check_token, host_ints, is_device_pointer, stage_hidden, take_hidden
 from .options import ProposerOptions
-from .proposer import DraftResult, ProposerState, mtp_rows_to_trim
+from .proposer import DRAFTED, OFF, RUN0, DraftResult, ProposerState, mtp_rows_to_trim
 
 log = logging.getLogger("mtp_cupy")
 
@@ -211,7 +212,7 @@ class MtpProposerBase:
         if st.released:
             return
         st.blocks.release()
-        st.keys, st.released, st.last_num_drafted = [], True, 0
+        st.runs, st.released, st.last_drafts = [], True, []
 
     def _live(self, st: ProposerState) -> None:
         if st.released:
@@ -222,22 +223,41 @@ class MtpProposerBase:
             raise CapacityError(f"drafter would hold {rows} rows; it was sized for {self.max_seq_len}")
         st.blocks.reserve(rows)
 
-    def _reserve_drafts(self, states, k: int) -> list[int]:
+    def _reserve_drafts(self, states, k: int, idx=None, c=None) -> list[int] | np.ndarray:
         """Room for k more rows in every sequence (all or none: CapacityError with every table as it was); the
-        row counts before. Most calls need no new block: that case is one comparison per sequence."""
-        rows0, grown, room = [], [], self.kv.block_size
-        try:
-            for st in states:
+        row counts before (an array when the batch's mirror rows `idx` and counters `c` are given: c's NBLOCKS
+        follow the growth). Most calls need no new block: one comparison per sequence, or one array comparison
+        for the batch, whose sequences that need one block more get it in one pool call."""
+        room, ones = self.kv.block_size, None
+        if c is not None:   # rows0 + k <= max_seq_len: every position checked is at least its row count
+            rows0 = c[:, ROWS].copy()   # c's own column is updated when the call finishes
+            need = (rows0 + (k + room - 1)) // room - c[:, NBLOCKS]
+            if not need.any():
+                return rows0
+            ones, todo = np.flatnonzero(need == 1), np.flatnonzero(need > 1).tolist()
+            if ones.size:
+                self.kv.grow_one([states[s].blocks for s in ones.tolist()], idx[ones], c[ones, NBLOCKS])
+                c[ones, NBLOCKS] += 1
+        else:
+            rows0, todo = [], []
+            for s, st in enumerate(states):
                 b = st.blocks
                 r0 = b.rows
                 rows0.append(r0)
                 if r0 + k > len(b.table) * room or r0 + k > self.max_seq_len:
-                    self._reserve(st, r0 + k)
-                    grown.append((b, r0))
+                    todo.append(s)
+        done = []
+        try:
+            for s in todo:
+                self._reserve(states[s], int(rows0[s]) + k)
+                done.append(s)
         except Exception:
-            for b, r0 in grown:
-                b.truncate(r0)
+            for s in done + ([] if ones is None else ones.tolist()):
+                states[s].blocks.truncate(int(rows0[s]))
             raise
+        if c is not None:
+            for s in done:
+                c[s, NBLOCKS] = len(states[s].blocks.table)
         return rows0
 
     # -- prefill / catch-up ----------------------------------------------------------------------
@@ -268,7 +288,7 @@ class MtpProposerBase:
                 raise InputError("prefill needs at least two tokens (one row)")
             for t in toks:
                 check_token(t, self.vocab_size)
-            nxt = st.keys[-1] + 1 if st.keys else 0
+            nxt = st.next_position
             start = nxt if start_position is None else int(start_position)
             if start != nxt and (self.drafter_context or start < nxt):
                 raise InputError(f"prefill at position {start} would leave a hole or overwrite: the next drafter "
@@ -284,7 +304,7 @@ class MtpProposerBase:
                 st.blocks.truncate(rows0)
                 raise
             del keep   # converted copies go back to the pool in stream order
-        st.keys.extend(range(start, start + n))
+            st._extend(rows0, start)
         return n
 
     def _prefill_hiddens(self, hiddens, n: int):
@@ -380,8 +400,8 @@ class MtpProposerBase:
                  min_logprob, stream, device_results, single: bool) -> list[DraftResult]:
         k, gpu = int(num_drafts), self.gpu
         with self._ordered(stream):
-            toks = host_ints(tokens, gpu, "token" if single else "tokens", self.stream)
-            poss = host_ints(positions, gpu, "position" if single else "positions", self.stream)
+            toks = host_ints(tokens, gpu, "token" if single else "tokens", self.stream, as_array=not single)
+            poss = host_ints(positions, gpu, "position" if single else "positions", self.stream, as_array=not single)
             if single and (len(toks) != 1 or len(poss) != 1):
                 raise InputError(f"propose takes one token and one position, got {len(toks)} and {len(poss)}")
             if min_logprob is not None and grammar_bitmasks is not None:
@@ -390,14 +410,14 @@ class MtpProposerBase:
             if min_logprob is not None and device_results:
                 raise InputError("min_logprob stops on log-probs read on the host; it cannot be combined with "
                                  "device_results")
-            toks, poss = check_sequences(self, states, toks, poss, k)
+            toks, poss, idx, cols = check_sequences(self, states, toks, poss, k)
             B = len(states)
             graphed = self.cuda_graphs and self.graph_safe
             W = self.bucket(B) if graphed else B
             masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
             hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
                               self.stream, single=single, check_device=self.options.check_device_finite)
-            rows0 = self._reserve_drafts(states, k)
+            rows0 = self._reserve_drafts(states, k, idx, cols)
             want_lp = min_logprob is not None
             try:
                 with gpu.using(self.stream):
@@ -413,7 +433,7 @@ class MtpProposerBase:
                     self._pad_rows(B, W, h_elems)
                     if masks is not None:
                         gpu.copy_h2d_async(self.bufs.mask, masks)
-                    self._stage_slabs(states, rows0, poss, k, W)
+                    self._stage_slabs(states, rows0, poss, k, W, idx, cols)
                     inbox = 2 * W * h_elems if hid.host is not None else 0   # host hidden bytes the chain copies
                     key = (k, W, masks is not None, want_lp, return_logits, inbox, self._graph_variant())
                     run = lambda: self._chain(k, W, masks is not None, want_lp, return_logits, hidden0,  # noqa: E731
@@ -432,10 +452,10 @@ class MtpProposerBase:
                         out = self._host_results(k, W, B, masks is not None, want_lp, return_logits)
             except Exception:
                 for st, r0 in zip(states, rows0):
-                    st.blocks.truncate(r0)
+                    st.blocks.truncate(int(r0))
                 raise
             del hid   # a converted copy goes back to the pool in stream order
-        return self._finish(states, rows0, poss, k, out, min_logprob)
+        return self._finish(states, rows0, poss, k, out, min_logprob, idx, cols)
 
     def _host_results(self, k: int, W: int, B: int, masked: bool, want_lp: bool, logits: bool) -> dict:
         """The chain's outputs read to the host on the proposer's stream (a wait on it, not on the device)."""
@@ -466,29 +486,45 @@ class MtpProposerBase:
         gpu.record(ready, self.stream)
         return {"device_ids": ids, "device_logits": lg, "ready": ready}
 
-    def _finish(self, states, rows0, positions, k: int, out: dict, min_logprob) -> list[DraftResult]:
+    def _finish(self, states, rows0, positions, k: int, out: dict, min_logprob, idx=None, c=None) -> list[DraftResult]:
         """Every sequence's state update (rows, positions, last drafts; a confidence stop trims its rows) and its
-        DraftResult, from the chain's outputs."""
-        lps, res = out.get("lps"), []
-        done = [k] * len(states)
+        DraftResult, from the chain's outputs. With the batch's mirror rows `idx` and counters `c` the counters
+        are scattered back as one array, and only sequences that start a run of positions or stop early take a
+        Python step."""
+        lps, res, B = out.get("lps"), [], len(states)
+        done = [k] * B
         if lps is not None:
-            for s in range(len(states)):
+            for s in range(B):
                 low = np.flatnonzero(lps[:, s] < min_logprob)
                 done[s] = int(low[0]) + 1 if low.size else k
-        for st, r0, p, d in zip(states, rows0, positions, done):
-            b = st.blocks
-            b.rows = r0 + k
-            if d < k:
-                b.truncate(r0 + d)
-            st.keys.extend(range(p, p + d))
-            st.last_num_drafted, st.last_pair_key, st.last_drafts = d, p + d - 1, []
+        if idx is not None:
+            nxt = c[:, OFF] + rows0
+            c[:, ROWS], c[:, DRAFTED] = rows0 + k, done
+            self.kv._cols[idx] = c
+            for s in np.flatnonzero((positions != nxt) | (rows0 == 0)).tolist():
+                states[s]._extend(int(rows0[s]), int(positions[s]))
+        else:
+            for st, r0, p, d in zip(states, rows0, positions, done):
+                st.blocks.rows = r0 + k
+                st._extend(r0, p)
+                st.last_num_drafted = d
+        if lps is not None:
+            for s in range(B):
+                if done[s] < k:   # a confidence stop: the rows past its last kept draft go
+                    states[s].blocks.truncate(int(rows0[s]) + done[s])
         if "device_ids" in out:   # nothing read back: the drafts live on the device (no grammar warnings)
+            for st in states:
+                st.last_drafts = []
             lg = out["device_logits"]
             return [DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"], stream=self.stream,
-                                device_logits=None if lg is None else lg[s]) for s in range(len(states))]
-        cols, flags, logits = out["ids"].T.tolist(), out["flags"], out["logits"]
+                                device_logits=None if lg is None else lg[s]) for s in range(B)]
+        cols_out, flags, logits = out["ids"].T.tolist(), out["flags"], out["logits"]
+        if flags is None and logits is None and lps is None:   # the plain case: drafts only
+            for st, toks in zip(states, cols_out):
+                st.last_drafts = toks
+            return [DraftResult(toks) for toks in cols_out]
         for s, (st, p, d) in enumerate(zip(states, positions, done)):
-            toks = st.last_drafts = cols[s] if d == k else cols[s][:d]
+            toks = st.last_drafts = cols_out[s] if d == k else cols_out[s][:d]
             if flags is not None:
                 for i in np.flatnonzero(flags[:d, s]):
                     log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0", i, p + i)
@@ -559,7 +595,7 @@ class MtpProposerBase:
             self._stage[:] = 0
         return self._stage
 
-    def _stage_slabs(self, states, rows0, positions, k: int, W: int) -> None:
+    def _stage_slabs(self, states, rows0, positions, k: int, W: int, idx=None, c=None) -> None:
         """Every step's slabs into the pinned stage; rows past len(states) (up to W) get the pad slab. The chain
         copies from the stage when it runs, so the previous chain must have run first (`_stage_inputs` waited
         for it)."""
@@ -567,6 +603,10 @@ class MtpProposerBase:
         steps = self._staging()[self._meta_off:self._meta_off + k * W * S].reshape(k, W * S)
         if B == 1:
             stage_mtp_meta(steps, k, positions, rows0, [states[0].blocks.table], self.kv.block_size, S)
+        elif idx is not None:
+            nblocks = c[:, NBLOCKS]
+            stage_mtp_meta(steps, k, positions, rows0, self.kv.tables_at(idx, nblocks), self.kv.block_size, S,
+                           lens=nblocks)
         else:
             tables, lens = self.kv.tables_of([st.blocks for st in states])
             stage_mtp_meta(steps, k, positions, rows0, tables, self.kv.block_size, S, lens=lens)
@@ -630,24 +670,51 @@ class MtpProposerBase:
         """`after_verify` for every sequence of a batch in one call (states and accepted counts in order); every
         count is checked before any sequence changes (InputError naming the sequence)."""
         states = state_list(states, "after_verify_batch")
-        acc = host_ints(num_accepted, self.gpu, "num_accepted")
-        if len(acc) != len(states):
-            raise InputError(f"{len(states)} states but {len(acc)} accepted counts")
-        for s, (st, a) in enumerate(zip(states, acc)):
-            if st.released:
-                raise InputError(f"sequence {s}: proposer state was freed")
-            if not 0 <= a <= st.last_num_drafted:
-                raise InputError(f"sequence {s}: num_accepted {a} outside [0, {st.last_num_drafted}] (drafts of "
-                                 "its last propose)")
-        if len({id(st) for st in states}) != len(states):
-            raise InputError("the same proposer state appears twice in one after_verify_batch")
-        for st, a in zip(states, acc):
-            self._trim(st, a)
+        acc = host_ints(num_accepted, self.gpu, "num_accepted", as_array=len(states) >= ARRAY_MIN_BATCH)
+        B = len(states)
+        if len(acc) != B:
+            raise InputError(f"{B} states but {len(acc)} accepted counts")
+        idx = mirror_rows(states) if B >= ARRAY_MIN_BATCH else None
+        if idx is not None:
+            a = np.asarray(acc, dtype=np.int64)
+            c = self.kv._cols[idx]
+            d = c[:, DRAFTED]
+            if bool(((a < 0) | (a > d)).any()) or len(set(idx.tolist())) != B:
+                idx = None   # the loop below names the first bad sequence
+        if idx is None:
+            for s, (st, n) in enumerate(zip(states, acc)):
+                if st.released:
+                    raise InputError(f"sequence {s}: proposer state was freed")
+                if not 0 <= n <= st.last_num_drafted:
+                    raise InputError(f"sequence {s}: num_accepted {n} outside [0, {st.last_num_drafted}] (drafts "
+                                     "of its last propose)")
+            if len({id(st) for st in states}) != B:
+                raise InputError("the same proposer state appears twice in one after_verify_batch")
+            for st, n in zip(states, acc):
+                self._trim(st, n)
+            return
+        # mtp_rows_to_trim for 0 <= a <= d: the rejected d - a, and with refeed every accepted row but the first
+        rows = c[:, ROWS] - (d - (np.minimum(a, 1) if self.refeed_accepted else a))
+        bs, nb = self.kv.block_size, c[:, NBLOCKS].copy()
+        drop, cut = nb - (rows + bs - 1) // bs, rows <= c[:, RUN0]   # blocks emptied; the last run of positions gone
+        c[:, ROWS], c[:, DRAFTED] = rows, 0
+        self.kv._cols[idx] = c
+        if drop.any():
+            ones = np.flatnonzero(drop == 1)
+            self.kv.shrink_one([states[s].blocks for s in ones.tolist()], idx[ones], nb[ones])
+            for s in np.flatnonzero(drop > 1).tolist():
+                states[s].blocks.truncate(int(rows[s]))
+        if cut.any():
+            for s in np.flatnonzero(cut).tolist():
+                states[s]._cut(int(rows[s]))
 
     def _trim(self, st: ProposerState, a: int) -> None:
-        trim = mtp_rows_to_trim(st.last_num_drafted, a, self.refeed_accepted)
+        b = st.blocks
+        cols, row = b.cache._cols, b.row
+        trim = mtp_rows_to_trim(cols.item(row, DRAFTED), a, self.refeed_accepted)
         if trim:
-            st.blocks.truncate(st.blocks.rows - trim)
-            del st.keys[-trim:]
-            st.last_pair_key = st.keys[-1] if st.keys else None
-        st.last_num_drafted = 0
+            n = cols.item(row, ROWS) - trim
+            b.truncate(n)
+            if n <= cols.item(row, RUN0):   # the last run of positions is gone
+                st._cut(n)
+        cols[row, DRAFTED] = 0

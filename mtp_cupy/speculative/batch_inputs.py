@@ -2,43 +2,69 @@
 and hiddens, all validated before any state changes (InputError naming the sequence and the problem)."""
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
+from ..cache.paged import ROWS
 from ..errors import InputError
 from .inputs import check_bitmask, check_position, check_token
+from .proposer import OFF, ProposerState
 
 
 def state_list(states, call: str) -> list:
     """The states of a batch call as a list; InputError for anything but a list or tuple of ProposerState."""
-    from .proposer import ProposerState
-    if not isinstance(states, (list, tuple)) or not all(isinstance(s, ProposerState) for s in states):
+    if not isinstance(states, (list, tuple)) or not all(issubclass(t, ProposerState) for t in set(map(type, states))):
         raise InputError(f"{call} takes a list of proposer states (from alloc_state), got {type(states).__name__}"
                          + ("" if not isinstance(states, (list, tuple)) else " holding other objects"))
     return list(states)
 
 
-def check_sequences(prop, states, tokens, positions, k: int) -> tuple[list[int], list[int]]:
-    """(tokens, positions) as ints after checking B, k, every state and the no-hole rule."""
+ARRAY_MIN_BATCH = 5   # from this many sequences a batch call checks and updates its states as arrays
+
+
+def mirror_rows(states) -> np.ndarray | None:
+    """The states' rows in their KV cache's mirror (cache.paged: where their counters live), or None when one
+    has none (a freed state)."""
+    try:
+        return np.fromiter(map(_MIRROR_ROW, states), np.intp, len(states))
+    except TypeError:
+        return None
+
+
+_MIRROR_ROW = operator.attrgetter("blocks.row")
+
+
+def check_sequences(prop, states, tokens, positions, k: int):
+    """(tokens, positions, mirror rows, counters) after checking B, k, every state and the no-hole rule.
+
+    From ARRAY_MIN_BATCH sequences the checks are array passes over the batch: tokens and positions come back as
+    int64 arrays, with the states' mirror rows and a copy of their counters (int64 [B, SEQ_COLUMNS]) that the
+    call updates and scatters back. The per-sequence loop runs to name the first bad sequence, and for smaller
+    batches, where it is faster (mirror rows and counters None)."""
     B = len(states)
     if not 1 <= B <= prop.max_batch:
         raise InputError(f"{B} sequences; this proposer batches 1 to {prop.max_batch} (max_batch at load)")
     if len(tokens) != B or len(positions) != B:
         raise InputError(f"{B} states but {len(tokens)} tokens and {len(positions)} positions")
-    if len({id(s) for s in states}) != B:
-        raise InputError("the same proposer state appears twice in one batch")
     if not 1 <= k <= prop.max_drafts:
         raise InputError(f"num_drafts {k} outside [1, {prop.max_drafts}] (raise max_drafts at load)")
-    if B > 4:   # one array pass over the batch; the loop below runs only to name the first bad sequence
+    idx = mirror_rows(states) if B >= ARRAY_MIN_BATCH else None
+    if idx is not None:
         try:
             t, p = np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64)
-            newest = np.fromiter((st.keys[-1] if st.keys else -1 for st in states), np.int64, B)
         except (TypeError, ValueError, OverflowError):
             t = None
-        if t is not None and t.shape == p.shape == (B,) and not any(st.released for st in states):
+        if t is not None and t.shape == p.shape == (B,) and len(set(idx.tolist())) == B:
+            c = prop.kv._cols[idx]
+            rows = c[:, ROWS]
+            nxt = np.where(rows > 0, c[:, OFF] + rows, 0)        # next_position of each sequence
             ok = (t.min() >= 0) & (t.max() < prop.vocab_size) & (p.min() >= 0) & (p.max() + k <= prop.max_seq_len)
-            ok &= bool((p > newest).all()) and (not prop.drafter_context or bool((p <= newest + 1).all()))
+            ok &= bool((p == nxt).all() if prop.drafter_context else (p >= nxt).all())
             if ok:
-                return t.tolist(), p.tolist()
+                return t, p, idx, c
+    elif len({id(s) for s in states}) != B:
+        raise InputError("the same proposer state appears twice in one batch")
     toks, poss = [], []
     for s, (st, t, p) in enumerate(zip(states, tokens, positions)):
         prop._live(st)
@@ -46,16 +72,18 @@ def check_sequences(prop, states, tokens, positions, k: int) -> tuple[list[int],
         p = check_position(p, prop.max_seq_len)
         if p + k > prop.max_seq_len:
             raise InputError(f"{k} drafts from position {p} run past max_seq_len {prop.max_seq_len}")
-        newest = st.keys[-1] if st.keys else -1
+        newest = st.newest_position
         if p <= newest:
             raise InputError(f"sequence {s}: position {p} is not after its newest drafter row ({newest}); "
                              "call after_verify first")
         if p > newest + 1 and prop.drafter_context:
-            held = f"rows at positions {st.keys[0]}..{newest}" if st.keys else "no rows"
+            held = f"rows at positions {st.runs[0][1]}..{newest}" if st.runs else "no rows"
             raise InputError(f"sequence {s}: position {p} would leave a hole in its drafter KV ({held}); "
                              f"prefill positions {newest + 1}..{p - 1} first (or load with drafter_context=False)")
         poss.append(p)
-    return toks, poss
+    if idx is not None and len(set(idx.tolist())) != B:
+        raise InputError("the same proposer state appears twice in one batch")
+    return toks, poss, idx, None if idx is None else prop.kv._cols[idx]
 
 
 def sequence_masks(bitmask, vocab: int, k: int) -> np.ndarray | None:

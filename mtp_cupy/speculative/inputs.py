@@ -114,11 +114,12 @@ def host_array(x, what: str) -> np.ndarray:
     return a.view(BF16) if bf16 else a
 
 
-def host_ints(x, gpu: Backend | None, what: str, stream=None) -> list[int]:
+def host_ints(x, gpu: Backend | None, what: str, stream=None, as_array: bool = False) -> list[int] | np.ndarray:
     """Integer ids or positions as host ints: an int, a sequence of ints, a NumPy array or a DLPack tensor (a
-    CUDA one is read to the host: a wait on `stream`, never on the whole device)."""
+    CUDA one is read to the host: a wait on `stream`, never on the whole device). `as_array`: as a 1-D integer
+    array instead of a list (what the batch calls check and stage with)."""
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-        return [int(x)]
+        return np.array([int(x)], np.int64) if as_array else [int(x)]
     if is_cuda_tensor(x):
         if gpu is None or not gpu.is_cuda:
             raise InputError(f"{what} is a CUDA tensor but this proposer runs on the {getattr(gpu, 'name', '?')} "
@@ -138,10 +139,10 @@ def host_ints(x, gpu: Backend | None, what: str, stream=None) -> list[int]:
             except (TypeError, ValueError) as e:
                 raise InputError(f"{what}: expected integers, got {type(x).__name__} ({e})") from None
     if a.size == 0:
-        return []
+        return np.zeros(0, np.int64) if as_array else []
     if a.dtype.kind not in "iu":
         raise InputError(f"{what} must hold integers, got dtype {a.dtype}")
-    return a.reshape(-1).tolist()
+    return a.reshape(-1) if as_array else a.reshape(-1).tolist()
 
 
 def _check_dtype(name: str, what: str) -> None:

@@ -9,6 +9,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..cache.paged import OWNER
+
 
 @dataclass
 class DraftResult:
@@ -46,19 +48,93 @@ class DraftResult:
         return out
 
 
-@dataclass
+# ProposerState's counters in its blocks' mirror row (cache.paged: one gather / scatter for a batch): the last
+# run's offset (its row r holds position r + OFF), the row it starts at, and the drafts of the last propose
+OFF, RUN0, DRAFTED = OWNER, OWNER + 1, OWNER + 2
+
+
 class ProposerState:
-    """Per-sequence drafter state. Families subclass it; `blocks` is a cache.SeqBlocks."""
-    blocks: object = None
-    last_num_drafted: int = 0
-    last_pair_key: int | None = None      # position of the newest row written (None before any)
-    last_drafts: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # RoPE position of every drafter row, in row order
-    released: bool = False
+    """Per-sequence drafter state: its drafter KV rows (`blocks`, a cache.SeqBlocks) and their positions.
+
+    Row r holds RoPE position keys[r]. Positions come in runs of consecutive positions (a new run starts only
+    where a proposer loaded without drafter context is given a later position than the next one); `runs`
+    holds (first row, first position) of each, and the last run's offset and first row are mirrored, with
+    the drafts of the last propose, in the blocks' mirror row, so a batch call checks and updates every
+    sequence as arrays."""
+
+    def __init__(self, blocks=None):
+        self.blocks = blocks
+        self.runs: list[tuple[int, int]] = []
+        self.last_drafts: list[int] = []
+        self.released = False
+
+    def __repr__(self) -> str:
+        return (f"ProposerState(rows={self.seq_len}, next_position={self.next_position}, "
+                f"last_num_drafted={self.last_num_drafted}, released={self.released})")
 
     @property
     def seq_len(self) -> int:
         return self.blocks.rows if self.blocks is not None else 0
+
+    @property
+    def keys(self) -> list[int]:
+        """The RoPE position of every drafter row, in row order (a new list)."""
+        out, n = [], self.seq_len
+        for i, (r0, p0) in enumerate(self.runs):
+            r1 = self.runs[i + 1][0] if i + 1 < len(self.runs) else n
+            out.extend(range(p0, p0 + r1 - r0))
+        return out
+
+    @property
+    def newest_position(self) -> int:
+        """The position of the newest drafter row (-1 before any)."""
+        n = self.seq_len
+        if not n:
+            return -1
+        r0, p0 = self.runs[-1]
+        return p0 + n - 1 - r0
+
+    @property
+    def next_position(self) -> int:
+        """The position the next row must have (with drafter context): newest_position + 1."""
+        return self.newest_position + 1
+
+    @property
+    def last_pair_key(self) -> int | None:
+        """The position of the newest row (None before any)."""
+        p = self.newest_position
+        return None if p < 0 else p
+
+    @property
+    def last_num_drafted(self) -> int:
+        b = self.blocks
+        return 0 if b is None or b.row is None else b.cache._cols.item(b.row, DRAFTED)
+
+    @last_num_drafted.setter
+    def last_num_drafted(self, d: int) -> None:
+        b = self.blocks
+        if b.row is not None:
+            b.cache._cols[b.row, DRAFTED] = d
+
+    def _extend(self, r0: int, position: int) -> None:
+        """Rows from r0 on (the row count before they were written) hold positions position, position + 1, ..:
+        a new run unless they continue the last one."""
+        if self.runs:
+            q0, p0 = self.runs[-1]
+            if r0 > q0 and position == p0 + r0 - q0:
+                return
+        self.runs.append((r0, position))
+        b = self.blocks
+        b.cache._cols[b.row, OFF], b.cache._cols[b.row, RUN0] = position - r0, r0
+
+    def _cut(self, rows: int) -> None:
+        """The rows past `rows` are gone: drop the runs that started there (the mirror follows)."""
+        while self.runs and self.runs[-1][0] >= rows:
+            self.runs.pop()
+        b = self.blocks
+        if self.runs and b.row is not None:
+            r0, p0 = self.runs[-1]
+            b.cache._cols[b.row, OFF], b.cache._cols[b.row, RUN0] = p0 - r0, r0
 
 
 @runtime_checkable
