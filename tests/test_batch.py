@@ -227,3 +227,36 @@ def test_tie_watch_reads_each_steps_slab(fam, rng):
     for i, rows in enumerate(margins.rows):
         assert rows.tolist() == [n + 1 + i for n in lens], (i, rows, lens)
         assert np.all(np.isfinite(margins[i]) | (margins[i] == np.inf)) and not np.any(np.isnan(margins[i]))
+
+
+def test_host_bf16_hiddens_refuse_every_nonfinite_word(rng):
+    """Every one of the 65,536 bf16 words, alone among finite ones in a host hidden [B, D]: the check says
+    finite exactly where the word's float value is (an independent decode through float32); a wide batch with
+    one NaN or inf word anywhere is an InputError and changes no sequence."""
+    from mtp_cupy.runtime.dtypes import BF16
+    from mtp_cupy.speculative.inputs import _finite
+    words = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    want = np.isfinite(words.view(BF16).astype(np.float32))
+    base = bf16_words(rng, 9)
+    got = np.empty(words.size, bool)
+    for w in range(words.size):
+        base[4] = w
+        got[w] = _finite(base)
+    assert np.array_equal(got, want), np.flatnonzero(got != want)[:8]
+    prop = load("qwen3_next")
+    B = 6
+    lens = [int(n) for n in rng.integers(2, 30, B)]
+    states = prefill_alike(rng, (prop,), lens)[0]
+    before = [(s.keys, s.blocks.rows, list(s.blocks.table)) for s in states]
+    for w in rng.choice(np.flatnonzero(~want), 4, replace=False):
+        hs = hidden(rng, prop, B).astype(BF16)
+        hs.view(np.uint16).reshape(-1)[int(rng.integers(hs.size))] = w
+        with pytest.raises(InputError, match="NaN or inf"):
+            prop.propose_batch(states, [1] * B, hs, lens, 2)
+        assert [(s.keys, s.blocks.rows, list(s.blocks.table)) for s in states] == before
+
+
+def bf16_words(rng, n: int) -> np.ndarray:
+    """n random finite bf16 words."""
+    from mtp_cupy.runtime.dtypes import bf16_round
+    return bf16_round(rng.standard_normal(n)).view(np.uint16).copy()
