@@ -234,7 +234,7 @@ def test_host_bf16_hiddens_refuse_every_nonfinite_word(rng):
     finite exactly where the word's float value is (an independent decode through float32); a wide batch with
     one NaN or inf word anywhere is an InputError and changes no sequence."""
     from mtp_cupy.runtime.dtypes import BF16
-    from mtp_cupy.speculative.inputs import _finite
+    from mtp_cupy.speculative.inputs import _WIDE_WORDS, _finite
     words = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     want = np.isfinite(words.view(BF16).astype(np.float32))
     base = bf16_words(rng, 9)
@@ -243,6 +243,13 @@ def test_host_bf16_hiddens_refuse_every_nonfinite_word(rng):
         base[4] = w
         got[w] = _finite(base)
     assert np.array_equal(got, want), np.flatnonzero(got != want)[:8]
+    wide = np.resize(words[want], _WIDE_WORDS + 5)      # the wide path: every finite word, then each bad one
+    assert _finite(wide)
+    for w in np.flatnonzero(~want):
+        at = int(rng.integers(wide.size))
+        keep, wide[at] = wide[at], w
+        assert not _finite(wide), hex(w)
+        wide[at] = keep
     prop = load("qwen3_next")
     B = 6
     lens = [int(n) for n in rng.integers(2, 30, B)]

@@ -221,14 +221,17 @@ class SeqBlocks:
 
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` rows and give back blocks no longer needed."""
-        if not 0 <= rows <= self.rows:
-            raise InputError(f"truncate to {rows} rows of {self.rows}")
-        keep = _blocks_for(rows, self.cache.block_size)
+        c, row = self.cache, self.row
+        held = 0 if row is None else c._cols.item(row, ROWS)
+        if not 0 <= rows <= held:
+            raise InputError(f"truncate to {rows} rows of {held}")
+        keep = -(-rows // c.block_size)
         if keep < len(self.table):
-            self.cache.free_blocks(self.table[keep:])
+            c.free_blocks(self.table[keep:])
             del self.table[keep:]
-            self.cache._cols[self.row, NBLOCKS] = keep
-        self.rows = rows
+            c._cols[row, NBLOCKS] = keep
+        if row is not None:
+            c._cols[row, ROWS] = rows
 
     def release(self) -> None:
         if self.table:

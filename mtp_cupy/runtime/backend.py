@@ -4,6 +4,7 @@ Two implementations: CupyBackend (real CUDA, kernels compiled from cuda_src/<mod
 RefBackend (the NumPy device in mtp_cupy.refdev, one Python twin per kernel)."""
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, KernelError
+from .dtypes import dtype as _dtype
 from .ptr import DevicePtr
 
 CUDA_SRC = Path(__file__).resolve().parents[2] / "cuda_src"
@@ -201,7 +203,6 @@ class Backend:
 
     def using(self, stream):
         """Context making `stream` the one launches with stream=None go to."""
-        import contextlib
         return contextlib.nullcontext()
 
     def capture(self, fn, stream):
@@ -220,8 +221,7 @@ class Backend:
 
     def read(self, src: DevicePtr, dtype, shape, stream=None) -> np.ndarray:
         """A host copy of `shape` `dtype` elements at `src` (with `stream`: ordered on it, waiting for it only)."""
-        from .dtypes import dtype as _dt
-        dt = _dt(dtype)
+        dt = _dtype(dtype)
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
         n = math.prod(shape) * dt.itemsize
         raw = self.copy_d2h(src, n) if stream is None else self.copy_d2h_on(src, n, stream)

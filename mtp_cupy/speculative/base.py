@@ -240,12 +240,14 @@ class MtpProposerBase:
                 c[ones, NBLOCKS] += 1
         else:
             rows0, todo = [], []
-            for s, st in enumerate(states):
+            for st in states:   # a plain loop: the common B = 1 case pays no comprehension frame
                 b = st.blocks
                 r0 = b.rows
-                rows0.append(r0)
                 if r0 + k > len(b.table) * room or r0 + k > self.max_seq_len:
-                    todo.append(s)
+                    todo.append(len(rows0))
+                rows0.append(r0)
+            if not todo:
+                return rows0
         done = []
         try:
             for s in todo:
@@ -504,10 +506,12 @@ class MtpProposerBase:
             for s in np.flatnonzero((positions != nxt) | (rows0 == 0)).tolist():
                 states[s]._extend(int(rows0[s]), int(positions[s]))
         else:
+            cols = self.kv._cols
             for st, r0, p, d in zip(states, rows0, positions, done):
-                st.blocks.rows = r0 + k
-                st._extend(r0, p)
-                st.last_num_drafted = d
+                row = st.blocks.row
+                if not r0 or p != cols.item(row, OFF) + r0:   # not the next position of its last run
+                    st._extend(r0, p)
+                cols[row, ROWS], cols[row, DRAFTED] = r0 + k, d
         if lps is not None:
             for s in range(B):
                 if done[s] < k:   # a confidence stop: the rows past its last kept draft go
@@ -522,7 +526,8 @@ class MtpProposerBase:
         if flags is None and logits is None and lps is None:   # the plain case: drafts only
             for st, toks in zip(states, cols_out):
                 st.last_drafts = toks
-            return [DraftResult(toks) for toks in cols_out]
+                res.append(DraftResult(toks))
+            return res
         for s, (st, p, d) in enumerate(zip(states, positions, done)):
             toks = st.last_drafts = cols_out[s] if d == k else cols_out[s][:d]
             if flags is not None:
@@ -661,10 +666,10 @@ class MtpProposerBase:
         """Trim the drafter rows the verifier rejected (`mtp_rows_to_trim`); InputError for a count outside
         [0, drafts of the last propose]."""
         self._live(st)
-        a = int(num_accepted)
-        if not 0 <= a <= st.last_num_drafted:
-            raise InputError(f"num_accepted {a} outside [0, {st.last_num_drafted}] (drafts of the last propose)")
-        self._trim(st, a)
+        a, d = int(num_accepted), st.last_num_drafted
+        if not 0 <= a <= d:
+            raise InputError(f"num_accepted {a} outside [0, {d}] (drafts of the last propose)")
+        self._trim(st, a, d)
 
     def after_verify_batch(self, states: list[ProposerState], num_accepted) -> None:
         """`after_verify` for every sequence of a batch in one call (states and accepted counts in order); every
@@ -708,10 +713,10 @@ class MtpProposerBase:
             for s in np.flatnonzero(cut).tolist():
                 states[s]._cut(int(rows[s]))
 
-    def _trim(self, st: ProposerState, a: int) -> None:
+    def _trim(self, st: ProposerState, a: int, d: int | None = None) -> None:
         b = st.blocks
         cols, row = b.cache._cols, b.row
-        trim = mtp_rows_to_trim(cols.item(row, DRAFTED), a, self.refeed_accepted)
+        trim = mtp_rows_to_trim(cols.item(row, DRAFTED) if d is None else d, a, self.refeed_accepted)
         if trim:
             n = cols.item(row, ROWS) - trim
             b.truncate(n)

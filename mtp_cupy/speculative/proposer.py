@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..cache.paged import OWNER
+from ..cache.paged import OWNER, ROWS
 
 
 @dataclass
@@ -88,7 +88,8 @@ class ProposerState:
     @property
     def newest_position(self) -> int:
         """The position of the newest drafter row (-1 before any)."""
-        n = self.seq_len
+        b = self.blocks
+        n = 0 if b is None or b.row is None else b.cache._cols.item(b.row, ROWS)
         if not n:
             return -1
         r0, p0 = self.runs[-1]
