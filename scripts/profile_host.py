@@ -4,13 +4,17 @@ the drafts back (it is the first-step overhead of a propose): no kernel work can
 
     python scripts/profile_host.py --family qwen3_next --device cuda --batch 1 --k 1 --calls 2000
 
-Runs on an embedded model (tiny dims: the host path does not depend on the dims). `--skip-chain` replaces the
-chain's launches by nothing (the NumPy device would otherwise time its own math)."""
+Runs on an embedded model (tiny dims: the bookkeeping does not depend on them). The hiddens do: a host hidden
+is checked for NaN and copied into pinned memory every call, B x D words; `--hidden-size D` runs a small random
+model of --family with that hidden size (7168 for DeepSeek-V3, 6144 GLM-5, 4096 x 4 streams DeepSeek-V4, 2048
+Qwen3-Next) so those costs are the real ones. `--skip-chain` replaces the chain's launches by nothing (the NumPy
+device would otherwise time its own math)."""
 from __future__ import annotations
 
 import cProfile
 import io
 import pstats
+import tempfile
 import time
 
 import numpy as np
@@ -106,6 +110,8 @@ def main() -> int:
     ap = Parser(__doc__)
     ap.add_argument("--family", default="qwen3_next", choices=sorted(mtp_cupy.EMBEDDED), help="the model family")
     ap.add_argument("--checkpoint", help="a checkpoint of --family (default: its embedded model)")
+    ap.add_argument("--hidden-size", type=positive_int, metavar="D",
+                    help="a small random model of --family with this hidden size instead (default: none)")
     ap.add_argument("--device", choices=["auto", "cuda", "ref"], default="auto",
                     help="cuda, the NumPy device (ref), or cuda when there is one (auto)")
     ap.add_argument("--batch", type=positive_int, default=1, help="sequences per call (1: propose, else propose_batch)")
@@ -116,7 +122,14 @@ def main() -> int:
     ap.add_argument("--skip-chain", action="store_true", help="launch nothing (host bookkeeping only)")
     ap.add_argument("--no-profile", action="store_true", help="phases only, no cProfile listing")
     a = ap.parse_args()
-    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, a.checkpoint)
+    if a.hidden_size and a.checkpoint:
+        ap.error("--hidden-size makes its own model; it does not take --checkpoint")
+    ckpt = a.checkpoint
+    if a.hidden_size:
+        from mtp_cupy.families import family
+        ckpt = family(a.family).write_tiny_checkpoint(tempfile.mkdtemp(prefix="profile_host_"), seed=0,
+                                                      hidden_size=a.hidden_size, vocab_size=256)
+    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt)
     if a.skip_chain:
         p._chain = lambda *args, **kw: None
     fn = call_of(p, states, toks, h, a.ctx, a.k)
