@@ -250,17 +250,23 @@ def test_host_bf16_hiddens_refuse_every_nonfinite_word(rng):
         keep, wide[at] = wide[at], w
         assert not _finite(wide), hex(w)
         wide[at] = keep
-    prop = load("qwen3_next")
-    B = 6
-    lens = [int(n) for n in rng.integers(2, 30, B)]
-    states = prefill_alike(rng, (prop,), lens)[0]
-    before = [(s.keys, s.blocks.rows, list(s.blocks.table)) for s in states]
-    for w in rng.choice(np.flatnonzero(~want), 4, replace=False):
-        hs = hidden(rng, prop, B).astype(BF16)
-        hs.view(np.uint16).reshape(-1)[int(rng.integers(hs.size))] = w
-        with pytest.raises(InputError, match="NaN or inf"):
-            prop.propose_batch(states, [1] * B, hs, lens, 2)
-        assert [(s.keys, s.blocks.rows, list(s.blocks.table)) for s in states] == before
+    for deferred in (False, True):   # True: checked after the chain's launch, as on CUDA, then rolled back
+        prop = load("qwen3_next")
+        prop._defer_nan_check = deferred
+        B = 6
+        lens = [int(n) for n in rng.integers(2, 30, B)]
+        states = prefill_alike(rng, (prop,), lens)[0]
+        before = [(s.keys, s.blocks.rows, list(s.blocks.table)) for s in states]
+        free = prop.kv.free_count
+        for w in rng.choice(np.flatnonzero(~want), 4, replace=False):
+            hs = hidden(rng, prop, B).astype(BF16)
+            hs.view(np.uint16).reshape(-1)[int(rng.integers(hs.size))] = w
+            with np.errstate(all="ignore"), pytest.raises(InputError, match="NaN or inf"):
+                prop.propose_batch(states, [1] * B, hs, lens, 2)
+            assert [(s.keys, s.blocks.rows, list(s.blocks.table)) for s in states] == before
+            assert prop.kv.free_count == free
+        got = prop.propose_batch(states, [1] * B, hidden(rng, prop, B), lens, 2)   # and the next call is fine
+        assert all(len(r.tokens) == 2 for r in got)
 
 
 def bf16_words(rng, n: int) -> np.ndarray:

@@ -140,6 +140,9 @@ class MtpProposerBase:
         self._pad_zeroed = False
         graphs = o.cuda_graphs
         self.cuda_graphs = bool(gpu.is_cuda) if graphs is None else bool(graphs) and gpu.is_cuda
+        # a host hidden's NaN check runs after the chain's launch where launches are asynchronous (CUDA): it then
+        # overlaps the GPU's work (a bad hidden still raises InputError, with every row rolled back)
+        self._defer_nan_check = bool(gpu.is_cuda)
         # own stream blocking: ordered after work the caller left on the default stream (e.g. the target's
         # hidden); or the caller's stream itself
         self._own_stream = o.stream is None
@@ -418,7 +421,8 @@ class MtpProposerBase:
             W = self.bucket(B) if graphed else B
             masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
             hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
-                              self.stream, single=single, check_device=self.options.check_device_finite)
+                              self.stream, single=single, check_device=self.options.check_device_finite,
+                              defer_check=self._defer_nan_check)
             rows0 = self._reserve_drafts(states, k, idx, cols)
             want_lp = min_logprob is not None
             try:
@@ -448,6 +452,7 @@ class MtpProposerBase:
                         self._chain_done = gpu.new_event(timing=False)
                     gpu.record(self._chain_done, self.stream)
                     self._stage_done = self._chain_done
+                    hid.require_finite()   # while the chain runs; a NaN row has only written rows dropped below
                     if device_results:
                         out = self._device_results(k, W, B, return_logits)
                     else:
@@ -455,6 +460,7 @@ class MtpProposerBase:
             except Exception:
                 for st, r0 in zip(states, rows0):
                     st.blocks.truncate(int(r0))
+                hid.require_finite()   # a failure a NaN hidden caused is reported as the bad input it is
                 raise
             del hid   # a converted copy goes back to the pool in stream order
         return self._finish(states, rows0, poss, k, out, min_logprob, idx, cols)

@@ -204,14 +204,20 @@ class Hidden:
     ptr: DevicePtr | None = None
     in_place: bool = False
     keep: object = None
+    unchecked: str | None = None        # a host array whose NaN check was deferred: what to call it in the error
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         return self.shape[1:]
 
+    def require_finite(self) -> None:
+        """The deferred NaN/inf check of a host array (take_hidden(..., defer_check=True)): InputError."""
+        if self.unchecked is not None and not _finite(self.host.view(np.uint16)):
+            raise InputError(f"{self.unchecked} holds NaN or inf")
+
 
 def take_hidden(gpu: Backend, x, rows: int, shapes: list[tuple[int, ...]], what: str = "hidden", stream=None,
-                single: bool = False, check_device: bool = False) -> Hidden:
+                single: bool = False, check_device: bool = False, defer_check: bool = False) -> Hidden:
     """Check and stage hiddens for `rows` rows of one of the per-row `shapes` (the first is what a bare device
     pointer holds).
 
@@ -220,7 +226,9 @@ def take_hidden(gpu: Backend, x, rows: int, shapes: list[tuple[int, ...]], what:
       float32 / float16 ones are rounded to bf16 on the device and strided ones made contiguous, once, on
       `stream`; NaN/inf are checked only with `check_device` (a wait on `stream`);
     * anything else (CPU tensors, NumPy arrays, sequences): float32 / float16 / bfloat16 (NumPy arrays: float32
-      / bfloat16), finite, converted to contiguous bf16 once on the host.
+      / bfloat16), finite, converted to contiguous bf16 once on the host; with `defer_check` the NaN/inf test of
+      the bf16 words is left to `Hidden.require_finite` (a propose runs it after launching its chain, off the
+      GPU's critical path, and rolls back on failure).
     Raises InputError naming the problem (dtype, shape, device, NaN) before any state changes."""
     if is_device_pointer(x):
         if int(x) == 0:
@@ -240,6 +248,8 @@ def take_hidden(gpu: Backend, x, rows: int, shapes: list[tuple[int, ...]], what:
         return Hidden(shape, ptr=DevicePtr(words.data.ptr), in_place=in_place, keep=(x, arr, words))
     if type(x) is np.ndarray and x.dtype == BF16 and x.flags.c_contiguous:   # the common host case, checked lean
         shape = _match_shape(x.shape, rows, shapes, what, single)
+        if defer_check:
+            return Hidden(shape, host=x.reshape(shape), unchecked=what)
         if not _finite(x.view(np.uint16)):
             raise InputError(f"{what} holds NaN or inf")
         return Hidden(shape, host=x.reshape(shape))
@@ -250,9 +260,10 @@ def take_hidden(gpu: Backend, x, rows: int, shapes: list[tuple[int, ...]], what:
     shape = _match_shape(h.shape, rows, shapes, what, single)
     if h.dtype == np.float16:
         h = h.astype(np.float32)
-    if not _finite(h.view(np.uint16) if h.dtype == BF16 else h):
+    if not defer_check and not _finite(h.view(np.uint16) if h.dtype == BF16 else h):
         raise InputError(f"{what} holds NaN or inf")
-    return Hidden(shape, host=np.ascontiguousarray(h.astype(BF16, copy=False)).reshape(shape))
+    return Hidden(shape, host=np.ascontiguousarray(h.astype(BF16, copy=False)).reshape(shape),
+                  unchecked=what if defer_check else None)
 
 
 def stage_hidden(gpu: Backend, hid: Hidden, dst: DevicePtr, stream=None) -> None:
