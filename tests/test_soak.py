@@ -16,7 +16,9 @@ import mtp_cupy
 from helpers import check_pool
 from mtp_cupy.errors import CapacityError, InputError
 from mtp_cupy.families import family
+from mtp_cupy.cache.paged import ROWS
 from mtp_cupy.speculative.batch_inputs import ARRAY_MIN_BATCH
+from mtp_cupy.speculative.proposer import OFF
 
 SMALL = {
     "deepseek_v3": dict(hidden_size=64, num_attention_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
@@ -90,7 +92,8 @@ class Soak:
         elif op == "propose" and self.live:
             most = min(BATCH, len(self.live))
             B = most if rng.random() < 0.5 else int(rng.integers(1, most + 1))   # wide batches half the time
-            sts = [self.live[i] for i in rng.choice(len(self.live), B, replace=False) if self.keys[id(self.live[i])]]
+            sts = [self.live[i] for i in rng.choice(len(self.live), B, replace=False)   # empty ones now and then
+                   if self.keys[id(self.live[i])] or rng.random() < 0.3]
             sts = [st for st in sts if st.last_num_drafted == 0]
             k = int(rng.integers(1, K + 1))
             pos = [self.at(st) for st in sts]
@@ -138,6 +141,8 @@ class Soak:
             keys = self.keys[id(st)]
             assert st.keys == keys and st.blocks.rows == len(keys)
             assert st.newest_position == (keys[-1] if keys else -1) and st.next_position == self.nxt(st)
+            c = self.p.kv._cols[st.blocks.row]      # the mirror the wide calls check with says the same
+            assert c[OFF] + c[ROWS] == self.nxt(st) and c[ROWS] == len(keys), (c, keys)
             self.runs += len(st.runs) > 1
             d = kv_digest(self.p, st) if id(st) in touched or id(st) not in self.digest or self.rng.random() < .1 \
                 else None

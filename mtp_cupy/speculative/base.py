@@ -506,11 +506,12 @@ class MtpProposerBase:
                 low = np.flatnonzero(lps[:, s] < min_logprob)
                 done[s] = int(low[0]) + 1 if low.size else k
         if idx is not None:
-            nxt = c[:, OFF] + rows0
+            new_run = (positions != c[:, OFF] + rows0) | (rows0 == 0)   # a later position, or a first row
             c[:, ROWS], c[:, DRAFTED] = rows0 + k, done
             self.kv._cols[idx] = c
-            for s in np.flatnonzero((positions != nxt) | (rows0 == 0)).tolist():
-                states[s]._extend(int(rows0[s]), int(positions[s]))
+            if new_run.any():
+                for s in np.flatnonzero(new_run).tolist():
+                    states[s]._extend(int(rows0[s]), int(positions[s]))
         else:
             cols = self.kv._cols
             for st, r0, p, d in zip(states, rows0, positions, done):

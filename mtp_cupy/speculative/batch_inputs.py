@@ -57,8 +57,7 @@ def check_sequences(prop, states, tokens, positions, k: int):
             t = None
         if t is not None and t.shape == p.shape == (B,) and len(set(idx.tolist())) == B:
             c = prop.kv._cols[idx]
-            rows = c[:, ROWS]
-            nxt = np.where(rows > 0, c[:, OFF] + rows, 0)        # next_position of each sequence
+            nxt = c[:, OFF] + c[:, ROWS]                         # next_position of each sequence
             ok = (t.min() >= 0) & (t.max() < prop.vocab_size) & (p.min() >= 0) & (p.max() + k <= prop.max_seq_len)
             ok &= bool((p == nxt).all() if prop.drafter_context else (p >= nxt).all())
             if ok:

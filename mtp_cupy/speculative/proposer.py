@@ -49,7 +49,8 @@ class DraftResult:
 
 
 # ProposerState's counters in its blocks' mirror row (cache.paged: one gather / scatter for a batch): the last
-# run's offset (its row r holds position r + OFF), the row it starts at, and the drafts of the last propose
+# run's offset (its row r holds position r + OFF, so OFF + rows is the next position; 0 with no rows), the row
+# it starts at, and the drafts of the last propose
 OFF, RUN0, DRAFTED = OWNER, OWNER + 1, OWNER + 2
 
 
@@ -133,8 +134,8 @@ class ProposerState:
         while self.runs and self.runs[-1][0] >= rows:
             self.runs.pop()
         b = self.blocks
-        if self.runs and b.row is not None:
-            r0, p0 = self.runs[-1]
+        if b.row is not None:   # no run left: offset 0, so OFF + rows is the next position (0) here too
+            r0, p0 = self.runs[-1] if self.runs else (0, 0)
             b.cache._cols[b.row, OFF], b.cache._cols[b.row, RUN0] = p0 - r0, r0
 
 
