@@ -457,6 +457,7 @@ class MtpProposerBase:
                         out = self._device_results(k, W, B, return_logits)
                     else:
                         out = self._host_results(k, W, B, masks is not None, want_lp, return_logits)
+                        self._stage_done = None   # the read waited for the stream: the chain has read the stage
             except Exception:
                 for st, r0 in zip(states, rows0):
                     st.blocks.truncate(int(r0))
