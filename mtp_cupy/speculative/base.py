@@ -148,7 +148,7 @@ class MtpProposerBase:
         self._own_stream = o.stream is None
         self.stream = gpu.new_stream(non_blocking=False) if self._own_stream else gpu.external_stream(o.stream)
         self._capture_stream = None
-        self._stage_done = None   # event after the last chain's staged copies (before the pinned stage is rewritten)
+        self._stage_done = None   # set when a call returned before its chain read the pinned stage (_mark_stage_read)
         self._chain_done = None   # the one event object _stage_done records (made on first use)
         self._graphs: dict = {}
         self._warm: set = set()
@@ -448,23 +448,28 @@ class MtpProposerBase:
                         self._replay(key, run)
                     else:
                         run()
-                    if self._chain_done is None:
-                        self._chain_done = gpu.new_event(timing=False)
-                    gpu.record(self._chain_done, self.stream)
-                    self._stage_done = self._chain_done
                     hid.require_finite()   # while the chain runs; a NaN row has only written rows dropped below
                     if device_results:
+                        self._mark_stage_read()
                         out = self._device_results(k, W, B, return_logits)
-                    else:
+                    else:   # the read waits for the stream: the chain has read the stage (no event needed)
                         out = self._host_results(k, W, B, masks is not None, want_lp, return_logits)
-                        self._stage_done = None   # the read waited for the stream: the chain has read the stage
             except Exception:
+                self._mark_stage_read()
                 for st, r0 in zip(states, rows0):
                     st.blocks.truncate(int(r0))
                 hid.require_finite()   # a failure a NaN hidden caused is reported as the bad input it is
                 raise
             del hid   # a converted copy goes back to the pool in stream order
         return self._finish(states, rows0, poss, k, out, min_logprob, idx, cols)
+
+    def _mark_stage_read(self) -> None:
+        """Record, after the work on the stream so far, the event the next call waits for before it rewrites the
+        pinned stage and inbox (a call that returns without waiting for its chain: device results, an error)."""
+        if self._chain_done is None:
+            self._chain_done = self.gpu.new_event(timing=False)
+        self.gpu.record(self._chain_done, self.stream)
+        self._stage_done = self._chain_done
 
     def _host_results(self, k: int, W: int, B: int, masked: bool, want_lp: bool, logits: bool) -> dict:
         """The chain's outputs read to the host on the proposer's stream (a wait on it, not on the device)."""
