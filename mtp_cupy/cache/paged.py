@@ -125,29 +125,26 @@ class PagedKvCache:
 
     def tables_of(self, seqs: list["SeqBlocks"]) -> tuple[np.ndarray, list[int]]:
         """(int32 [B, L], lens): row s holds seqs[s]'s block table in its first lens[s] entries (L = max lens)."""
-        lens = [len(s.table) for s in seqs]
+        lens = [s.nblocks for s in seqs]
         rows = [s.row for s in seqs]
         return self._tables[rows, :max(lens)], lens
 
-    def grow_one(self, seqs: list["SeqBlocks"], rows: np.ndarray, nblocks: np.ndarray) -> None:
-        """One more block for each of `seqs` (mirror rows `rows`, tables of `nblocks` blocks now), handed out as
-        one-at-a-time reserves in that order would; all or none (CapacityError, nothing changed)."""
-        n = len(seqs)
-        if n > len(self._free):
-            raise CapacityError(f"KV pool exhausted: {n} blocks asked, {len(self._free)} of {self.num_blocks} free")
-        m = len(self._free)
+    def grow_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
+        """One more block for each of the sequences at mirror rows `rows` (tables of `nblocks` blocks now), handed
+        out as one-at-a-time reserves in that order would; all or none (CapacityError, nothing changed)."""
+        n, m = len(rows), len(self._free)
+        if n > m:
+            raise CapacityError(f"KV pool exhausted: {n} blocks asked, {m} of {self.num_blocks} free")
         new = self._free[m - n:][::-1]   # pop() order
         del self._free[m - n:]
         np.frombuffer(self._used, np.uint8)[new] = 1
         self._widen(int(nblocks.max()) + 1)
         self._tables[rows, nblocks] = new
         self._cols[rows, NBLOCKS] = nblocks + 1
-        for sb, b in zip(seqs, new):
-            sb.table.append(b)
 
-    def shrink_one(self, seqs: list["SeqBlocks"], rows: np.ndarray, nblocks: np.ndarray) -> None:
-        """Give back the last block of each of `seqs` (mirror rows `rows`, tables of `nblocks` >= 1 blocks), in
-        the order one-at-a-time truncates would. Row counts are the caller's."""
+    def shrink_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
+        """Give back the last block of each of the sequences at mirror rows `rows` (tables of `nblocks` >= 1
+        blocks), in the order one-at-a-time truncates would. Row counts are the caller's."""
         last = self._tables[rows, nblocks - 1]
         used = np.frombuffer(self._used, np.uint8)
         if not used[last].all():
@@ -155,8 +152,6 @@ class PagedKvCache:
         used[last] = 0
         self._cols[rows, NBLOCKS] = nblocks - 1
         self._free.extend(last.tolist())
-        for sb in seqs:
-            sb.table.pop()
 
     def tables_at(self, rows: np.ndarray, nblocks: np.ndarray) -> np.ndarray:
         """int32 [B, max(nblocks)]: the block tables of the mirror rows `rows` (entries past a row's own
@@ -180,11 +175,11 @@ class PagedKvCache:
 
 
 class SeqBlocks:
-    """The block table of one sequence in a PagedKvCache, grown and trimmed with its row count (`rows`, kept in
-    the cache's `_cols` mirror with the table's length)."""
+    """The block table of one sequence in a PagedKvCache, grown and trimmed with its row count. Both live in the
+    cache's mirror row (`row`): the table in `_tables`, its length and `rows` in `_cols`; `table` reads a copy."""
 
     def __init__(self, cache: PagedKvCache):
-        self.cache, self.table = cache, []
+        self.cache = cache
         self.row = cache._take_row()   # this sequence's row in the cache's mirror (`PagedKvCache.tables_of`)
 
     @property
@@ -199,9 +194,24 @@ class SeqBlocks:
             self.row = self.cache._take_row()
         self.cache._cols[self.row, ROWS] = n
 
+    @property
+    def nblocks(self) -> int:
+        """Blocks in the table."""
+        return 0 if self.row is None else self.cache._cols.item(self.row, NBLOCKS)
+
+    @property
+    def table(self) -> list[int]:
+        """The block ids, in row order (a new list)."""
+        return self.table_view().tolist()
+
+    def table_view(self) -> np.ndarray:
+        """The block ids as an int32 view of the mirror (valid until the table or the mirror changes)."""
+        n = self.nblocks
+        return self.cache._tables[self.row, :n] if n else np.zeros(0, np.int32)
+
     def reserve(self, rows: int) -> None:
         """Make room for `rows` rows (all blocks or none)."""
-        c, n = self.cache, len(self.table)
+        c, n = self.cache, self.nblocks
         need = _blocks_for(rows, c.block_size) - n
         if need <= 0:
             return
@@ -214,10 +224,21 @@ class SeqBlocks:
         else:
             c._tables[self.row, n:n + need] = new
         c._cols[self.row, NBLOCKS] = n + need
-        self.table.extend(new)
 
     def slot(self, row: int) -> int:
-        return self.cache.slot_of(self.table, row)
+        """The cache slot of row `row` (InputError past the table)."""
+        c = self.cache
+        if not 0 <= row < self.nblocks * c.block_size:
+            raise InputError(f"row {row} is outside the {self.nblocks}-block table")
+        return c._tables.item(self.row, row // c.block_size) * c.block_size + row % c.block_size
+
+    def slots(self, first: int, n: int) -> np.ndarray:
+        """int64 [n]: the cache slots of rows first .. first + n - 1 (InputError past the table)."""
+        c = self.cache
+        if not (0 <= first and first + n <= self.nblocks * c.block_size):
+            raise InputError(f"rows {first}..{first + n - 1} are outside the {self.nblocks}-block table")
+        r = np.arange(first, first + n, dtype=np.int64)
+        return self.table_view()[r // c.block_size].astype(np.int64) * c.block_size + r % c.block_size
 
     def truncate(self, rows: int) -> None:
         """Keep the first `rows` rows and give back blocks no longer needed."""
@@ -226,17 +247,17 @@ class SeqBlocks:
         if not 0 <= rows <= held:
             raise InputError(f"truncate to {rows} rows of {held}")
         keep = -(-rows // c.block_size)
-        if keep < len(self.table):
-            c.free_blocks(self.table[keep:])
-            del self.table[keep:]
-            c._cols[row, NBLOCKS] = keep
         if row is not None:
+            n = c._cols.item(row, NBLOCKS)
+            if keep < n:
+                c.free_blocks(c._tables[row, keep:n].tolist())
+                c._cols[row, NBLOCKS] = keep
             c._cols[row, ROWS] = rows
 
     def release(self) -> None:
-        if self.table:
-            self.cache.free_blocks(self.table)
-        self.table = []
         if self.row is not None:
+            n = self.nblocks
+            if n:
+                self.cache.free_blocks(self.cache._tables[self.row, :n].tolist())
             self.cache._give_row(self.row)
             self.row = None

@@ -162,7 +162,7 @@ class MtpProposerBase:
     @property
     def pool_blocks(self) -> int:
         """KV blocks the sequences share (the pool less the pad sequences' block)."""
-        return self.kv.num_blocks - len(self._pad.table)
+        return self.kv.num_blocks - self._pad.nblocks
 
     def sequences_that_fit(self, rows: int | None = None) -> int:
         """How many sequences of `rows` rows (default max_seq_len) the KV pool holds at once."""
@@ -239,14 +239,14 @@ class MtpProposerBase:
                 return rows0
             ones, todo = np.flatnonzero(need == 1), np.flatnonzero(need > 1).tolist()
             if ones.size:
-                self.kv.grow_one([states[s].blocks for s in ones.tolist()], idx[ones], c[ones, NBLOCKS])
+                self.kv.grow_one(idx[ones], c[ones, NBLOCKS])
                 c[ones, NBLOCKS] += 1
         else:
             rows0, todo = [], []
             for st in states:   # a plain loop: the common B = 1 case pays no comprehension frame
                 b = st.blocks
                 r0 = b.rows
-                if r0 + k > len(b.table) * room or r0 + k > self.max_seq_len:
+                if r0 + k > b.nblocks * room or r0 + k > self.max_seq_len:
                     todo.append(len(rows0))
                 rows0.append(r0)
             if not todo:
@@ -262,7 +262,7 @@ class MtpProposerBase:
             raise
         if c is not None:
             for s in done:
-                c[s, NBLOCKS] = len(states[s].blocks.table)
+                c[s, NBLOCKS] = states[s].blocks.nblocks
         return rows0
 
     # -- prefill / catch-up ----------------------------------------------------------------------
@@ -331,7 +331,7 @@ class MtpProposerBase:
         for c0 in range(0, n, self.max_prefill_rows):
             c = min(self.max_prefill_rows, n - c0)
             pos = np.arange(start + c0, start + c0 + c, dtype=np.uint32)
-            slots = np.array([st.blocks.slot(rows0 + c0 + r) for r in range(c)], dtype=np.int64)
+            slots = st.blocks.slots(rows0 + c0, c)
             # on the proposer's stream (pageable sources are staged before the call returns): no device-wide sync
             self.gpu.copy_h2d_async(self.bufs.prefill_ids, toks[c0:c0 + c + 1].astype(np.int32))
             self.gpu.copy_h2d_async(self.bufs.prefill_pos, pos)
@@ -620,7 +620,7 @@ class MtpProposerBase:
         S, B = self.meta_stride, len(states)
         steps = self._staging()[self._meta_off:self._meta_off + k * W * S].reshape(k, W * S)
         if B == 1:
-            stage_mtp_meta(steps, k, positions, rows0, [states[0].blocks.table], self.kv.block_size, S)
+            stage_mtp_meta(steps, k, positions, rows0, [states[0].blocks.table_view()], self.kv.block_size, S)
         elif idx is not None:
             nblocks = c[:, NBLOCKS]
             stage_mtp_meta(steps, k, positions, rows0, self.kv.tables_at(idx, nblocks), self.kv.block_size, S,
@@ -719,7 +719,7 @@ class MtpProposerBase:
         self.kv._cols[idx] = c
         if drop.any():
             ones = np.flatnonzero(drop == 1)
-            self.kv.shrink_one([states[s].blocks for s in ones.tolist()], idx[ones], nb[ones])
+            self.kv.shrink_one(idx[ones], nb[ones])
             for s in np.flatnonzero(drop > 1).tolist():
                 states[s].blocks.truncate(int(rows[s]))
         if cut.any():
