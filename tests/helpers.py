@@ -72,20 +72,19 @@ def assert_bf16_near(a, b, max_frac=0.01, atol=0.0):
 
 def check_pool(prop, states):
     """Proposer invariants over live states: rows == positions recorded, exactly the blocks those rows
-    need, positions increasing, every pool block either held by one state or free (no leak), and the cache's
-    int32 mirror of the block tables (what a batch stages from) equal to every state's own table."""
+    need, positions increasing, and every pool block either held by exactly one state (and marked handed out)
+    or on the free list (and not): no leak, no block shared, none both free and held."""
     from mtp_cupy.cache import PagedKvCache
-    used = 0
+    kv, held = prop.kv, []
     for st in states:
         assert st.seq_len == len(st.keys) and len(st.blocks.table) == PagedKvCache.blocks_for(st.seq_len)
         assert all(b > a for a, b in zip(st.keys, st.keys[1:]))
-        used += len(st.blocks.table)
-    assert used + prop.kv.free_count == prop.pool_blocks
-    live = [st for st in states if st.blocks.table]
-    if live:
-        tab, lens = prop.kv.tables_of([st.blocks for st in live])
-        for st, row, n in zip(live, tab, lens):
-            assert n == len(st.blocks.table) and row[:n].tolist() == st.blocks.table
+        held += st.blocks.table
+    held += prop._pad.table
+    free = list(kv._free)
+    assert len(held) == len(set(held)) and len(free) == len(set(free)) and not set(held) & set(free)
+    assert len(held) + len(free) == kv.num_blocks
+    assert all(kv._used[b] for b in held) and not any(kv._used[b] for b in free)
 
 
 def clear_argmax(logits, margin: float) -> bool:
