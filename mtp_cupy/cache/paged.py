@@ -126,8 +126,7 @@ class PagedKvCache:
     def tables_of(self, seqs: list["SeqBlocks"]) -> tuple[np.ndarray, list[int]]:
         """(int32 [B, L], lens): row s holds seqs[s]'s block table in its first lens[s] entries (L = max lens)."""
         lens = [s.nblocks for s in seqs]
-        rows = [s.row for s in seqs]
-        return self._tables[rows, :max(lens)], lens
+        return self.tables_at(np.array([s.row for s in seqs], np.intp), np.array(lens)), lens
 
     def grow_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
         """One more block for each of the sequences at mirror rows `rows` (tables of `nblocks` blocks now), handed
@@ -230,7 +229,7 @@ class SeqBlocks:
         c = self.cache
         if not 0 <= row < self.nblocks * c.block_size:
             raise InputError(f"row {row} is outside the {self.nblocks}-block table")
-        return c._tables.item(self.row, row // c.block_size) * c.block_size + row % c.block_size
+        return c.slot_of(c._tables[self.row], row)
 
     def slots(self, first: int, n: int) -> np.ndarray:
         """int64 [n]: the cache slots of rows first .. first + n - 1 (InputError past the table)."""
