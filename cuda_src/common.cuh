@@ -42,6 +42,27 @@ __device__ __forceinline__ void pdl_entry() {
     pdl_trigger();
 }
 
+// Thread block clusters (sm_90): the blocks of a cluster can read each other's shared memory. cluster_sync:
+// every thread of every block of the cluster; shared-memory writes before it are visible to the others after.
+__device__ __forceinline__ void cluster_sync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The float at this block's shared address p, in the shared memory of cluster block `rank`.
+__device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    u32 a = (u32)__cvta_generic_to_shared(p), r;
+    float v;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(r) : "memory");
+    return v;
+#else
+    return *p;
+#endif
+}
+
 __device__ __forceinline__ float bf2f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ __nv_bfloat16 f2bf(float v) { return __float2bfloat16_rn(v); }
 __device__ __forceinline__ float bits2f(u16 b) { return __uint_as_float(((u32)b) << 16); }

@@ -356,6 +356,10 @@ __device__ __forceinline__ void mma_regs(const u8* W, const void* S, float scale
 // rows (8 lanes per row, 4 rows per warp copy); lane (g, t) then reads the chunks 4s + t of rows g, g + 8
 // that the fragment layout above wants, so the warp syncs around each stage. Chunk c of ring row r sits at
 // r * CH + (c ^ 4 * (r & 1)): both the copies and the fragment reads are free of bank conflicts.
+// Split-K across blocks: launched as grid (walkers, KB) in clusters (1, KB, 1), the KB blocks of a cluster share
+// each of their tiles, warp w = blockIdx.y * KS + ks taking units w, w + KB * KS, ...; each block sums its warps' slices,
+// then rank 0 adds the KB block sums in rank order from the others' shared memory (DSMEM) and stores. A row's
+// sum order depends on (KS, KB) only, never on M or on which tiles a block walks.
 template <int F, int MT, int RT>
 __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float scale2, const u16* x, void* y,
                                            u32 M, u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
@@ -364,21 +368,24 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
     constexpr u32 STAGE = TR * CH;  // uint4 per warp and stage
     constexpr bool FP4 = F == NVFP4 || F == MXFP4, BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0;
     const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3, ks = threadIdx.y, KS = blockDim.y;
+    const u32 KB = gridDim.y, kr = blockIdx.y, w = kr * KS + ks, KW = KB * KS;  // kr: rank in the cluster
+    const u32 tb = blockIdx.x, NB = gridDim.x;  // tile walker (cluster) index, walkers
     const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH, T = (N + TR - 1) / TR;
-    const u32 ntile = blockIdx.x < T ? (T - 1 - blockIdx.x) / gridDim.x + 1 : 0;
-    const u32 nunit = ks < NU ? (NU - 1 - ks) / KS + 1 : 0;
+    const u32 ntile = tb < T ? (T - 1 - tb) / NB + 1 : 0;
+    const u32 nunit = w < NU ? (NU - 1 - w) / KW + 1 : 0;
     const u64 rowbytes = (u64)K * (F == BF16 ? 2 : 1) / (FP4 ? 2 : 1);
-    const u32 red_bytes = KS > 1 ? 2 * KS * E * 32 * 4 : 0;
+    const u32 red_bytes = (KS > 1 ? 2 * KS * E * 32 * 4 : 0) + (KB > 1 ? E * 32 * 4 : 0);
     const u32 NS = (dyn_smem_bytes() - red_bytes) / (KS * STAGE * 16);  // ring stages, >= 1 (launcher)
     uint4* const ring = g_dsm + ks * NS * STAGE;
     float* const red = (float*)(g_dsm + KS * NS * STAGE);
+    float* const part = red + (KS > 1 ? 2 * KS * E * 32 : 0);  // KB > 1: this block's sums, [E][32]
 
     const u32 cc = lane & 7, cr = lane >> 3;  // this lane copies chunk cc of rows 4i + cr
     u32 it = 0, iu = 0, islot = 0, left = ntile * nunit;
     auto issue = [&]() {
         if (left) {
             --left;
-            const u32 row0 = (blockIdx.x + it * gridDim.x) * TR, c0 = (ks + iu * KS) * CH, ch = c0 + cc;
+            const u32 row0 = (tb + it * NB) * TR, c0 = (w + iu * KW) * CH, ch = c0 + cc;
             const bool ok = ch < KCH;
             uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
 #pragma unroll
@@ -400,7 +407,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
     u32 cslot = 0;
     const float fm = F == NVFP4 ? scale2 * 256.f : F == MXFP4 ? 0x1p64f : 1.f;  // undo fp4_scale
     for (u32 i = 0; i < ntile; ++i) {
-        const u32 row0 = (blockIdx.x + i * gridDim.x) * TR;
+        const u32 row0 = (tb + i * NB) * TR;
         u32 rows[RT][2];
 #pragma unroll
         for (int r = 0; r < RT; ++r)
@@ -410,7 +417,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
         for (u32 j = 0; j < nunit; ++j) {
             __syncwarp();  // every lane is done reading the slot that this issue overwrites
             issue();
-            const u32 c0 = (ks + j * KS) * CH;
+            const u32 c0 = (w + j * KW) * CH;
             // x words and fp4 scale bytes of the unit's two steps (not through the ring)
             u32 X[2][MT][KC / 2], sv[2][RT][2];
 #pragma unroll
@@ -487,13 +494,18 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
             if (m < M && n < N)
                 store_out(y, (u64)m * ys + n, v * (F == FP8_ROW ? __ldg((const float*)S + n) : fm), out_f32);
         };
+        // element e = (r * MT + jm) * 4 + e4 of this block's sums: stored, or kept for rank 0 of the cluster
+        auto finish = [&](u32 e, float v) {
+            if (KB == 1) emit(e / (4 * MT), (e / 4) % MT, e % 4, v);
+            else part[e * 32 + lane] = v;
+        };
         if (KS == 1) {
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
                 for (int jm = 0; jm < MT; ++jm)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) emit(r, jm, e, acc[r][jm][e]);
+                    for (int e = 0; e < 4; ++e) finish((r * MT + jm) * 4 + e, acc[r][jm][e]);
         } else {
             float* rb = red + (i & 1) * KS * E * 32;  // double buffer: tile i + 2 writes after tile i + 1's sync
 #pragma unroll
@@ -506,8 +518,18 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
             for (u32 e = ks; e < E; e += KS) {  // the warps share the sums; each adds the slices in order
                 float v = rb[e * 32 + lane];
                 for (u32 q = 1; q < KS; ++q) v += rb[(q * E + e) * 32 + lane];
-                emit(e / (4 * MT), (e / 4) % MT, e % 4, v);
+                finish(e, v);
             }
+        }
+        if (KB > 1) {  // ntile is the same for the whole cluster, so every block meets both barriers
+            cluster_sync();
+            if (kr == 0)
+                for (u32 e = ks; e < E; e += KS) {
+                    float v = part[e * 32 + lane];
+                    for (u32 q = 1; q < KB; ++q) v += ld_cluster_f32(part + e * 32 + lane, q);
+                    emit(e / (4 * MT), (e / 4) % MT, e % 4, v);
+                }
+            cluster_sync();  // rank 0 is done reading: the others may reuse `part` or exit
         }
     }
 }

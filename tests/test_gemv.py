@@ -110,15 +110,16 @@ def test_linear_batch_invariant(dev, rng, fmt, m):
 
 
 def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
-    """A shape whose 8-row plan splits k 16 ways, which the 32-row bf16 kernel cannot hold: invariant calls run
-    8-row passes, still correct and still the same per row."""
-    from mtp_cupy.ops.gemv import plan_gemv
-    n, k = 512, 1024
-    assert plan_gemv(dev, "dense_gemv_bf16_batchm", n, k).ks == 16
+    """A shape whose 8-row plan splits k 16 ways in each of 2 blocks, which the 32-row bf16 kernel cannot hold:
+    invariant calls run 8-row passes, still correct and still the same per row."""
+    from mtp_cupy.ops.gemv import _fits, plan_gemv
+    n, k = 2048, 4096
+    p = plan_gemv(dev, "dense_gemv_bf16_batchm", n, k)
+    assert p.ks == 16 and not _fits(dev, "dense_gemv_bf16_batch32", n, k, Tune(ks=p.ks, kb=p.kb))
     arrays, scale2, wd = make_weight(rng, "bf16", n, k)
     x = bf16_bits(rng, (20, k), exp=126)
     got = run_linear(dev, "bf16", n, k, 20, arrays, scale2, x, "f32", k, n, invariant=True)
-    check(got, x.astype(np.float64) @ wd().T, "f32", n, "bf16 512x1024 m=20 invariant")
+    check(got, x.astype(np.float64) @ wd().T, "f32", n, "bf16 2048x4096 m=20 invariant")
     alone = run_linear(dev, "bf16", n, k, 1, arrays, scale2, x[13:14], "f32", k, n, invariant=True)
     assert np.array_equal(alone[0], got[13])
 
@@ -144,7 +145,10 @@ STREAM = [("bf16", "dense_gemv_bf16", 3), ("bf16", "dense_gemv_bf16_batchm", 8),
           ("fp8_block_e8m0", "w8a16_gemv_e8m0", 8), ("nvfp4", "w4a16_gemv", 8), ("mxfp4", "w4a16_gemv_mx", 8),
           ("fp8_block", "w8a16_gemv_regs", 8), ("nvfp4", "w4a16_gemv_regs", 8)]
 TUNES = [Tune(ks=1, stages=1, blocks=1), Tune(ks=2, stages=2, blocks=2), Tune(ks=3, stages=8, blocks=3),
-         Tune(ks=5, stages=3, blocks=1), Tune(ks=8, stages=4), Tune(stages=6, warps_per_sm=1)]
+         Tune(ks=5, stages=3, blocks=1), Tune(ks=8, stages=4), Tune(stages=6, warps_per_sm=1),
+         # k split across the blocks of a cluster: one walker, several, uneven units per warp
+         Tune(ks=1, kb=2, stages=2, blocks=1), Tune(ks=3, kb=4, stages=3, blocks=2), Tune(ks=2, kb=8),
+         Tune(kb=3, stages=4, blocks=5)]
 
 
 def raw_gemv(dev, name, fmt, bufs, scale2, x, y, m, n, k, xs, ys, out_dtype, tune=None):
@@ -163,6 +167,8 @@ def raw_gemv(dev, name, fmt, bufs, scale2, x, y, m, n, k, xs, ys, out_dtype, tun
 def test_streaming_launch_plans(dev, rng, fmt, name, max_m, tune):
     if tune.ks and tune.ks > _GEOM[name].max_ks:
         pytest.skip(f"{name} takes at most {_GEOM[name].max_ks} warps per block")
+    if (tune.kb or 1) > _GEOM[name].max_kb:
+        pytest.skip(f"{name} does not split k across blocks")
     m = int(rng.integers(1, max_m + 1))
     n = int(rng.integers(1, 100)) * 3 + 1
     k = int(rng.integers(1, 1024 // KCHUNK[fmt] + 1)) * KCHUNK[fmt]
@@ -191,18 +197,24 @@ def test_plans_fit(name, n, k):
         if tune.ks and tune.ks > g.max_ks:
             continue
         stage = g.tile_rows * g.unit_chunks * 16
-        if tune.ks and tune.ks * min(2, tune.stages or 2) * stage + 8 * tune.ks * g.red_floats > SMEM_PER_BLOCK:
+        part = 4 * g.red_floats if (tune.kb or 1) > 1 else 0
+        if (tune.kb or 1) > g.max_kb or tune.ks and \
+                tune.ks * min(2, tune.stages or 2) * stage + 8 * tune.ks * g.red_floats + part > SMEM_PER_BLOCK:
             with pytest.raises(KernelError, match="no launch plan fits"):
                 ops.plan_gemv(dev, name, n, k, tune)
             continue
         p = ops.plan_gemv(dev, name, n, k, tune)
-        red = 2 * p.ks * g.red_floats * 4 if p.ks > 1 else 0
-        assert 1 <= p.ks <= g.max_ks and p.blocks >= 1 and p.stages >= 1
+        red = (2 * p.ks * g.red_floats * 4 if p.ks > 1 else 0) + (4 * g.red_floats if p.kb > 1 else 0)
+        assert 1 <= p.ks <= g.max_ks and 1 <= p.kb <= g.max_kb and p.blocks >= 1 and p.stages >= 1
+        if p.kb > 1 and not tune.kb:  # the planner splits k across blocks only for too few row tiles
+            assert -(-n // g.tile_rows) < 132
         assert p.smem == p.ks * p.stages * stage + red <= min(SMEM_PER_BLOCK, SMEM_PER_SM - 1024)
         tiles = -(-n // g.tile_rows)
         assert p.blocks <= tiles and -(-tiles // p.blocks) * (p.blocks - 1) < tiles  # no block without a tile
         if tune.ks:
             assert p.ks == tune.ks
+        if tune.kb:
+            assert p.kb == tune.kb
         if tune.stages and p.stages != tune.stages:  # only shrunk to fit, and never below 2
             assert 2 <= p.stages < tune.stages and p.ks * (p.stages + 1) * stage + red > SMEM_PER_BLOCK
         elif not tune.stages:
@@ -236,7 +248,12 @@ REAL_PLANS = [("bf16", "dense_gemv_bf16", 7168, 14336, 1, Tune(ks=16, stages=8))
               ("fp8_block", "w8a16_gemv", 2048, 7168, 8, Tune(ks=7, stages=3, blocks=50)),
               ("nvfp4", "w4a16_gemv", 7168, 2048, 1, Tune(ks=2, stages=8, warps_per_sm=4)),
               ("fp8_block", "w8a16_gemv_regs", 7168, 2048, 8, None), ("nvfp4", "w4a16_gemv_regs", 2048, 7168, 1, None),
-              ("bf16", "dense_gemv_bf16_regs", 7168, 2048, 1, None)]
+              ("bf16", "dense_gemv_bf16_regs", 7168, 2048, 1, None),
+              # split-K across a cluster's blocks at the V4 / V3 shapes it is for, and the planner's own pick
+              ("fp8_block_e8m0", "w8a16_gemv_e8m0", 1024, 4096, 1, Tune(ks=8, kb=4)),
+              ("fp8_block_e8m0", "w8a16_gemv_e8m0_batch32", 512, 4096, 20, Tune(ks=7, kb=8)),
+              ("fp8_block", "w8a16_gemv", 576, 7168, 8, None), ("mxfp4", "w4a16_gemv_mx", 576, 7168, 3, Tune(kb=2)),
+              ("bf16", "dense_gemv_bf16_batch32", 1536, 7168, 32, Tune(ks=4, kb=8))]
 
 
 def run_raw(dev, fmt, name, n, k, m, arrays, scale2, x, tune):
@@ -270,3 +287,41 @@ def test_cuda_vs_twin_real_dims(rng, fmt, n, k, m, out_dtype):
     x = bf16_bits(rng, (m, k), exp=126)
     ref, got = run_on_both(run_linear, fmt, n, k, m, arrays, scale2, x, out_dtype, k, n)
     assert_close(got.astype(np.float64), ref.astype(np.float64), TOL[out_dtype], f"{fmt} {m}x{n}x{k}")
+
+
+@pytest.mark.gpu
+def test_split_k_cluster_launch_with_and_without_pdl_and_in_a_graph(rng):
+    """Split-K across a cluster's blocks (V4's wq_a shape, the planner's kb and a forced one): eager and
+    captured, PDL on and off, the output poisoned before each run: all runs bit-identical and finite, and the
+    forced plan within f32 accumulation of float64 (its own twin)."""
+    pytest.importorskip("cupy")
+    from mtp_cupy.runtime.cupy_backend import CupyBackend
+    n, k, m = 1024, 4096, 3
+    arrays, scale2, wd = make_weight(rng, "fp8_block_e8m0", n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    want = x.astype(np.float64) @ wd().T
+    for tune in (None, Tune(ks=4, kb=8)):
+        outs = []
+        for pdl in (False, True):
+            dev = CupyBackend(pdl=pdl)
+            assert tune or ops.plan_gemv(dev, "w8a16_gemv_e8m0", n, k).kb > 1  # the planner splits this shape
+            bufs, xb, y = [up(dev, a) for a in arrays], up(dev, x), out(dev, "f32", (m, n))
+
+            def run():
+                raw_gemv(dev, "w8a16_gemv_e8m0", "fp8_block_e8m0", bufs, scale2, xb.ptr, y.ptr, m, n, k, k, n,
+                         "f32", tune)
+            stream = dev.new_stream()
+            graph = dev.capture(run, stream)
+            for graphed in (False, True, False, True):
+                dev.fill(y.ptr, m * n * 4, POISON)
+                dev.synchronize()
+                if graphed:
+                    dev.replay(graph, stream)
+                    dev.synchronize(stream)
+                else:
+                    run()
+                    dev.synchronize()
+                outs.append(get(dev, y, "f32", (m, n)))
+        for o in outs:
+            assert np.array_equal(o.view(np.uint32), outs[0].view(np.uint32)), f"{tune}: runs differ"
+        check(outs[0], want, "f32", n, f"w8a16_gemv_e8m0 {m}x{n}x{k} {tune}")

@@ -3,9 +3,11 @@
 Two kinds of kernel (see the head of gemv.cu), named by how they read the weights:
 - streaming ring kernels (unsuffixed names): blocks of (32, ks) threads, a persistent grid of `blocks` blocks
   that walk the row tiles, and a ring of `stages` cp.async pipeline stages per warp in dynamic shared memory.
-  `plan_gemv` picks (ks, blocks, stages) per shape: enough resident warps (WARPS_PER_SM), whole tiles per
-  block and whole k units per warp (fp32 summation order depends on ks, nothing else does). `Tune` overrides
-  any of it (scripts/bench_kernels.py --sweep).
+  `plan_gemv` picks (ks, kb, blocks, stages) per shape: enough resident warps (WARPS_PER_SM) on every
+  multiprocessor, whole tiles per block and whole k units per warp. The tensor-core ones also split k across
+  the kb blocks of a thread block cluster when the row tiles are too few to cover the multiprocessors (fp32
+  summation order depends on ks and kb, nothing else does). `Tune` overrides any of it
+  (scripts/bench_kernels.py --sweep).
 - register-round kernels (`*_regs`): no shared-memory pipeline, each lane loads rounds of weight chunks
   straight into registers; blocks of 8 warps shaped (32, ks, 8 // ks). `linear` uses dense_gemv_bf16_regs
   for bf16 m = 1 and w4a16_gemv_regs for NVFP4 (faster there); the other two are for benchmarks."""
@@ -37,6 +39,7 @@ INFLIGHT_PER_SM = 48 * 1024  # weight bytes in flight per SM (ring stages being 
 SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory per SM (1 KB of it reserved per block)
 SMEM_PER_BLOCK = 227 * 1024
 REGS_PER_SM = 65536
+MAX_KB = 8                 # blocks per cluster: the portable limit
 
 
 @dataclass(frozen=True)
@@ -53,11 +56,13 @@ class _Geom:
     row_grid: bool = False  # one x row per grid.y (the FMA kernels)
     stages: int = STAGES    # default ring depth and resident warps wanted per SM (Tune overrides both)
     wps: int = WARPS_PER_SM
+    max_kb: int = 1         # streaming: blocks of a cluster splitting k (the tensor-core kernels: up to 8)
 
 
 def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: int = 96, stages: int = STAGES,
          wps: int = WARPS_PER_SM, max_ks: int = 16) -> _Geom:
-    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, max_ks, regs, stages=stages, wps=wps)
+    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, max_ks, regs, stages=stages, wps=wps,
+                 max_kb=MAX_KB)
 
 
 # `bench_kernels.py --sweep` (H200, BENCHMARKS.md): the one-tile tensor-core kernels run best with a shallow
@@ -94,22 +99,25 @@ GEMM_SMEM = 4 * (128 + 128) * 40 * 2  # dense_gemm_bf16: GS ring stages of x and
 
 @dataclass(frozen=True)
 class Tune:
-    """Overrides for plan_gemv (None = the planner's choice): ks warps per block, the ring depth (shrunk
-    to fit shared memory, not below 2 unless asked), the resident warps wanted per SM, and blocks (the grid
-    size before whole-tile rounding; at least the tile count = one tile per block, not persistent)."""
+    """Overrides for plan_gemv (None = the planner's choice): ks warps per block, kb blocks per cluster
+    splitting k, the ring depth (shrunk to fit shared memory, not below 2 unless asked), the resident warps
+    wanted per SM, and blocks (the tile walkers before whole-tile rounding; at least the tile count = one tile
+    per walker, not persistent)."""
     ks: int | None = None
     stages: int | None = None
     warps_per_sm: int | None = None
     blocks: int | None = None
+    kb: int | None = None
 
 
 @dataclass(frozen=True)
 class Plan:
     ks: int       # warps per block, splitting each tile's k units
-    blocks: int   # grid.x; block b walks tiles b, b + blocks, ...
+    blocks: int   # grid.x; walker b (a cluster of kb blocks) walks tiles b, b + blocks, ...
     stages: int   # ring depth per warp
-    smem: int     # dynamic shared memory bytes: ks * stages * stage bytes (+ the reduction area)
+    smem: int     # dynamic shared memory bytes: ks * stages * stage bytes (+ the reduction areas)
     score: float  # the planner's efficiency estimate (1.0 = no idle warp or tile slot)
+    kb: int = 1   # grid.y = cluster.y: blocks sharing each tile, splitting its k units
 
 
 @functools.cache
@@ -145,29 +153,34 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune) -> Plan:
     want = tune.warps_per_sm or g.wps
     regs_alloc = -(-max(regs, 1) // 8) * 8
     best = None
-    for ks in ([tune.ks] if tune.ks else range(1, min(g.max_ks, units) + 1)):
-        red = 2 * ks * g.red_floats * 4 if ks > 1 else 0
-        s = tune.stages or g.stages
-        while s > min(2, s) and ks * s * stage + red > SMEM_PER_BLOCK:  # shrink to fit, not below 2 stages
-            s -= 1
-        smem = ks * s * stage + red
-        per_sm = min(32, 64 // ks, REGS_PER_SM // (regs_alloc * 32 * ks), SMEM_PER_SM // (smem + 1024))
-        if smem > SMEM_PER_BLOCK or per_sm < 1:
-            continue
-        nb = tune.blocks or min(sms * per_sm, -(-sms * want // ks))
-        nb = max(1, min(tiles, nb))
-        per_block = -(-tiles // nb)
-        nb = -(-tiles // per_block)  # the fewest blocks with that many tiles each
-        warps = nb * ks
-        score = (tiles / (nb * per_block)) * (units / (ks * -(-units // ks))) * \
-            min(1.0, warps / (sms * MIN_WARPS_PER_SM)) * \
-            min(1.0, max(warps * (s - 1) * stage, 1) / (sms * INFLIGHT_PER_SM))
-        # a shape too small to fill the GPU scores below 1e-3 at every ks; rounded, they all tie and ks = 1
-        # would win: one warp streaming all of K (the Qwen shared-expert gate, 1 x 2048: 22 us on an H200)
-        coarse = round(score, 3)
-        key = (coarse, 0.0 if coarse else score, -ks)
-        if best is None or key > best[0]:
-            best = (key, Plan(ks, nb, s, smem, score))
+    # k splits across blocks only when the row tiles are fewer than the multiprocessors
+    kbs = [tune.kb] if tune.kb else [kb for kb in (1, 2, 4, 8) if kb == 1 or (kb <= g.max_kb and tiles < sms)]
+    for kb in kbs:
+        for ks in ([tune.ks] if tune.ks else range(1, min(g.max_ks, units) + 1)):
+            red = (2 * ks * g.red_floats * 4 if ks > 1 else 0) + (g.red_floats * 4 if kb > 1 else 0)
+            s = tune.stages or g.stages
+            while s > min(2, s) and ks * s * stage + red > SMEM_PER_BLOCK:  # shrink to fit, not below 2 stages
+                s -= 1
+            smem = ks * s * stage + red
+            per_sm = min(32, 64 // ks, REGS_PER_SM // (regs_alloc * 32 * ks), SMEM_PER_SM // (smem + 1024))
+            if smem > SMEM_PER_BLOCK or per_sm < 1 or kb > g.max_kb:
+                continue
+            nb = tune.blocks or min(sms * per_sm, -(-sms * want // ks)) // kb
+            nb = max(1, min(tiles, nb))
+            per_block = -(-tiles // nb)
+            nb = -(-tiles // per_block)  # the fewest walkers with that many tiles each
+            warps, kw = nb * kb * ks, kb * ks
+            # fewer blocks than multiprocessors leave some idle whatever their warps (V4's 1024 x 4096
+            # projection: 64 tiles); splitting k over a cluster's blocks spreads a tile over more of them
+            score = (tiles / (nb * per_block)) * (units / (kw * -(-units // kw))) * \
+                min(1.0, nb * kb / sms) * min(1.0, warps / (sms * MIN_WARPS_PER_SM)) * \
+                min(1.0, max(warps * (s - 1) * stage, 1) / (sms * INFLIGHT_PER_SM))
+            # a shape too small to fill the GPU scores below 1e-3 at every ks; rounded, they all tie and ks = 1
+            # would win: one warp streaming all of K (the Qwen shared-expert gate, 1 x 2048: 22 us on an H200)
+            coarse = round(score, 3)
+            key = (coarse, 0.0 if coarse else score, -kb, -ks)
+            if best is None or key > best[0]:
+                best = (key, Plan(ks, nb, s, smem, score, kb))
     need(best is not None, f"{name}: no launch plan fits {n}x{k} (tune {tune})")
     return best[1]
 
@@ -210,7 +223,9 @@ def _gemv(gpu: Backend, name: str, lead: list[tuple[str, object]], x, y, m: int,
     rows = m if g.row_grid else 1
     if g.stream:
         p = plan_gemv(gpu, name, n, k, tune)
-        l.grid(p.blocks, rows).block(32, p.ks).shared(p.smem).launch(stream)
+        if p.kb > 1:  # the row-grid kernels (rows > 1) never split k across blocks (max_kb 1)
+            l.cluster(1, p.kb)
+        l.grid(p.blocks, rows * p.kb).block(32, p.ks).shared(p.smem).launch(stream)
         return
     units = -(-n // g.tile_rows)
     k_steps = -(-(k // g.kchunk) // g.unit_chunks)
@@ -357,7 +372,7 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
     INVARIANT_MAX_M rows: every pass of up to 32 rows runs the format's streaming kernel with the k-split
-    (plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for bf16
+    (ks and kb of the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for bf16
     m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
@@ -371,7 +386,11 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         if W.fmt == "nvfp4" and m <= QUANT_MAX_M:
             return w4a16_gemv_regs(gpu, W.weight, W.scale, W.scale2, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
     narrow, wide = _STREAM[W.fmt]
-    tune = Tune(ks=plan_gemv(gpu, narrow, W.n, W.k).ks) if invariant else None
+    if invariant:
+        p = plan_gemv(gpu, narrow, W.n, W.k)
+        tune = Tune(ks=p.ks, kb=p.kb)
+    else:
+        tune = None
     if tune is not None and not _fits(gpu, wide, W.n, W.k, tune):
         wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes
     step = WIDE_M if wide else QUANT_MAX_M

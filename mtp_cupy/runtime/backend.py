@@ -118,7 +118,8 @@ class Backend:
             return KernelError(f"kernel module {module!r} not found ({src} does not exist)")
         return KernelError(f"kernel {name!r} is not defined in {src.name}; it defines: {', '.join(defined) or 'nothing'}")
 
-    def launch(self, handle: KernelHandle, grid, block, shared: int, args: list[tuple[str, Any]], stream) -> None:
+    def launch(self, handle: KernelHandle, grid, block, shared: int, args: list[tuple[str, Any]], stream,
+               cluster=(1, 1, 1)) -> None:
         raise NotImplementedError
 
     # -- memory ----------------------------------------------------------------------------------
@@ -238,11 +239,11 @@ class KernelLaunch:
 
     Argument types must match the kernel's parameters: ptr -> pointer, u32/i32/f32/u64/i64 scalars."""
 
-    __slots__ = ("gpu", "h", "_grid", "_block", "_shared", "_args")
+    __slots__ = ("gpu", "h", "_grid", "_block", "_shared", "_args", "_cluster")
 
     def __init__(self, gpu: Backend, handle: KernelHandle):
         self.gpu, self.h = gpu, handle
-        self._grid, self._block, self._shared, self._args = (1, 1, 1), (1, 1, 1), 0, []
+        self._grid, self._block, self._shared, self._args, self._cluster = (1, 1, 1), (1, 1, 1), 0, [], (1, 1, 1)
 
     def grid(self, x, y=1, z=1):
         self._grid = (int(x), int(y), int(z))
@@ -254,6 +255,11 @@ class KernelLaunch:
 
     def shared(self, nbytes: int):
         self._shared = int(nbytes)
+        return self
+
+    def cluster(self, x=1, y=1, z=1):
+        """Thread block cluster dims (sm_90; each divides the grid's): the blocks of a cluster share shared memory."""
+        self._cluster = (int(x), int(y), int(z))
         return self
 
     def _arg(self, kind: str, v):
@@ -287,7 +293,12 @@ class KernelLaunch:
     def launch(self, stream=None) -> None:
         if min(self._grid) <= 0 or min(self._block) <= 0:
             return  # empty launch: nothing to do (CUDA would reject a zero grid)
-        self.gpu.launch(self.h, self._grid, self._block, self._shared, self._args, stream)
+        if self._cluster == (1, 1, 1):
+            self.gpu.launch(self.h, self._grid, self._block, self._shared, self._args, stream)
+        elif any(g % c for g, c in zip(self._grid, self._cluster)):
+            raise KernelError(f"{self.h}: cluster {self._cluster} does not divide grid {self._grid}")
+        else:
+            self.gpu.launch(self.h, self._grid, self._block, self._shared, self._args, stream, self._cluster)
 
 
 TwinFn = Callable[..., None]

@@ -68,6 +68,7 @@ class CupyBackend(Backend):
             from .pdl import PdlLauncher
             self.pdl = PdlLauncher()
         self._cufunc: dict[int, int] = {}   # id(RawKernel) -> CUfunction handle
+        self._plain_ex = None   # a launcher without PDL, for cluster launches when pdl is off
 
     @property
     def is_cuda(self) -> bool:
@@ -97,17 +98,23 @@ class CupyBackend(Backend):
     def _stream(self, stream):
         return stream if stream is not None else self.cp.cuda.get_current_stream()
 
-    def launch(self, handle, grid, block, shared, args, stream) -> None:
+    def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1)) -> None:
         if shared > 48 * 1024 and self._smem_optin.get(id(handle.fn), 0) < shared:
             # more than 48 KiB of dynamic shared memory needs the per-kernel opt-in attribute
             handle.fn.max_dynamic_shared_size_bytes = shared
             self._smem_optin[id(handle.fn)] = shared
         try:
-            if self.pdl is not None:
+            ex = self.pdl
+            if ex is None and cluster != (1, 1, 1):
+                if self._plain_ex is None:
+                    from .pdl import PdlLauncher
+                    self._plain_ex = PdlLauncher(pdl=False)
+                ex = self._plain_ex
+            if ex is not None:
                 f = self._cufunc.get(id(handle.fn))
                 if f is None:
                     f = self._cufunc[id(handle.fn)] = int(handle.fn.kernel.ptr)
-                self.pdl.launch(f, grid, block, shared, args, self._stream(stream).ptr)
+                ex.launch(f, grid, block, shared, args, self._stream(stream).ptr, cluster)
             else:
                 handle.fn(grid, block, tuple(_SCALAR[k](v) for k, v in args), shared_mem=shared,
                           stream=self._stream(stream))

@@ -1,6 +1,7 @@
 """Programmatic dependent launch: `cuLaunchKernelEx` with the programmatic-stream-serialization attribute,
 called through ctypes on the driver library CuPy already loaded (CuPy 14 launches only through
-`cuLaunchKernel`, which has no attributes).
+`cuLaunchKernel`, which has no attributes). The same call launches thread block clusters (the cluster-dimension
+attribute), with or without PDL.
 
 With the attribute a kernel's blocks may be scheduled before the kernel ahead of it in the stream has finished;
 every kernel in cuda_src starts with `pdl_entry()` (common.cuh), whose `griddepcontrol.wait` holds them until
@@ -12,13 +13,13 @@ import ctypes
 
 from ..errors import KernelError
 
+_CLUSTER_DIMENSION = 4                   # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6   # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 class _Attr(ctypes.Structure):
-    # CUlaunchAttribute: an enum id padded to 8 bytes, then a 64-byte union whose first int is the flag
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("rest", ctypes.c_char * 60)]
+    # CUlaunchAttribute: an enum id padded to 8 bytes, then a 64-byte union (the flag; cluster x, y, z)
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_uint * 16)]
 
 
 class _Config(ctypes.Structure):
@@ -31,9 +32,10 @@ _CTYPE = {"ptr": ctypes.c_uint64, "u32": ctypes.c_uint32, "i32": ctypes.c_int32,
 
 
 class PdlLauncher:
-    """Launches CUfunctions with programmatic dependent launch on (one per CupyBackend)."""
+    """Launches CUfunctions through cuLaunchKernelEx (one per CupyBackend): with programmatic dependent launch
+    when `pdl`, and in clusters when a launch asks for them."""
 
-    def __init__(self) -> None:
+    def __init__(self, pdl: bool = True) -> None:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
             self._launch = lib.cuLaunchKernelEx
@@ -41,13 +43,22 @@ class PdlLauncher:
             raise KernelError(f"programmatic dependent launch needs cuLaunchKernelEx in libcuda.so.1: {e}") from None
         self._launch.restype = ctypes.c_int
         self._launch.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self._attr = _Attr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        self._cfg = _Config(attrs=ctypes.pointer(self._attr), n_attrs=1)
+        self._attrs = (_Attr * 2)()
+        self._attrs[0].id, self._attrs[0].value[0] = _PROGRAMMATIC_STREAM_SERIALIZATION, 1
+        self._attrs[1].id = _CLUSTER_DIMENSION
+        self._pdl = int(bool(pdl))
+        self._cfg = _Config(attrs=ctypes.cast(self._attrs, ctypes.POINTER(_Attr)) if pdl else
+                            ctypes.cast(ctypes.byref(self._attrs[1]), ctypes.POINTER(_Attr)), n_attrs=self._pdl)
 
-    def launch(self, function_ptr: int, grid, block, shared: int, args, stream_ptr: int) -> None:
+    def launch(self, function_ptr: int, grid, block, shared: int, args, stream_ptr: int,
+               cluster=(1, 1, 1)) -> None:
         """Launch `function_ptr` (a CUfunction) on the stream handle `stream_ptr`; `args` are (kind, value)
-        pairs as KernelLaunch collects them. Raises KernelError with the driver's CUresult on failure."""
+        pairs as KernelLaunch collects them; `cluster` the cluster dims (each must divide the grid's).
+        Raises KernelError with the driver's CUresult on failure."""
         cfg = self._cfg
+        c = self._attrs[1].value
+        c[0], c[1], c[2] = cluster
+        cfg.n_attrs = self._pdl + (tuple(cluster) != (1, 1, 1))
         cfg.grid[0], cfg.grid[1], cfg.grid[2] = grid
         cfg.block[0], cfg.block[1], cfg.block[2] = block
         cfg.shared, cfg.stream = shared, stream_ptr or None
