@@ -15,6 +15,19 @@ BF16_SHAPES = [(129280, 7168), (154880, 6144), (151936, 2048), (7168, 14336), (4
 QUANT_SHAPES = [(129280, 7168), (7168, 14336), (7168, 2048), (2048, 7168)]
 BATCH_SHAPES = [(7168, 14336), (129280, 7168)]
 BATCH_M = [1, 2, 4, 8, 16, 32]
+# Each family's mid-size projections at real dims (family, weight, fmt, n, k): under 132 row tiles of 16 for
+# the first of each family, the cases split-K across a cluster's blocks is for (bench_kernels.py --mid)
+MID_SHAPES = [("deepseek_v4", "wkv", "fp8_block_e8m0", 512, 4096), ("deepseek_v4", "wq_a", "fp8_block_e8m0", 1024, 4096),
+              ("deepseek_v4", "shared gate / up", "fp8_block_e8m0", 2048, 4096),
+              ("deepseek_v4", "shared down", "fp8_block_e8m0", 4096, 2048),
+              ("deepseek_v4", "wq_b", "fp8_block_e8m0", 32768, 1024), ("deepseek_v4", "wo_b", "fp8_block_e8m0", 4096, 8192),
+              ("deepseek_v3", "kv_a", "fp8_block", 576, 7168), ("deepseek_v3", "q_a", "fp8_block", 1536, 7168),
+              ("deepseek_v3", "shared gate / up", "fp8_block", 2048, 7168),
+              ("deepseek_v3", "q_b", "fp8_block", 24576, 1536), ("deepseek_v3", "o_proj", "fp8_block", 7168, 16384),
+              ("glm5", "kv_a", "fp8_block", 576, 6144), ("glm5", "q_a", "fp8_block", 2048, 6144),
+              ("glm5", "q_b", "fp8_block", 16384, 2048), ("glm5", "o_proj", "fp8_block", 6144, 16384),
+              ("qwen3_next", "k / v", "bf16", 512, 2048), ("qwen3_next", "o_proj", "bf16", 2048, 4096),
+              ("qwen3_next", "q (+ gate)", "bf16", 8192, 2048)]
 PREFILL = (7168, 2048, 512)  # n, k, m: the tiled GEMM path
 NAN = float("nan")
 
@@ -38,7 +51,8 @@ def rand_bf16(shape):
 
 
 def make_linear(fmt: str, n: int, k: int) -> tuple[Linear, list]:
-    """A random [n, k] Linear of `fmt` ("bf16", "fp8_block" or "nvfp4") and the arrays that hold it."""
+    """A random [n, k] Linear of `fmt` ("bf16", "fp8_block", "fp8_block_e8m0", "mxfp4" or "nvfp4") and the
+    arrays that hold it."""
     import cupy as cp
     if fmt == "bf16":
         w = rand_bf16((n, k))
@@ -46,6 +60,14 @@ def make_linear(fmt: str, n: int, k: int) -> tuple[Linear, list]:
     if fmt == "fp8_block":
         w = rand_u((n, k), 0, 0x7E, cp.uint8)
         s = cp.full((-(-n // 128), -(-k // 128)), 1e-3, cp.float32)
+        return Linear(fmt, n, k, ptr(w), ptr(s)), [w, s]
+    if fmt == "fp8_block_e8m0":
+        w = rand_u((n, k), 0, 0x7E, cp.uint8)
+        s = cp.full((-(-n // 128), -(-k // 128)), 117, cp.uint8)  # 2^-10
+        return Linear(fmt, n, k, ptr(w), ptr(s)), [w, s]
+    if fmt == "mxfp4":
+        w = rand_u((n, k // 2), 0, 256, cp.uint8)
+        s = rand_u((n, k // 32), 118, 124, cp.uint8)
         return Linear(fmt, n, k, ptr(w), ptr(s)), [w, s]
     w = rand_u((n, k // 2), 0, 256, cp.uint8)
     s = rand_u((n, k // 16), 0x30, 0x50, cp.uint8)
@@ -125,6 +147,37 @@ def bench_linear(gpu, timer, copy_gbs, fmt, n, k, m, rows, peer_cache, raw: str 
     import cupy as cp
     rows.append(_linear_row(gpu, timer, copy_gbs, fmt, n, k, m, peer_cache, raw))
     cp.get_default_memory_pool().free_all_blocks()   # the shape's arrays went with _linear_row
+
+
+def bench_mid(gpu, timer, copy_gbs) -> list[dict]:
+    """MID_SHAPES at m = 1: ops.linear (its plan), the format's 8-row streaming kernel under its default plan
+    and under the same planner without split-K across blocks (kb = 1), and cuBLAS bf16 on the same shape.
+    Prints a table; returns its rows."""
+    import cupy as cp
+    from .. import ops
+    from ..ops.gemv import _STREAM, Tune
+    print("| family | weight | fmt | n x k | MB | plan (ks, kb, walkers) | linear µs | % copy | stream µs | "
+          "kb = 1 µs | kb = 1 plan | cuBLAS bf16 µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for fam, label, fmt, n, k in MID_SHAPES:
+        W, keep = make_linear(fmt, n, k)
+        x, y = rand_bf16((1, k)), cp.empty((1, n), cp.float32)
+        name = _STREAM[fmt][0]
+        p, p1 = ops.plan_gemv(gpu, name, n, k), ops.plan_gemv(gpu, name, n, k, Tune(kb=1))
+        t_lin = timer.us(lambda: ops.linear(gpu, ptr(x), W, ptr(y), 1, out_dtype="f32"))
+        t_str = timer.us(raw_call(gpu, name, W, x, y, 1))
+        t_kb1 = timer.us(raw_call(gpu, name, W, x, y, 1, Tune(kb=1)))
+        fn, kind = peer_matmul(keep[0] if fmt == "bf16" else rand_bf16((n, k)), x)
+        t_peer = timer.us(fn)
+        mb = (W.weight_bytes + x.nbytes) / 1e6
+        pct = 100 * mb * 1e3 / t_lin / copy_gbs
+        rows.append(dict(family=fam, weight=label, fmt=fmt, n=n, k=k, mb=mb, ks=p.ks, kb=p.kb, walkers=p.blocks,
+                         linear_us=t_lin, pct_copy=pct, stream_us=t_str, kb1_us=t_kb1, kb1_ks=p1.ks,
+                         peer_us=t_peer, peer=kind))
+        print(f"| {fam} | {label} | {fmt} | {n}x{k} | {mb:.1f} | {p.ks}, {p.kb}, {p.blocks} | {t_lin:.1f} | "
+              f"{pct:.0f} | {t_str:.1f} | {t_kb1:.1f} | {p1.ks}, 1, {p1.blocks} | {t_peer:.1f} ({kind}) |", flush=True)
+    return rows
 
 
 def _row(kernel, shape, mb, us, gbs=NAN, cublas_us=NAN, cublas_dtype="-") -> dict:

@@ -20,10 +20,13 @@ SWEEP = [("bf16", 7168, 14336, 1, "dense_gemv_bf16", "dense_gemv_bf16_regs"),
          ("fp8_block", 7168, 14336, 8, "w8a16_gemv", "w8a16_gemv_regs"),
          ("nvfp4", 7168, 14336, 1, "w4a16_gemv", "w4a16_gemv_regs"),
          ("nvfp4", 129280, 7168, 1, "w4a16_gemv", "w4a16_gemv_regs"),
-         ("nvfp4", 2048, 7168, 1, "w4a16_gemv", "w4a16_gemv_regs")]
+         ("nvfp4", 2048, 7168, 1, "w4a16_gemv", "w4a16_gemv_regs"),
+         ("fp8_block_e8m0", 1024, 4096, 1, "w8a16_gemv_e8m0", None),  # V4's wq_a: 64 row tiles (split-K)
+         ("fp8_block", 576, 7168, 1, "w8a16_gemv", "w8a16_gemv_regs")]  # V3's kv_a: 36 row tiles
 SWEEP_KS = (1, 2, 4, 8, 16)
 SWEEP_STAGES = (2, 3, 4, 6, 8)
 SWEEP_WPS = (8, 16, 24, 32)
+SWEEP_KB = (2, 4, 8)  # blocks per cluster splitting k (the tensor-core kernels)
 RMS_THREADS = (224, 256, 448, 512, 896, 1024)
 
 
@@ -51,8 +54,8 @@ def sweep(gpu, timer, copy_gbs, top: int) -> dict:
             r = dict(shape=f"{fmt} {m}x{n}x{k}", kernel=name, variant=label, us=t, gbs=read / t * 1e-3,
                      pct_copy=100 * read / t * 1e-3 / copy_gbs)
             if plan is not None:
-                r.update(ks=plan.ks, blocks=plan.blocks, stages=plan.stages, smem_kb=plan.smem / 1024,
-                         warps_per_sm=plan.blocks * plan.ks / sms, score=plan.score)
+                r.update(ks=plan.ks, kb=plan.kb, blocks=plan.blocks, stages=plan.stages, smem_kb=plan.smem / 1024,
+                         warps_per_sm=plan.blocks * plan.kb * plan.ks / sms, score=plan.score)
             rows.append(r)
             return r
 
@@ -66,6 +69,9 @@ def sweep(gpu, timer, copy_gbs, top: int) -> dict:
                  for ks in SWEEP_KS for st in SWEEP_STAGES for wps in SWEEP_WPS if ks <= max_ks]
         tunes += [(f"ks={ks} stages=4 one tile per block", Tune(ks=ks, stages=4, blocks=1 << 30))
                   for ks in SWEEP_KS if ks <= max_ks]  # not persistent: a block per tile
+        if _GEOM[name].max_kb > 1:
+            tunes += [(f"ks={ks} kb={kb} stages={st}", Tune(ks=ks, kb=kb, stages=st))
+                      for ks in SWEEP_KS for kb in SWEEP_KB for st in (2, 4) if ks <= max_ks]
         for label, tune in tunes:
             try:
                 plan = ops.plan_gemv(gpu, name, n, k, tune)
@@ -77,19 +83,19 @@ def sweep(gpu, timer, copy_gbs, top: int) -> dict:
             run(label, raw_call(gpu, name, W, x, y, m, tune), plan)
         best = min(rows, key=lambda r: r["us"])
         print(f"\n### {fmt} {m}x{n}x{k} ({read / 1e6:.1f} MB read): {name}, {len(rows)} variants\n")
-        print("| variant | ks | blocks | stages | smem KB | warps/SM | µs | GB/s | % copy BW | / default |")
+        print("| variant | ks x kb | walkers | stages | smem KB | warps/SM | µs | GB/s | % copy BW | / default |")
         print("|---|---|---|---|---|---|---|---|---|---|")
         shown = sorted(rows, key=lambda r: r["us"])[:top]
         shown += [r for r in rows if r not in shown and (r["variant"] == "default" or r["variant"].startswith("regs"))]
         for r in shown:
-            geo = (f"{r['ks']} | {r['blocks']} | {r['stages']} | {r['smem_kb']:.0f} | {r['warps_per_sm']:.1f}"
+            geo = (f"{r['ks']} x {r['kb']} | {r['blocks']} | {r['stages']} | {r['smem_kb']:.0f} | {r['warps_per_sm']:.1f}"
                    if "ks" in r else "- | - | - | - | -")
             print(f"| {r['variant']} | {geo} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f} | "
                   f"{r['us'] / d['us']:.3f} |")
         regsr = next((r for r in rows if r["variant"].startswith("regs")), None)
         summary.append(dict(shape=f"{fmt} {m}x{n}x{k}", kernel=name, regs_us=regsr["us"] if regsr else float("nan"),
                             default_us=d["us"], default_gbs=d["gbs"], best_us=best["us"], best_gbs=best["gbs"],
-                            best=best["variant"] + (f" (ks={best['ks']} blocks={best['blocks']} "
+                            best=best["variant"] + (f" (ks={best['ks']} kb={best['kb']} blocks={best['blocks']} "
                                                     f"stages={best['stages']})" if "ks" in best else "")))
         out["gemv"] += rows
         del keep, x, y, W
