@@ -31,6 +31,7 @@ class DraftBenchConfig:
     torch_moe: str = "auto"
     batch_invariant: bool = True
     flush: str = "memset"
+    hidden_on: str = "host"   # "device": the step's hiddens handed over as a device pointer (read in place)
 
 
 def per_step(gpu_us, wall_us, k: int) -> dict:
@@ -142,7 +143,7 @@ def _ours(fam: str, gpu, a: DraftBenchConfig, bw: float | None, res: dict) -> di
         timer = EventTimer.for_device(gpu, a.flush)
         o = Drafter(fam, gpu, a.ctx, kmax, bmax, tiny=a.tiny, seed=a.seed, qwen_quant=a.qwen_quant,
                     batch_invariant=a.batch_invariant,
-                    glm_head_fp8=a.glm_head_fp8)
+                    glm_head_fp8=a.glm_head_fp8, hidden_on=a.hidden_on)
         res.update(build_s=o.build_s, prefill_s=o.prefill_s, formats=o.formats, kv_rows=o.kv_rows,
                    kv_row_bytes=o.kv_row_bytes,
                    dims={k: v for k, v in o.cfgd.items() if isinstance(v, (int, float, str))})

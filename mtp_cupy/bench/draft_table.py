@@ -70,7 +70,8 @@ def table(res: dict, header: dict) -> str:
     """
     L = [f"### {res['title']} ({res['family']}), ctx {res['ctx']}"]
     L.append(f"device {header['device']}; {header['date']}; D2D copy {fmt(header['copy_gbs'], 0)} GB/s (read+write); "
-             f"iters {header['iters']}; cold L2 (256 MB {header.get('flush', 'memset')} before each call)")
+             f"iters {header['iters']}; cold L2 (256 MB {header.get('flush', 'memset')} before each call); "
+             f"hiddens on the {header.get('hidden_on', 'host')}")
     if res.get("formats"):
         r0 = next((r for r in res["rows"] if r.get("weight_bytes")), None)
         L.append(f"ours: {res['formats']}; built {res['build_s']:.1f} s" +

@@ -102,7 +102,7 @@ class Drafter:
 
     def __init__(self, fam: str, gpu, ctx: int, kmax: int, bmax: int, tiny: bool = False, seed: int = 0,
                  batch_invariant: bool = True,
-                 qwen_quant: str = "bf16", glm_head_fp8: bool = False):
+                 qwen_quant: str = "bf16", glm_head_fp8: bool = False, hidden_on: str = "host"):
         self.fam, self.gpu, self.ctx = fam, gpu, ctx
         max_seq = ctx + kmax + 16
         t0 = time.perf_counter()
@@ -130,19 +130,23 @@ class Drafter:
         self.prefill_s = time.perf_counter() - t0
         self.toks = [int(t) for t in rng.integers(0, V, len(self.states))]
         self.h = to_bf16(rng.standard_normal((len(self.states), *self.hshape), dtype=np.float32))
+        # hidden_on="device": the rows as a device pointer, what a GPU target hands over (read in place, unchecked)
+        self._hdev = gpu.upload(self.h) if hidden_on == "device" else None
 
     def call(self, k: int, B: int):
         """A callable: ``propose_batch`` of k drafts for B sequences, then ``after_verify_batch`` of none accepted
         (``propose`` and ``after_verify`` when B = 1)."""
         p, ctx = self.prop, self.ctx
+        dev = self._hdev.ptr if self._hdev is not None else None
         if B == 1:
-            st, tok, h = self.states[0], self.toks[0], self.h[0]
+            st, tok, h = self.states[0], self.toks[0], self.h[0] if dev is None else dev
 
             def run():
                 p.propose(st, tok, h, ctx, k)
                 p.after_verify(st, 0)
             return run
-        sts, toks, h, none = self.states[:B], self.toks[:B], np.ascontiguousarray(self.h[:B]), [0] * B
+        sts, toks, none = self.states[:B], self.toks[:B], [0] * B
+        h = np.ascontiguousarray(self.h[:B]) if dev is None else dev
 
         def run_batch():
             p.propose_batch(sts, toks, h, [ctx] * B, k)
@@ -166,4 +170,4 @@ class Drafter:
         """Free the states and drop the proposer."""
         for st in self.states:
             self.prop.free_state(st)
-        self.prop = self.states = None
+        self.prop = self.states = self._hdev = None
