@@ -106,11 +106,11 @@ def timeline(a) -> None:
     block = cp.empty(a.block_gb << 30, cp.uint8)
     launched, real = [], gpu.launch
 
-    def launch(handle, grid, block_dim, shared, args, stream):
+    def launch(handle, grid, block_dim, shared, args, stream, *cluster):
         s = gpu._stream(stream)
         e0, e1 = cp.cuda.Event(), cp.cuda.Event()
         e0.record(s)
-        real(handle, grid, block_dim, shared, args, stream)
+        real(handle, grid, block_dim, shared, args, stream, *cluster)
         e1.record(s)
         launched.append((handle.name, e0, e1))
 
