@@ -12,7 +12,8 @@
 //   of the math and across tile boundaries, so its loads stay in flight while it computes. S is what the
 //   dynamic shared memory holds: S = (dynamic bytes - reduction area) / (KS * stage bytes).
 //   KS > 1: per tile the warps meet once (__syncthreads) and add their partials in slice order, through a
-//   double-buffered reduction area after the rings.
+//   double-buffered reduction area after the rings. The tensor-core ones (mma_stream) may also split k
+//   across the grid.y = KB blocks of a thread block cluster (see there).
 // x is tiny next to W and re-read by every warp, so it goes through L1 (__ldg): no limit on K.
 //
 // Register-round kernels (*_regs): no shared-memory pipeline. Each lane loads a round of 16-byte weight
