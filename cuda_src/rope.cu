@@ -1,4 +1,4 @@
-// Rotary position embedding, in place on bf16 heads.
+// Rotary position embedding on bf16 heads, in place or from x into out.
 //
 // x[r, h, :] starts at element r * row_stride + h * head_stride; the rotary dims are
 // [rot_offset, rot_offset + rot_dim) of each head (rot_offset 0: Qwen partial rotary and the DSA indexer's
@@ -6,11 +6,14 @@
 // (i < rot_dim / 2) is (2i, 2i + 1) when interleaved (GPT-J, DeepSeek) and (i, i + rot_dim / 2) for neox.
 // theta = float(pos_r) * inv_freq[i] in fp32, then accurate sincosf (no fast-math: large positions need
 // the full range reduction); cos and sin are scaled by mscale, and `inverse` rotates by -theta.
-// One thread per (row, head, pair), so each pair's two values are read before either is written.
+// The rotated dims go to out[r, h, out_offset + ...] (element r * out_row_stride + h * out_head_stride; out == x
+// with x's strides and offset: in place); nothing else of out is written. One thread per (row, head, pair), so
+// each pair's two values are read before either is written.
 #include "common.cuh"
 
-extern "C" __global__ void rope(__nv_bfloat16* x, const u32* pos, u32 pos_stride, u32 rows, u32 heads, u32 rot_dim,
-                                u32 rot_offset, u32 row_stride, u32 head_stride, const float* inv_freq,
+extern "C" __global__ void rope(const __nv_bfloat16* x, __nv_bfloat16* out, const u32* pos, u32 pos_stride, u32 rows,
+                                u32 heads, u32 rot_dim, u32 rot_offset, u32 row_stride, u32 head_stride,
+                                u32 out_offset, u32 out_row_stride, u32 out_head_stride, const float* inv_freq,
                                 u32 interleaved, float mscale, u32 inverse) {
     pdl_entry();
     const u32 half = rot_dim >> 1, n = rows * heads * half;  // the launcher keeps n < 2^31
@@ -21,11 +24,11 @@ extern "C" __global__ void rope(__nv_bfloat16* x, const u32* pos, u32 pos_stride
         sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
         c = __fmul_rn(c, mscale);
         s = inverse ? -__fmul_rn(s, mscale) : __fmul_rn(s, mscale);
-        __nv_bfloat16* xh = x + (u64)r * row_stride + (u64)h * head_stride + rot_offset;
-        __nv_bfloat16* pa = interleaved ? xh + 2 * i : xh + i;
-        __nv_bfloat16* pb = interleaved ? xh + 2 * i + 1 : xh + i + half;
-        const float a = bf2f(*pa), b = bf2f(*pb);
-        *pa = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-        *pb = f2bf(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+        const u32 ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
+        const __nv_bfloat16* xh = x + (u64)r * row_stride + (u64)h * head_stride + rot_offset;
+        __nv_bfloat16* oh = out + (u64)r * out_row_stride + (u64)h * out_head_stride + out_offset;
+        const float a = bf2f(xh[ia]), b = bf2f(xh[ib]);
+        oh[ia] = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+        oh[ib] = f2bf(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
     }
 }

@@ -8,9 +8,11 @@ import math
 import numpy as np
 import pytest
 
+import mtp_cupy
+
 from mtp_cupy import ops
 from mtp_cupy.layers.rope_tables import default_inv_freq, yarn_corr_range, yarn_inv_freq, yarn_mscale
-from helpers import assert_close, f32, get, rand_bf16, run_on_both, up
+from helpers import assert_close, f32, get, out, rand_bf16, run_on_both, up
 
 V3_YARN = dict(rot_dim=64, base=10000.0, factor=40.0, orig_max_pos=4096, beta_fast=32, beta_slow=1)
 
@@ -95,6 +97,36 @@ def test_rope_random_shapes(dev, rng):
         assert_close(f32(heads_view(got, heads, hs, off, rot)), ref, 1e-2)
 
 
+def run_rope_out(dev, x, pos, pos_stride, heads, rot_dim, rot_offset, head_stride, out_shape, out_offset,
+                 out_head_stride, inv_freq, interleaved):
+    """Out-of-place rope of host x into a poisoned buffer of out_shape; returns (x after, out)."""
+    rows, row_stride = x.shape
+    xb, pb, fb, ob = up(dev, x), up(dev, pos), up(dev, inv_freq), out(dev, "bf16", out_shape)
+    ops.rope(dev, xb.ptr, pb.ptr, pos_stride, rows, heads, rot_offset + rot_dim, rot_dim, rot_offset, row_stride,
+             head_stride, fb.ptr, interleaved, out=ob.ptr, out_offset=out_offset, out_row_stride=out_shape[1],
+             out_head_stride=out_head_stride)
+    return get(dev, xb, "bf16", x.shape), get(dev, ob, "bf16", out_shape)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_out_of_place(dev, rng, interleaved):
+    """MLA's use: q_b's rope rows (offset 128 of 192-wide heads) rotated into Q's heads (offset 512 of 576):
+    the rotated dims equal the in-place result bit for bit, nothing else of out is written, x is unchanged."""
+    rows, heads, hs, off, rot, W, C = 3, 16, 192, 128, 64, 576, 512
+    inv = yarn_inv_freq(**V3_YARN)
+    x = rand_bf16(rng, (rows, heads * hs))
+    _, pbuf = positions(rng, rows, 8)
+    x_after, o = run_rope_out(dev, x, pbuf, 8, heads, rot, off, hs, (rows, heads * W), C, W, inv, interleaved)
+    inplace = run_rope(dev, x, pbuf, 8, heads, off + rot, rot, off, hs, inv, interleaved)
+    assert np.array_equal(x_after.view(np.uint16), x.view(np.uint16)), "x was written"
+    assert np.array_equal(heads_view(o, heads, W, C, rot).view(np.uint16),
+                          heads_view(inplace, heads, hs, off, rot).view(np.uint16))
+    mask = np.ones(o.shape, bool)
+    for h in range(heads):
+        mask[:, h * W + C: h * W + C + rot] = False
+    assert np.all(o.view(np.uint16)[mask] == 0xFFFF), "wrote outside the rotated dims"
+
+
 def test_interleaved_equals_permuted_neox(dev, rng):
     """GPT-J on x == neox on x permuted to [x0, x2, .., x1, x3, ..] (HF's rope_interleave), bit for bit."""
     rows, heads, rot = 3, 8, 64
@@ -157,6 +189,11 @@ def test_rope_cuda_matches_twin(rng, case, inverse):
     _, pbuf = positions(rng, rows, 8, high=1 << 20)
     r, c = run_on_both(run_rope, x, pbuf, 8, heads, head_dim, rot, off, hs, inv, inter, ms, inverse)
     a, b = f32(c), f32(r)
+    if case == "v3_q":  # and out of place, into Q's layout (the rotated dims only; the rest stays poisoned)
+        _, oc = run_rope_out(mtp_cupy.device("cuda"), x, pbuf, 8, heads, rot, off, hs, (rows, heads * 576), 512,
+                             576, inv, inter)
+        assert np.array_equal(heads_view(oc, heads, 576, 512, rot).view(np.uint16),
+                              heads_view(c, heads, hs, off, rot).view(np.uint16))
     assert np.all(np.isfinite(a))
     # sincosf vs correctly rounded sin/cos: at most one bf16 ulp, rarely; where a*c - b*s cancels to near 0,
     # their ~1e-7 absolute difference can exceed one ulp of the tiny result (seed 1088664881 on an H200)

@@ -8,8 +8,9 @@
     o_lat = attention(Q, cache rows; scale)    (single KV head; value = the first C columns of a row)
     o[h] = W_UV[h] o_lat[h];  out = o_proj(o)
 
-q_b's nope and rope rows are read in place by two grouped GEMVs, so q_pe lands directly in Q's rope
-columns and no copy kernel runs; W_UV is likewise read in place from kv_b_proj. Positions and cache slots
+q_b is one GEMV into [H, nope + rope] (the streaming kernels read it at full width, where two grouped GEMVs
+over its nope and rope rows did not); RoPE rotates the rope columns from there straight into Q's, and W_UK^T
+reads q_nope in place, so no copy kernel runs. W_UV is read in place from kv_b_proj by a grouped GEMV. Positions and cache slots
 are read on the device through (pointer, stride) pairs: from the metadata slabs in decode (`pos u32 @0,
 slot i64 @8`, one slab per sequence), from packed arrays in `write_kv`. General over heads/dims/eps/RoPE
 pairing so DeepSeek-V3 and GLM-5 share it; `sel` (DSA selected rows) passes through to ops.mla_decode."""
@@ -110,7 +111,7 @@ class MlaAttention:
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
         self._inv_freq = gpu.upload(np.asarray(rope.inv_freq, np.float32))
         r, rk = self.max_rows, self.max_kv_rows
-        sizes = {"cq": (dims.q_lora_rank or 0) * r, "q_nope": H * dn * r, "Q": H * dims.row_width * r,
+        sizes = {"cq": (dims.q_lora_rank or 0) * r, "qb": H * (dn + dr) * r, "Q": H * dims.row_width * r,
                  "o_lat": H * C * r, "o": H * dv * r, "kv": dims.row_width * rk}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})   # 256-byte aligned
 
@@ -165,14 +166,12 @@ class MlaAttention:
         """Q [m, H, C + rope] = [W_UK^T q_nope | RoPE(q_pe)] from the q latent (positions from the slabs)."""
         gpu, d, w, p = self.gpu, self.d, self.w, self._ptr
         H, C, dn, dr, W = d.heads, d.kv_lora_rank, d.qk_nope, d.qk_rope, d.row_width
-        qk = w.q_b.k
-        ops.grouped_gemv(gpu, qin, w.q_b, p["q_nope"], H, dn, row0=0, group_rows=dn + dr, x_group_stride=0,
-                         m=m, x_row_stride=qk, stream=stream)
-        ops.grouped_gemv(gpu, qin, w.q_b, p["Q"].offset(2 * C), H, dr, row0=dn, group_rows=dn + dr,
-                         x_group_stride=0, y_group_stride=W, m=m, x_row_stride=qk, stream=stream)
-        ops.rope(gpu, p["Q"], meta, meta_stride, m, H, W, dr, C, H * W, W, self._inv_freq.ptr,
-                 self.rope.interleaved, self.rope.mscale, stream=stream)
-        ops.grouped_gemv(gpu, p["q_nope"], w.w_uk_t, p["Q"], H, C, x_group_stride=dn, y_group_stride=W, m=m,
+        G = dn + dr
+        ops.linear(gpu, qin, w.q_b, p["qb"], m, stream=stream, invariant=self.inv)   # [m, H, nope | rope]
+        ops.rope(gpu, p["qb"], meta, meta_stride, m, H, G, dr, dn, H * G, G, self._inv_freq.ptr,
+                 self.rope.interleaved, self.rope.mscale, stream=stream, out=p["Q"], out_offset=C,
+                 out_row_stride=H * W, out_head_stride=W)
+        ops.grouped_gemv(gpu, p["qb"], w.w_uk_t, p["Q"], H, C, x_group_stride=G, y_group_stride=W, m=m,
                          stream=stream)
 
     def attend(self, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, sel: DevicePtr = NULL,

@@ -10,10 +10,11 @@ F32 = np.float32
 
 
 @twin("rope", "rope")
-def rope(dev, x, pos, pos_stride, rows, heads, rot_dim, rot_offset, row_stride, head_stride, inv_freq,
-         interleaved, mscale, inverse):
+def rope(dev, x, out, pos, pos_stride, rows, heads, rot_dim, rot_offset, row_stride, head_stride, out_offset,
+         out_row_stride, out_head_stride, inv_freq, interleaved, mscale, inverse):
     half = rot_dim // 2
     v = strided(dev, x.offset(2 * rot_offset), BF16, (rows, heads, rot_dim), (row_stride, head_stride, 1))
+    o = strided(dev, out.offset(2 * out_offset), BF16, (rows, heads, rot_dim), (out_row_stride, out_head_stride, 1))
     p = row_scalars(dev, pos, "u32", rows, pos_stride).astype(F32)
     theta = (p[:, None] * dev.view(inv_freq, "f32", half)[None, :]).astype(np.float64)
     c = np.cos(theta).astype(F32)[:, None, :] * F32(mscale)
@@ -22,5 +23,5 @@ def rope(dev, x, pos, pos_stride, rows, heads, rot_dim, rot_offset, row_stride, 
         s = -s
     ia, ib = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, half), slice(half, None))
     a, b = v[..., ia].astype(F32), v[..., ib].astype(F32)
-    v[..., ia] = (a * c - b * s).astype(BF16)
-    v[..., ib] = (b * c + a * s).astype(BF16)
+    o[..., ia] = (a * c - b * s).astype(BF16)
+    o[..., ib] = (b * c + a * s).astype(BF16)
