@@ -98,13 +98,13 @@ def test_rope_random_shapes(dev, rng):
 
 
 def run_rope_out(dev, x, pos, pos_stride, heads, rot_dim, rot_offset, head_stride, out_shape, out_offset,
-                 out_head_stride, inv_freq, interleaved):
+                 out_head_stride, inv_freq, interleaved, mscale=1.0, inverse=False):
     """Out-of-place rope of host x into a poisoned buffer of out_shape; returns (x after, out)."""
     rows, row_stride = x.shape
     xb, pb, fb, ob = up(dev, x), up(dev, pos), up(dev, inv_freq), out(dev, "bf16", out_shape)
     ops.rope(dev, xb.ptr, pb.ptr, pos_stride, rows, heads, rot_offset + rot_dim, rot_dim, rot_offset, row_stride,
-             head_stride, fb.ptr, interleaved, out=ob.ptr, out_offset=out_offset, out_row_stride=out_shape[1],
-             out_head_stride=out_head_stride)
+             head_stride, fb.ptr, interleaved, mscale=mscale, inverse=inverse, out=ob.ptr, out_offset=out_offset,
+             out_row_stride=out_shape[1], out_head_stride=out_head_stride)
     return get(dev, xb, "bf16", x.shape), get(dev, ob, "bf16", out_shape)
 
 
@@ -191,7 +191,7 @@ def test_rope_cuda_matches_twin(rng, case, inverse):
     a, b = f32(c), f32(r)
     if case == "v3_q":  # and out of place, into Q's layout (the rotated dims only; the rest stays poisoned)
         _, oc = run_rope_out(mtp_cupy.device("cuda"), x, pbuf, 8, heads, rot, off, hs, (rows, heads * 576), 512,
-                             576, inv, inter)
+                             576, inv, inter, ms, inverse)
         assert np.array_equal(heads_view(oc, heads, 576, 512, rot).view(np.uint16),
                               heads_view(c, heads, hs, off, rot).view(np.uint16))
     assert np.all(np.isfinite(a))
