@@ -357,10 +357,10 @@ __device__ __forceinline__ void mma_regs(const u8* W, const void* S, float scale
 // rows (8 lanes per row, 4 rows per warp copy); lane (g, t) then reads the chunks 4s + t of rows g, g + 8
 // that the fragment layout above wants, so the warp syncs around each stage. Chunk c of ring row r sits at
 // r * CH + (c ^ 4 * (r & 1)): both the copies and the fragment reads are free of bank conflicts.
-// Split-K across blocks: launched as grid (walkers, KB) in clusters (1, KB, 1), the KB blocks of a cluster share
-// each of their tiles, warp w = blockIdx.y * KS + ks taking units w, w + KB * KS, ...; each block sums its warps' slices,
-// then rank 0 adds the KB block sums in rank order from the others' shared memory (DSMEM) and stores. A row's
-// sum order depends on (KS, KB) only, never on M or on which tiles a block walks.
+// Split-K across blocks: launched as grid (walkers, KB) in clusters (1, KB, 1), the KB blocks of a cluster
+// share each of their tiles, warp w = blockIdx.y * KS + ks taking units w, w + KB * KS, ...; each block sums
+// its warps' slices, then rank 0 adds the KB block sums in rank order from the others' shared memory (DSMEM)
+// and stores. A row's sum order depends on (KS, KB) only, never on M or on which tiles a block walks.
 template <int F, int MT, int RT>
 __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float scale2, const u16* x, void* y,
                                            u32 M, u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)

@@ -17,10 +17,12 @@ BATCH_SHAPES = [(7168, 14336), (129280, 7168)]
 BATCH_M = [1, 2, 4, 8, 16, 32]
 # Each family's mid-size projections at real dims (family, weight, fmt, n, k): under 132 row tiles of 16 for
 # the first of each family, the cases split-K across a cluster's blocks is for (bench_kernels.py --mid)
-MID_SHAPES = [("deepseek_v4", "wkv", "fp8_block_e8m0", 512, 4096), ("deepseek_v4", "wq_a", "fp8_block_e8m0", 1024, 4096),
+MID_SHAPES = [("deepseek_v4", "wkv", "fp8_block_e8m0", 512, 4096),
+              ("deepseek_v4", "wq_a", "fp8_block_e8m0", 1024, 4096),
               ("deepseek_v4", "shared gate / up", "fp8_block_e8m0", 2048, 4096),
               ("deepseek_v4", "shared down", "fp8_block_e8m0", 4096, 2048),
-              ("deepseek_v4", "wq_b", "fp8_block_e8m0", 32768, 1024), ("deepseek_v4", "wo_b", "fp8_block_e8m0", 4096, 8192),
+              ("deepseek_v4", "wq_b", "fp8_block_e8m0", 32768, 1024),
+              ("deepseek_v4", "wo_b", "fp8_block_e8m0", 4096, 8192),
               ("deepseek_v3", "kv_a", "fp8_block", 576, 7168), ("deepseek_v3", "q_a", "fp8_block", 1536, 7168),
               ("deepseek_v3", "shared gate / up", "fp8_block", 2048, 7168),
               ("deepseek_v3", "q_b", "fp8_block", 24576, 1536), ("deepseek_v3", "o_proj", "fp8_block", 7168, 16384),

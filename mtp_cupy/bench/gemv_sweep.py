@@ -88,8 +88,8 @@ def sweep(gpu, timer, copy_gbs, top: int) -> dict:
         shown = sorted(rows, key=lambda r: r["us"])[:top]
         shown += [r for r in rows if r not in shown and (r["variant"] == "default" or r["variant"].startswith("regs"))]
         for r in shown:
-            geo = (f"{r['ks']} x {r['kb']} | {r['blocks']} | {r['stages']} | {r['smem_kb']:.0f} | {r['warps_per_sm']:.1f}"
-                   if "ks" in r else "- | - | - | - | -")
+            geo = (f"{r['ks']} x {r['kb']} | {r['blocks']} | {r['stages']} | {r['smem_kb']:.0f} | "
+                   f"{r['warps_per_sm']:.1f}" if "ks" in r else "- | - | - | - | -")
             print(f"| {r['variant']} | {geo} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct_copy']:.0f} | "
                   f"{r['us'] / d['us']:.3f} |")
         regsr = next((r for r in rows if r["variant"].startswith("regs")), None)

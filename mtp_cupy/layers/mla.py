@@ -8,12 +8,12 @@
     o_lat = attention(Q, cache rows; scale)    (single KV head; value = the first C columns of a row)
     o[h] = W_UV[h] o_lat[h];  out = o_proj(o)
 
-q_b is one GEMV into [H, nope + rope] (the streaming kernels read it at full width, where two grouped GEMVs
-over its nope and rope rows did not); RoPE rotates the rope columns from there straight into Q's, and W_UK^T
-reads q_nope in place, so no copy kernel runs. W_UV is read in place from kv_b_proj by a grouped GEMV. Positions and cache slots
-are read on the device through (pointer, stride) pairs: from the metadata slabs in decode (`pos u32 @0,
-slot i64 @8`, one slab per sequence), from packed arrays in `write_kv`. General over heads/dims/eps/RoPE
-pairing so DeepSeek-V3 and GLM-5 share it; `sel` (DSA selected rows) passes through to ops.mla_decode."""
+q_b is one streaming GEMV into [H, nope + rope]; RoPE rotates the rope columns from there into Q's rope
+columns and W_UK^T reads q_nope in place (group stride nope + rope), so no copy kernel runs; W_UV is read in
+place from kv_b_proj by a grouped GEMV. Positions and cache slots are read on the device through (pointer,
+stride) pairs: from the metadata slabs in decode (`pos u32 @0, slot i64 @8`, one slab per sequence), from packed
+arrays in `write_kv`. General over heads/dims/eps/RoPE pairing so DeepSeek-V3 and GLM-5 share it; `sel` (DSA
+selected rows) passes through to ops.mla_decode."""
 from __future__ import annotations
 
 from dataclasses import dataclass

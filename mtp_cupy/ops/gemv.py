@@ -372,8 +372,8 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
     INVARIANT_MAX_M rows: every pass of up to 32 rows runs the format's streaming kernel with the k-split
-    (ks and kb of the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for bf16
-    m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32."""
+    (ks and kb of the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round
+    ones for bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
     need(m >= 1, f"linear({W.fmt}): m={m} < 1")
