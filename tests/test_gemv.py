@@ -221,6 +221,19 @@ def test_plans_fit(name, n, k):
             assert p.stages >= 2
 
 
+def test_no_split_k_before_hopper():
+    """Thread block clusters need sm_90: on an older device the planner never splits k across blocks, and a
+    Tune asking for it finds no plan (KernelError), where an H200's plan for the same shape does split."""
+    import mtp_cupy
+    dev = mtp_cupy.device("ref")
+    n, k = 576, 7168                       # V3's kv_a: 36 row tiles
+    assert ops.plan_gemv(dev, "w8a16_gemv", n, k).kb > 1
+    dev.compute_capability = 80
+    assert ops.plan_gemv(dev, "w8a16_gemv", n, k).kb == 1
+    with pytest.raises(KernelError, match="no launch plan fits"):
+        ops.plan_gemv(dev, "w8a16_gemv", n, k, Tune(kb=2))
+
+
 def test_shape_errors(rng):
     import mtp_cupy
     dev = mtp_cupy.device("ref")

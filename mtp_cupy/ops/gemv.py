@@ -130,6 +130,12 @@ def _sms(gpu: Backend) -> int:
     return _cuda_sms(getattr(gpu, "device_id", 0)) if gpu.is_cuda else 132
 
 
+def _max_kb(gpu: Backend) -> int:
+    """Blocks per cluster the device can launch: thread block clusters need sm_90 (the NumPy device plans as an
+    H200 does)."""
+    return MAX_KB if getattr(gpu, "compute_capability", 90) >= 90 else 1
+
+
 _REGS: dict[tuple[str, int, str], int] = {}
 
 
@@ -145,8 +151,9 @@ def _regs(gpu: Backend, name: str) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune) -> Plan:
+def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: int) -> Plan:
     g = _GEOM[name]
+    max_kb = min(max_kb, g.max_kb)
     tiles = -(-n // g.tile_rows)
     units = -(-(k // g.kchunk) // g.unit_chunks)
     stage = g.tile_rows * g.unit_chunks * 16
@@ -154,7 +161,7 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune) -> Plan:
     regs_alloc = -(-max(regs, 1) // 8) * 8
     best = None
     # k splits across blocks only when the row tiles are fewer than the multiprocessors
-    kbs = [tune.kb] if tune.kb else [kb for kb in (1, 2, 4, 8) if kb == 1 or (kb <= g.max_kb and tiles < sms)]
+    kbs = [tune.kb] if tune.kb else [kb for kb in (1, 2, 4, 8) if kb == 1 or (kb <= max_kb and tiles < sms)]
     for kb in kbs:
         for ks in ([tune.ks] if tune.ks else range(1, min(g.max_ks, units) + 1)):
             red = (2 * ks * g.red_floats * 4 if ks > 1 else 0) + (g.red_floats * 4 if kb > 1 else 0)
@@ -163,7 +170,7 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune) -> Plan:
                 s -= 1
             smem = ks * s * stage + red
             per_sm = min(32, 64 // ks, REGS_PER_SM // (regs_alloc * 32 * ks), SMEM_PER_SM // (smem + 1024))
-            if smem > SMEM_PER_BLOCK or per_sm < 1 or kb > g.max_kb:
+            if smem > SMEM_PER_BLOCK or per_sm < 1 or kb > max_kb:
                 continue
             nb = tune.blocks or min(sms * per_sm, -(-sms * want // ks)) // kb
             nb = max(1, min(tiles, nb))
@@ -188,7 +195,7 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune) -> Plan:
 def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None) -> Plan:
     """The launch plan of streaming GEMV kernel `name` for an n x k weight (what the launcher uses)."""
     need(name in _GEOM and _GEOM[name].stream, f"plan_gemv: {name!r} is not a streaming GEMV kernel")
-    return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune())
+    return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune(), _max_kb(gpu))
 
 
 def _out_f32(out_dtype: str) -> int:

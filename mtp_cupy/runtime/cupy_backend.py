@@ -64,7 +64,8 @@ class CupyBackend(Backend):
         self.cupy_major = int(cupy.__version__.split(".")[0])
         self.launches = 0
         self.pdl = None
-        if pdl and int(cupy.cuda.Device(device_id).compute_capability) >= 90:
+        self.compute_capability = int(cupy.cuda.Device(device_id).compute_capability)   # 90: Hopper
+        if pdl and self.compute_capability >= 90:
             from .pdl import PdlLauncher
             self.pdl = PdlLauncher()
         self._cufunc: dict[int, int] = {}   # id(RawKernel) -> CUfunction handle
