@@ -16,11 +16,15 @@ def test_greedy_verify():
     assert greedy_verify(lg, [2, 1, 0]) == (3, 4)
 
 
-def _chi2_ok(counts, probs, n):
+def _chi2_ok(counts, probs, n, z=5.3):
+    """Pearson's chi-square of counts against n * probs (cells expecting more than 5) below the chi-square
+    quantile of upper tail ~6e-8 (z = 5.3), by Wilson-Hilferty: at few degrees of freedom the tail is far
+    heavier than a normal one, so mean + z sigma would flag a correct sampler about once in 3,000 checks."""
     exp = probs * n
     keep = exp > 5
     chi2 = (((counts - exp) ** 2)[keep] / exp[keep]).sum()
-    return chi2 < keep.sum() + 6 * np.sqrt(2 * keep.sum())  # mean + ~6 sigma of a chi-square
+    dof = keep.sum()
+    return chi2 < dof * (1 - 2 / (9 * dof) + z * np.sqrt(2 / (9 * dof))) ** 3
 
 
 def _markov(rng, V):
