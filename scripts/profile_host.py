@@ -7,7 +7,8 @@ the drafts back (it is the first-step overhead of a propose): no kernel work can
 Runs on an embedded model (tiny dims: the bookkeeping does not depend on them). The hiddens do: a host hidden
 is checked for NaN and copied into pinned memory every call, B x D words; `--hidden-size D` runs a small random
 model of --family with that hidden size (7168 for DeepSeek-V3, 6144 GLM-5, 4096 x 4 streams DeepSeek-V4, 2048
-Qwen3-Next) so those costs are the real ones. `--skip-chain` replaces the chain's launches by nothing (the NumPy
+Qwen3-Next) so those costs are the real ones; `--hidden-on device` hands them over as a device pointer instead
+(no check, no copy: what a GPU target does). `--skip-chain` replaces the chain's launches by nothing (the NumPy
 device would otherwise time its own math)."""
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ import numpy as np
 import mtp_cupy
 from mtp_cupy.bench.cli import Parser, positive_int, run_main
 from mtp_cupy.runtime.dtypes import to_bf16
+from mtp_cupy.runtime.ptr import DevicePtr
 
 
-def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | None = None):
+def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | None = None, hidden_on: str = "host"):
     gpu = mtp_cupy.device(device)
     p = mtp_cupy.load_proposer(checkpoint or mtp_cupy.EMBEDDED[fam], gpu, max_seq_len=ctx + 64, max_drafts=k,
                                max_batch=B)
@@ -36,6 +38,9 @@ def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | Non
         p.prefill(st, rng.integers(0, p.vocab_size, ctx + 1), to_bf16(rng.standard_normal((ctx,) + shape) * 0.1))
         states.append(st)
     h = to_bf16(rng.standard_normal((B,) + shape) * 0.1)
+    if hidden_on == "device":   # the rows as a device pointer, read in place (what a GPU target hands over)
+        p._profile_hidden = gpu.upload(h)
+        h = p._profile_hidden.ptr
     toks = [int(t) for t in rng.integers(0, p.vocab_size, B)]
     return p, states, toks, h
 
@@ -43,7 +48,7 @@ def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | Non
 def call_of(p, states, toks, h, ctx: int, k: int):
     B = len(states)
     if B == 1:
-        st, t, hh = states[0], toks[0], h[0]
+        st, t, hh = states[0], toks[0], h if isinstance(h, DevicePtr) else h[0]
 
         def one():
             p.propose(st, t, hh, ctx, k)
@@ -120,6 +125,8 @@ def main() -> int:
     ap.add_argument("--calls", type=positive_int, default=1000, help="timed calls (and as many profiled)")
     ap.add_argument("--top", type=positive_int, default=25, help="functions listed by own time")
     ap.add_argument("--skip-chain", action="store_true", help="launch nothing (host bookkeeping only)")
+    ap.add_argument("--hidden-on", choices=("host", "device"), default="host", help="where each call's hiddens "
+                    "live: host (NumPy, checked and copied every call) or device (a device pointer read in place)")
     ap.add_argument("--no-profile", action="store_true", help="phases only, no cProfile listing")
     a = ap.parse_args()
     if a.hidden_size and a.checkpoint:
@@ -129,7 +136,7 @@ def main() -> int:
         from mtp_cupy.families import family
         ckpt = family(a.family).write_tiny_checkpoint(tempfile.mkdtemp(prefix="profile_host_"), seed=0,
                                                       hidden_size=a.hidden_size, vocab_size=256)
-    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt)
+    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt, a.hidden_on)
     if a.skip_chain:
         p._chain = lambda *args, **kw: None
     fn = call_of(p, states, toks, h, a.ctx, a.k)
@@ -140,7 +147,7 @@ def main() -> int:
         fn()
     us = 1e6 * (time.perf_counter() - t0) / a.calls
     print(f"{a.family} device={a.device} batch={a.batch} k={a.k} graphs={p.cuda_graphs and p.graph_safe} "
-          f"skip_chain={a.skip_chain}: {us:.1f} µs wall per call (propose + after_verify)")
+          f"skip_chain={a.skip_chain} hidden_on={a.hidden_on}: {us:.1f} µs wall per call (propose + after_verify)")
     print(phases(p, fn, a.calls))
     if a.no_profile:
         return 0

@@ -256,3 +256,6 @@ def test_profile_host_ref_smoke():
     wide = ok(run("profile_host.py", "--family", "deepseek_v3", "--device", "ref", "--skip-chain", "--calls", "5",
                   "--batch", "5", "--k", "2", "--no-profile"))
     assert "batch=5 k=2" in wide and "post" in wide and "_propose" not in wide
+    dev = ok(run("profile_host.py", "--family", "deepseek_v4", "--device", "ref", "--calls", "3", "--batch", "5",
+                 "--hidden-on", "device", "--no-profile"))
+    assert "batch=5 k=1" in dev and "hidden_on=device" in dev
