@@ -58,7 +58,7 @@ from ..weights.config import ModelConfig, load_config
 from .batch_inputs import ARRAY_MIN_BATCH, batch_masks, check_sequences, mirror_rows, state_list
 from .inputs import check_position, check_token, host_ints, is_device_pointer, stage_hidden, take_hidden
 from .options import ProposerOptions
-from .proposer import DRAFTED, OFF, RUN0, DraftResult, ProposerState, mtp_rows_to_trim
+from .proposer import DRAFTED, OFF, RUN0, DraftResult, ProposerState, mtp_rows_to_trim, mtp_rows_to_trim_batch
 
 log = logging.getLogger("mtp_cupy")
 
@@ -711,8 +711,7 @@ class MtpProposerBase:
             for st, n in zip(states, acc):
                 self._trim(st, n)
             return
-        # mtp_rows_to_trim for 0 <= a <= d: the rejected d - a, and with refeed every accepted row but the first
-        rows = c[:, ROWS] - (d - (np.minimum(a, 1) if self.refeed_accepted else a))
+        rows = c[:, ROWS] - mtp_rows_to_trim_batch(d, a, self.refeed_accepted)
         bs, nb = self.kv.block_size, c[:, NBLOCKS].copy()
         drop, cut = nb - (rows + bs - 1) // bs, rows <= c[:, RUN0]   # blocks emptied; the last run of positions gone
         c[:, ROWS], c[:, DRAFTED] = rows, 0

@@ -9,7 +9,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..cache.paged import OWNER, ROWS
+from ..cache.paged import OWNER
 
 
 @dataclass
@@ -89,8 +89,7 @@ class ProposerState:
     @property
     def newest_position(self) -> int:
         """The position of the newest drafter row (-1 before any)."""
-        b = self.blocks
-        n = 0 if b is None or b.row is None else b.cache._cols.item(b.row, ROWS)
+        n = self.seq_len
         if not n:
             return -1
         r0, p0 = self.runs[-1]
@@ -169,3 +168,9 @@ def mtp_rows_to_trim(num_drafted: int, num_accepted: int, refeed_accepted: bool 
     rejected = max(num_drafted - num_accepted, 0)
     refed = max(num_accepted - 1, 0) if refeed_accepted else 0
     return min(rejected + refed, num_drafted)
+
+
+def mtp_rows_to_trim_batch(num_drafted: np.ndarray, num_accepted: np.ndarray, refeed_accepted: bool) -> np.ndarray:
+    """`mtp_rows_to_trim` over int arrays with 0 <= num_accepted <= num_drafted (what after_verify_batch has
+    checked): the rejected d - a, plus with refeed every accepted row but the first, i.e. d - min(a, 1)."""
+    return num_drafted - (np.minimum(num_accepted, 1) if refeed_accepted else num_accepted)
