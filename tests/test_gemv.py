@@ -232,6 +232,9 @@ def test_no_split_k_before_hopper():
     assert ops.plan_gemv(dev, "w8a16_gemv", n, k).kb == 1
     with pytest.raises(KernelError, match="no launch plan fits"):
         ops.plan_gemv(dev, "w8a16_gemv", n, k, Tune(kb=2))
+    for bad in (Tune(kb=-1), Tune(ks=0), Tune(stages=-2), Tune(blocks=1.5)):   # a typed error, never an empty grid
+        with pytest.raises(KernelError, match="every Tune field"):
+            ops.plan_gemv(dev, "w8a16_gemv", n, k, bad)
 
 
 def test_shape_errors(rng):

@@ -66,6 +66,8 @@ def test_launch_argument_checks(ref):
         KernelLaunch(ref, h).arg_i32(1 << 31)
     with pytest.raises(KernelError, match=r"cluster \(1, 3, 1\) does not divide grid \(4, 2, 1\)"):
         KernelLaunch(ref, h).grid(4, 2).block(32).cluster(1, 3).launch()
+    with pytest.raises(KernelError, match="cluster dims"):
+        KernelLaunch(ref, h).grid(4, 2).cluster(1, 0)
 
 
 def test_ref_memory_bounds_and_null(ref):

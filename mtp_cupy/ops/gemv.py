@@ -153,6 +153,8 @@ def _regs(gpu: Backend, name: str) -> int:
 @functools.lru_cache(maxsize=1024)
 def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: int) -> Plan:
     g = _GEOM[name]
+    bad = [f"{f}={v}" for f, v in vars(tune).items() if v is not None and not (isinstance(v, int) and v >= 1)]
+    need(not bad, f"plan_gemv: {', '.join(bad)}: every Tune field is None (the planner's choice) or an int >= 1")
     max_kb = min(max_kb, g.max_kb)
     tiles = -(-n // g.tile_rows)
     units = -(-(k // g.kchunk) // g.unit_chunks)

@@ -259,7 +259,10 @@ class KernelLaunch:
 
     def cluster(self, x=1, y=1, z=1):
         """Thread block cluster dims (sm_90; each divides the grid's): the blocks of a cluster share shared memory."""
-        self._cluster = (int(x), int(y), int(z))
+        c = (int(x), int(y), int(z))
+        if min(c) < 1:
+            raise KernelError(f"{self.h}: cluster dims {c} must be >= 1")
+        self._cluster = c
         return self
 
     def _arg(self, kind: str, v):
