@@ -38,15 +38,17 @@ def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | Non
         p.prefill(st, rng.integers(0, p.vocab_size, ctx + 1), to_bf16(rng.standard_normal((ctx,) + shape) * 0.1))
         states.append(st)
     h = to_bf16(rng.standard_normal((B,) + shape) * 0.1)
-    if hidden_on == "device":   # the rows as a device pointer, read in place (what a GPU target hands over)
-        p._profile_hidden = gpu.upload(h)
-        h = p._profile_hidden.ptr
+    if hidden_on == "device":   # the rows on the device, handed over as a pointer (what a GPU target does)
+        h = gpu.upload(h)
     toks = [int(t) for t in rng.integers(0, p.vocab_size, B)]
     return p, states, toks, h
 
 
 def call_of(p, states, toks, h, ctx: int, k: int):
+    """`h`: host bf16 rows, or a device buffer of them (passed as its pointer; the caller keeps it alive)."""
     B = len(states)
+    if not isinstance(h, np.ndarray):
+        h = h.ptr
     if B == 1:
         st, t, hh = states[0], toks[0], h if isinstance(h, DevicePtr) else h[0]
 
