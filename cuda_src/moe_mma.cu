@@ -3,12 +3,13 @@
 //
 // Plan (moe_route_plan, one block). Pair q = row q / n_slots, slot q % n_slots chose expert ids[q]. The plan
 // groups the pairs by expert: this rank's experts (table entry non-zero) in ascending id order, each one's
-// pairs in ascending pair order, cut into items of at most PLAN_ROWS pairs; pairs without a local expert
-// (another rank's, or an id outside [0, n_experts)) come last, as the "none" list. Layout, u32 words:
-//   [0] items, [1] none_start (= pairs with a local expert), [2] offset of `sorted` (words), [3] 0,
+// pairs in ascending pair order, cut into items of at most `rows` pairs (32 for the GEMMs below, 8 for their
+// one-n-tile "mma8" forms); pairs without a local expert (another rank's, or an id outside [0, n_experts)) come
+// last, as the "none" list. Layout, u32 words:
+//   [0] items, [1] none_start (= pairs with a local expert), [2] offset of `sorted` (words), [3] rows,
 //   [4 ..) items (uint2 each: expert id, first sorted position << 8 | pairs), max_items of them,
 //   sorted[n_pairs] at plan + plan[2]: the pair ids in that order.
-// max_items = min(n_pairs, min(n_pairs, n_experts) + n_pairs / PLAN_ROWS) (ops.moe.plan_max_items). Ranks
+// max_items = min(n_pairs, min(n_pairs, n_experts) + n_pairs / rows) (ops.moe.plan_max_items). Ranks
 // within an expert come from one warp walking the pairs in order (__match_any_sync), and the counts and
 // offsets are integer sums: the plan is a function of ids and the table alone (no atomics). Graph-safe:
 // buffers sized by n_pairs, nothing read back by the host.
@@ -17,25 +18,26 @@
 // of blocks (32, KS) walks the units b, b + gridDim.x, ... while below items * tiles (read from the plan), so
 // no block waits on a plan slot that is empty. A unit streams its expert's tile once with the mma_stream
 // machinery of gemv.cu (cp.async ring per warp, warp ks taking k units ks, ks + KS, ...; weights decoded to
-// bf16 in registers; mma.sync m16n8k16) and multiplies it by all the item's gathered x rows (4 n-tiles of
-// 8: up to 32 rows in one pass; an expert with more pairs has several items). Tile: 2 slabs of 16 weight
+// bf16 in registers; mma.sync m16n8k16) and multiplies it by all the item's gathered x rows (MT n-tiles of
+// 8: up to 8 MT rows in one pass; an expert with more pairs has several items). MT = 4 (32-row items) for
+// batches; MT = 1 (the mma8 kernels, 8-row items) for few rows, where the 4 n-tiles' registers would halve
+// the warps an SM holds. Tile: 2 slabs of 16 weight
 // rows: gate/up = 16 gate rows + the same 16 up rows (16 outputs, SwiGLU in the epilogue); down = 32 rows
 // of one matrix. Results are scattered to the item's pairs' output rows. A pair's arithmetic (the k units of
 // each warp, the fresh accumulator per mma step, the slice order of the KS partial sums) depends on (format,
 // N, K, KS) only; the launcher picks KS from (format, K): a pair's result is bit-identical whatever other
 // pairs share the call, and whichever n-tile column it lands in. plan == NULL: one weight (table entry 0)
-// for every pair, items of 32 consecutive pairs (the shared expert).
+// for every pair, items of 8 MT consecutive pairs (the shared expert).
 #include "common.cuh"
 #include "stream_mma.cuh"
 
 // ---------------------------------------------------------------------------------------------------
 // Routing plan.
 
-constexpr u32 PLAN_ROWS = 32;   // pairs per item: the GEMMs' MMA_MT n-tiles of 8 x rows
 constexpr u32 PLAN_HEADER = 4;  // u32 words before the items
 
-__device__ __forceinline__ u32 plan_max_items(u32 n_pairs, u32 n_experts) {
-    return min(n_pairs, min(n_pairs, n_experts) + n_pairs / PLAN_ROWS);
+__device__ __forceinline__ u32 plan_max_items(u32 n_pairs, u32 n_experts, u32 rows) {
+    return min(n_pairs, min(n_pairs, n_experts) + n_pairs / rows);
 }
 
 // Exclusive prefix sums of a[0, n) and b[0, n) in shared memory, in place, by the whole block (blockDim.x a
@@ -74,10 +76,10 @@ __device__ void scan2_exclusive(u32* a, u32* b, u32 n, u32* ws) {
 }
 
 // Grid 1, block 1024, dynamic shared memory 4 * (2 * (n_experts + 1) + n_pairs) bytes; n_experts <= 4096,
-// n_pairs <= 32768 (ops.moe: MAX_EXPERTS, MAX_PLAN_PAIRS). A pair's expert is local when its id is in
-// [0, n_experts) and tab[id]'s weight is not NULL.
+// n_pairs <= 32768 (ops.moe: MAX_EXPERTS, MAX_PLAN_PAIRS), 1 <= rows <= 255. A pair's expert is local when its
+// id is in [0, n_experts) and tab[id]'s weight is not NULL.
 extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab, const i32* ids, u32 n_pairs,
-                                                                   u32 n_experts, u32* plan)
+                                                                   u32 n_experts, u32 rows, u32* plan)
 {
     pdl_entry();
     __shared__ u32 ws[64];
@@ -85,7 +87,7 @@ extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab
     u32* cnt = (u32*)g_dsm;  // [E + 1] pairs per key (key E: the none list), then each key's first position
     u32* its = cnt + E + 1;  // [E + 1] items per expert, then each expert's first item
     u32* kr = its + E + 1;   // [n_pairs] key << 16 | the pair's rank among the pairs of its key
-    const u32 mi = plan_max_items(n_pairs, E);
+    const u32 mi = plan_max_items(n_pairs, E, rows);
     uint2* items = (uint2*)(plan + PLAN_HEADER);
     u32* sorted = plan + PLAN_HEADER + 2 * mi;
     for (u32 i = tid; i <= E; i += nt) cnt[i] = 0;
@@ -109,24 +111,26 @@ extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab
         }
     }
     __syncthreads();
-    for (u32 i = tid; i <= E; i += nt) its[i] = i < E ? (cnt[i] + PLAN_ROWS - 1) / PLAN_ROWS : 0u;
+    for (u32 i = tid; i <= E; i += nt) its[i] = i < E ? (cnt[i] + rows - 1) / rows : 0u;
     __syncthreads();
     scan2_exclusive(cnt, its, E + 1, ws);
     for (u32 q = tid; q < n_pairs; q += nt) sorted[cnt[kr[q] >> 16] + (kr[q] & 0xffffu)] = q;
     for (u32 e = tid; e < E; e += nt) {
         const u32 p0 = cnt[e], c = cnt[e + 1] - p0;
-        for (u32 j = 0; j * PLAN_ROWS < c; ++j)
-            items[its[e] + j] = make_uint2(e, (p0 + j * PLAN_ROWS) << 8 | min(PLAN_ROWS, c - j * PLAN_ROWS));
+        for (u32 j = 0; j * rows < c; ++j)
+            items[its[e] + j] = make_uint2(e, (p0 + j * rows) << 8 | min(rows, c - j * rows));
     }
-    if (tid == 0) plan[0] = its[E], plan[1] = cnt[E], plan[2] = PLAN_HEADER + 2 * mi, plan[3] = 0;
+    if (tid == 0) plan[0] = its[E], plan[1] = cnt[E], plan[2] = PLAN_HEADER + 2 * mi, plan[3] = rows;
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Grouped expert GEMMs. Block (32, KS), KS in {1, 2, 4}; dynamic shared memory KS * NS * 4096 bytes (NS ring
-// stages of 32 rows x 8 chunks per warp, NS >= 2); a persistent grid (ops.moe picks its size: results do
-// not depend on it).
+// Grouped expert GEMMs. Block (32, KS), KS in {1, 2, 4}; dynamic shared memory KS * NS * 4096 bytes of rings
+// (NS stages of 32 rows x 8 chunks per warp, NS >= 2) then, for KS > 1, a double-buffered reduction area of
+// 2 * KS * 1024 * MT bytes (ops.moe.mma_red_bytes); a persistent grid (ops.moe picks its size: results do not
+// depend on it). As in mma_stream, each warp's ring runs across unit boundaries: the copies of the next unit's
+// first stages are in flight while the warp finishes this one, so a block that walks several units never
+// drains its pipeline between them.
 
-constexpr int MMA_MT = 4;  // n-tiles of 8 x rows: PLAN_ROWS rows per pass
 constexpr int MMA_RT = 2;  // slabs of 16 weight rows per tile
 
 __device__ __forceinline__ float swiglu(float g, float u, float limit) {  // as moe.cu: NaN passes through
@@ -142,28 +146,47 @@ template <bool GU> __device__ __forceinline__ void store_zero(void* out, u64 i) 
     else ((float*)out)[i] = 0.f;
 }
 
+// Work unit u of a plan (or of the plan-less call): its expert, first output row, first sorted position and
+// rows.
+struct Unit {
+    u32 e, n0, p0, nrows;
+};
+__device__ __forceinline__ Unit unit_of(const u32* plan, u32 u, u32 T, u32 outs, u32 n_pairs, u32 rows) {
+    const u32 it = u / T;
+    Unit r;
+    r.n0 = (u - it * T) * outs;
+    if (plan) {
+        const uint2 v = ((const uint2*)(plan + PLAN_HEADER))[it];
+        r.e = v.x, r.p0 = v.y >> 8, r.nrows = v.y & 0xffu;
+    } else {
+        r.e = 0, r.p0 = it * rows, r.nrows = min(rows, n_pairs - r.p0);
+    }
+    return r;
+}
+
 // GU: tab_a = gate, tab_b = up, out = bf16 h [n_pairs, N] = swiglu(gate x, up x); else out = f32 y
-// [n_pairs, N] = W x (tab_b = tab_a). x of pair q: x + (q / n_slots) * xrs + (q % n_slots) * xss.
-template <int F, bool GU>
+// [n_pairs, N] = W x (tab_b = tab_a). x of pair q: x + (q / n_slots) * xrs + (q % n_slots) * xss. A plan's
+// items hold at most 8 MT pairs (its rows).
+template <int F, bool GU, int MT>
 __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, const u64* tab_b, u32 n_pairs,
                                            u32 n_slots, const u16* x, u32 xrs, u32 xss, void* out, u32 N, u32 K,
                                            float limit)
 {
-    constexpr int MT = MMA_MT, RT = MMA_RT, KC = kchunk<F>(), NM = KC / 4, CH = 8, TR = 16 * RT, E = RT * MT * 4;
+    constexpr int RT = MMA_RT, KC = kchunk<F>(), NM = KC / 4, CH = 8, TR = 16 * RT, E = RT * MT * 4;
     constexpr int SL = GU ? RT / 2 : RT;  // slabs per matrix: a tile has 16 * SL outputs
     constexpr u32 OUTS = 16 * SL, STAGE = TR * CH, ROWS = 8 * MT;  // STAGE: uint4 per warp and stage
     constexpr bool FP4 = F == NVFP4 || F == MXFP4, BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0;
     constexpr int XS = FP4 ? 1 : 2;  // steps of x held at once
-    static_assert(ROWS == PLAN_ROWS && TR == 32, "an item fills the n-tiles; a lane copies / prefetches one row");
-    __shared__ u32 s_pair[ROWS];  // the unit's pairs (item row i -> pair id)
+    static_assert(TR == 32, "a lane copies / prefetches one row");
     const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3, ks = threadIdx.y, KS = blockDim.y;
     const u32 tid = ks * 32 + lane, nth = 32 * KS;
     const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH, T = (N + OUTS - 1) / OUTS;
     const u32 nunit = ks < NU ? (NU - 1 - ks) / KS + 1 : 0;
     const u64 rowbytes = (u64)K * (F == BF16 ? 2 : 1) / (FP4 ? 2 : 1);
-    const u32 NS = dyn_smem_bytes() / (KS * STAGE * 16);  // ring stages, >= 2 (launcher)
+    const u32 red_bytes = KS > 1 ? 2 * KS * E * 32 * 4 : 0;
+    const u32 NS = (dyn_smem_bytes() - red_bytes) / (KS * STAGE * 16);  // ring stages, >= 2 (launcher)
     uint4* const ring = g_dsm + ks * NS * STAGE;
-    float* const red = (float*)g_dsm;  // KS > 1: partial sums, over the rings once every warp is past them
+    float* const red = (float*)(g_dsm + KS * NS * STAGE);
     const u32 count = plan ? plan[0] : (n_pairs + ROWS - 1) / ROWS;
     const u32 none0 = plan ? plan[1] : n_pairs;
     const u32* sorted = plan ? plan + plan[2] : nullptr;
@@ -173,61 +196,61 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     for (u64 i = (u64)blockIdx.x * nth + tid; i < nz; i += (u64)gridDim.x * nth)
         store_zero<GU>(out, (u64)sorted[none0 + i / N] * N + i % N);
 
-    const u32 cc = lane & 7, cr = lane >> 3;  // this lane copies chunk cc of rows 4i + cr
-    for (u32 w = blockIdx.x; w < count * T; w += gridDim.x) {
-        const u32 it = w / T, n0 = (w - it * T) * OUTS;
-        u32 e = 0, p0 = it * ROWS, nrows;
-        if (plan) {
-            const uint2 v = ((const uint2*)(plan + PLAN_HEADER))[it];
-            e = v.x, p0 = v.y >> 8, nrows = v.y & 0xffu;
-        } else {
-            nrows = min(ROWS, n_pairs - p0);
-        }
-        __syncthreads();  // the previous unit is done with s_pair and with the reduction area
-        if (tid < nrows) s_pair[tid] = sorted ? sorted[p0 + tid] : p0 + tid;
-        __syncthreads();
-        const u64* ta = tab_a + 3 * (u64)e;
-        const u64* tb = GU ? tab_b + 3 * (u64)e : ta;
-        const u8* const Wm[2] = {(const u8*)ta[0], (const u8*)tb[0]};
-        if (!Wm[0] || !Wm[1]) {  // not in this table (the plan may have been built from another): zeros
-            for (u32 i = tid; i < nrows * OUTS; i += nth) {
-                const u32 n = n0 + i % OUTS;
-                if (n < N) store_zero<GU>(out, (u64)s_pair[i / OUTS] * N + n);
-            }
-            continue;
-        }
-        const u8* const Sm[2] = {(const u8*)ta[1], (const u8*)tb[1]};
-        // slab r: matrix GU ? r : 0, first row n0 + (GU ? 0 : 16 r)
-        const u8* pf = nullptr;  // fp4: the block scales of tile row `lane`, prefetched into L2 per unit
-        if (FP4) {
-            const u32 sr = lane >> 4, n = min(n0 + (GU ? 0u : 16u * sr) + (lane & 15), N - 1);
-            pf = (GU && sr ? Sm[1] : Sm[0]) + (u64)n * (F == NVFP4 ? K / 16 : K / 32);
-        }
+    const u32 total = count * T, NB = gridDim.x, bx = blockIdx.x;
+    const u32 nwalk = bx < total ? (total - 1 - bx) / NB + 1 : 0;  // this block's units bx, bx + NB, ...
 
-        u32 iu = 0, islot = 0, left = nunit;  // issue side: next unit, ring slot
-        auto issue = [&]() {
-            if (left) {
-                --left;
-                const u32 c0 = (ks + iu * KS) * CH, ch = c0 + cc;
-                const bool ok = ch < KCH;
-                uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
-#pragma unroll
-                for (int i = 0; i < TR / 4; ++i) {
-                    const int sr = i / 4;  // the slab of rows 4i + cr
-                    const u32 r = 4 * i + cr, n = min(n0 + (GU ? 0u : 16u * sr) + (r & 15), N - 1);
-                    cp_async_stream(dst + r * CH, Wm[GU ? sr : 0] + (u64)n * rowbytes + (ok ? ch : 0) * 16u, ok);
+    // Issue side: unit iw, its k unit iu, ring slot islot. A unit whose expert is not in the table (the plan
+    // may have been built from another) still takes its ring slots, zero-filled, so the two sides stay in step.
+    const u32 cc = lane & 7, cr = lane >> 3;  // this lane copies chunk cc of rows 4i + cr
+    u32 iw = 0, iu = 0, islot = 0, left = nwalk * nunit, in0 = 0;
+    const u8* wsrc[2] = {nullptr, nullptr};
+    const u8* pf = nullptr;  // fp4: the block scales of tile row `lane`, prefetched into L2 with each stage
+    auto issue = [&]() {
+        if (left) {
+            --left;
+            if (iu == 0) {
+                const Unit u = unit_of(plan, bx + iw * NB, T, OUTS, n_pairs, ROWS);
+                const u64* ta = tab_a + 3 * (u64)u.e;
+                const u64* tb = GU ? tab_b + 3 * (u64)u.e : ta;
+                in0 = u.n0, wsrc[0] = (const u8*)ta[0], wsrc[1] = (const u8*)tb[0];
+                if (!wsrc[0] || !wsrc[1]) wsrc[0] = wsrc[1] = nullptr;
+                if (FP4 && wsrc[0]) {
+                    const u32 sr = lane >> 4, n = min(in0 + (GU ? 0u : 16u * sr) + (lane & 15), N - 1);
+                    pf = (const u8*)(GU && sr ? tb[1] : ta[1]) + (u64)n * (F == NVFP4 ? K / 16 : K / 32);
                 }
-                if (FP4) prefetch_l2(pf + c0 * (F == NVFP4 ? 2 : 1));
-                ++iu;
-                if (++islot == NS) islot = 0;
             }
-            cp_async_commit();  // an empty group past the end keeps the wait count uniform
-        };
+            const u32 c0 = (ks + iu * KS) * CH, ch = c0 + cc;
+            const bool ok = wsrc[0] && ch < KCH;
+            uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
+#pragma unroll
+            for (int i = 0; i < TR / 4; ++i) {
+                const int sr = i / 4;  // the slab of rows 4i + cr
+                const u32 r = 4 * i + cr, n = min(in0 + (GU ? 0u : 16u * sr) + (r & 15), N - 1);
+                const u8* src = ok ? wsrc[GU ? sr : 0] + (u64)n * rowbytes + ch * 16u : (const u8*)tab_a;
+                cp_async_stream(dst + r * CH, src, ok);
+            }
+            if (FP4 && wsrc[0]) prefetch_l2(pf + c0 * (F == NVFP4 ? 2 : 1));
+            if (++iu == nunit) iu = 0, ++iw;
+            if (++islot == NS) islot = 0;
+        }
+        cp_async_commit();  // an empty group past the end keeps the wait count uniform
+    };
+
+    for (u32 p = 1; p < NS; ++p) issue();
+    u32 cslot = 0, nred = 0;
+    for (u32 i = 0; i < nwalk; ++i) {
+        const Unit u = unit_of(plan, bx + i * NB, T, OUTS, n_pairs, ROWS);
+        const u32 n0 = u.n0, nrows = u.nrows;
+        const u64* ta = tab_a + 3 * (u64)u.e;
+        const u64* tb = GU ? tab_b + 3 * (u64)u.e : ta;
+        const bool have = ta[0] && tb[0];  // uniform over the block
+        const u8* const Sm[2] = {(const u8*)ta[1], (const u8*)tb[1]};
+        auto pair_of = [&](u32 r) { return sorted ? __ldg(sorted + u.p0 + r) : u.p0 + r; };  // item row -> pair
 
         const u16* xp[MT];  // x row of item row 8 jm + g (the last row stands in past nrows: loads masked)
 #pragma unroll
         for (int jm = 0; jm < MT; ++jm) {
-            const u32 q = s_pair[min(8 * jm + g, nrows - 1)];
+            const u32 q = pair_of(min(8 * jm + g, nrows - 1));
             xp[jm] = x + (u64)(q / n_slots) * xrs + (u64)(q % n_slots) * xss;
         }
         auto load_x = [&](u32 (&X)[MT][KC / 2], u32 c) {  // chunk c of the item's x rows, as lane (g, t) wants
@@ -248,11 +271,14 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
 #pragma unroll
             for (int h = 0; h < 2; ++h) rows[r][h] = min(n0 + (GU ? 0u : 16u * r) + g + 8 * h, N - 1);
         float acc[RT][MT][4] = {};
-        for (u32 p = 1; p < NS; ++p) issue();
-        u32 cslot = 0;
         for (u32 j = 0; j < nunit; ++j) {
             __syncwarp();  // every lane is done reading the slot that this issue overwrites
             issue();
+            if (!have) {  // the slot's zero fill must land before a later copy reuses it
+                cp_async_wait_n(NS - 1);
+                if (++cslot == NS) cslot = 0;
+                continue;
+            }
             const u32 c0 = (ks + j * KS) * CH;
             // x words and fp4 scale bytes of the unit's two steps (not through the ring). fp4 holds one step
             // of x at a time (32 rows x 32 k a lane would not fit next to the accumulators): step 1's loads
@@ -325,13 +351,20 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
             }
             if (++cslot == NS) cslot = 0;
         }
+        if (!have) {  // not in this table: zeros (uniform over the block)
+            for (u32 q = tid; q < nrows * OUTS; q += nth) {
+                const u32 n = n0 + q % OUTS;
+                if (n < N) store_zero<GU>(out, (u64)pair_of(q / OUTS) * N + n);
+            }
+            continue;
+        }
 
         // C fragment element e2 of (slab r, n-tile jm): item row 8jm + 2t + (e2 & 1), output row (slab row)
         // g + 8 (e2 >> 1). GU: v = gate, vu = up of the same output.
         auto emit = [&](u32 r, u32 jm, u32 e2, float v, float vu) {
-            const u32 i = 8 * jm + 2 * t + (e2 & 1), n = n0 + (GU ? 0u : 16u * r) + g + 8 * (e2 >> 1);
-            if (i >= nrows || n >= N) return;
-            const u64 o = (u64)s_pair[i] * N + n;
+            const u32 q = 8 * jm + 2 * t + (e2 & 1), n = n0 + (GU ? 0u : 16u * r) + g + 8 * (e2 >> 1);
+            if (q >= nrows || n >= N) return;
+            const u64 o = (u64)pair_of(q) * N + n;
             const float fm0 = F == NVFP4 ? __uint_as_float((u32)ta[2]) * 256.f : F == MXFP4 ? 0x1p64f : 1.f;
             if (GU) {
                 const float fm1 = F == NVFP4 ? __uint_as_float((u32)tb[2]) * 256.f : fm0;  // undo fp4_scale
@@ -349,25 +382,27 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                 emit(o / (4 * MT), (o / 4) % MT, o % 4, acc[o / (4 * MT)][(o / 4) % MT][o % 4],
                      GU ? acc[1][(o / 4) % MT][o % 4] : 0.f);
         } else {
-            cp_async_wait<0>();  // nothing real is pending (only the trailing empty groups)
-            __syncthreads();     // every warp is past its ring: the reduction area may overwrite the rings
+            // double buffer, alternating per reduction: reduction j + 2 writes after every warp met reduction
+            // j + 1's barrier, so after every warp finished reading reduction j's buffer
+            float* rb = red + (nred++ & 1) * KS * E * 32;
 #pragma unroll
             for (int r = 0; r < RT; ++r)
 #pragma unroll
                 for (int jm = 0; jm < MT; ++jm)
 #pragma unroll
-                    for (int e2 = 0; e2 < 4; ++e2) red[(ks * E + (r * MT + jm) * 4 + e2) * 32 + lane] = acc[r][jm][e2];
+                    for (int e2 = 0; e2 < 4; ++e2) rb[(ks * E + (r * MT + jm) * 4 + e2) * 32 + lane] = acc[r][jm][e2];
             __syncthreads();
             for (u32 o = ks; o < EO; o += KS) {  // the warps share the sums; each adds the slices in order
-                float v = red[o * 32 + lane], vu = GU ? red[(o + EO) * 32 + lane] : 0.f;
+                float v = rb[o * 32 + lane], vu = GU ? rb[(o + EO) * 32 + lane] : 0.f;
                 for (u32 q = 1; q < KS; ++q) {
-                    v += red[(q * E + o) * 32 + lane];
-                    if (GU) vu += red[(q * E + o + EO) * 32 + lane];
+                    v += rb[(q * E + o) * 32 + lane];
+                    if (GU) vu += rb[(q * E + o + EO) * 32 + lane];
                 }
                 emit(o / (4 * MT), (o / 4) % MT, o % 4, v, vu);
             }
         }
     }
+    cp_async_wait<0>();  // only the trailing empty groups are pending
 }
 
 // y f32 [n_pairs, N] = W x_q for every pair (routed experts' down projections; the shared expert's with plan
@@ -377,7 +412,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_bf16(
     float* y, u32 N, u32 K)
 {
     pdl_entry();
-    expert_mma<BF16, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+    expert_mma<BF16, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_row(
@@ -385,7 +420,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_row(
     float* y, u32 N, u32 K)
 {
     pdl_entry();
-    expert_mma<FP8_ROW, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+    expert_mma<FP8_ROW, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block(
@@ -393,7 +428,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block(
     float* y, u32 N, u32 K)
 {
     pdl_entry();
-    expert_mma<FP8_BLOCK, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+    expert_mma<FP8_BLOCK, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block_e8m0(
@@ -401,7 +436,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block_e8m0
     float* y, u32 N, u32 K)
 {
     pdl_entry();
-    expert_mma<FP8_BLOCK_E8M0, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K,
+    expert_mma<FP8_BLOCK_E8M0, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K,
                                       0.f);
 }
 
@@ -410,7 +445,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_nvfp4(
     float* y, u32 N, u32 K)
 {
     pdl_entry();
-    expert_mma<NVFP4, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+    expert_mma<NVFP4, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
 extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_mxfp4(
@@ -418,7 +453,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_mxfp4(
     float* y, u32 N, u32 K)
 {
     pdl_entry();
-    expert_mma<MXFP4, false>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+    expert_mma<MXFP4, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
 }
 
 // h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0.
@@ -427,7 +462,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_bf16(
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     pdl_entry();
-    expert_mma<BF16, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit);
+    expert_mma<BF16, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit);
 }
 
 extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_row(
@@ -435,7 +470,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_row(
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     pdl_entry();
-    expert_mma<FP8_ROW, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+    expert_mma<FP8_ROW, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                               limit);
 }
 
@@ -444,7 +479,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block(
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     pdl_entry();
-    expert_mma<FP8_BLOCK, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+    expert_mma<FP8_BLOCK, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                                 limit);
 }
 
@@ -453,7 +488,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block_e
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     pdl_entry();
-    expert_mma<FP8_BLOCK_E8M0, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,
+    expert_mma<FP8_BLOCK_E8M0, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,
                                      N, K, limit);
 }
 
@@ -462,7 +497,7 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_nvfp4(
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     pdl_entry();
-    expert_mma<NVFP4, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+    expert_mma<NVFP4, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                             limit);
 }
 
@@ -471,6 +506,111 @@ extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_mxfp4(
     u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
 {
     pdl_entry();
-    expert_mma<MXFP4, true>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+    expert_mma<MXFP4, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                            limit);
+}
+
+// The same for items of at most 8 pairs (one n-tile; a plan built with rows = 8): ~115 registers, so an SM holds
+// 16 warps (the 4-n-tile kernels: 8). A pair's arithmetic is the same in both.
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_bf16(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    pdl_entry();
+    expert_mma<BF16, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_fp8_row(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    pdl_entry();
+    expert_mma<FP8_ROW, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_fp8_block(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    pdl_entry();
+    expert_mma<FP8_BLOCK, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_fp8_block_e8m0(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    pdl_entry();
+    expert_mma<FP8_BLOCK_E8M0, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K,
+                                      0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_nvfp4(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    pdl_entry();
+    expert_mma<NVFP4, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_mxfp4(
+    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
+    float* y, u32 N, u32 K)
+{
+    pdl_entry();
+    expert_mma<MXFP4, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
+}
+
+// h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0.
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_bf16(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    pdl_entry();
+    expert_mma<BF16, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_fp8_row(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    pdl_entry();
+    expert_mma<FP8_ROW, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                              limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_fp8_block(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    pdl_entry();
+    expert_mma<FP8_BLOCK, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                                limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_fp8_block_e8m0(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    pdl_entry();
+    expert_mma<FP8_BLOCK_E8M0, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,
+                                     N, K, limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_nvfp4(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    pdl_entry();
+    expert_mma<NVFP4, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
+                            limit);
+}
+
+extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_mxfp4(
+    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
+    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
+{
+    pdl_entry();
+    expert_mma<MXFP4, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
                             limit);
 }

@@ -462,14 +462,15 @@ def _moe(dev, mem):
             return SimpleNamespace(fmt=fmt, weight=mem(int(n * k * elem[fmt])),
                                    scale=mem(scale_bytes[fmt]) if scale_bytes[fmt] else NULL, scale2=0.5)
         tab, tab_up = (mem.put(ops.expert_table([proj(), None, proj()])) for _ in range(2))
-        plan = mem(ops.moe_plan_bytes(n_pairs, n_experts))
-        ops.moe_route_plan(dev, tab, ids, n_pairs, n_experts, plan)
-        x = mem(2 * n_pairs * n_slots * (k + 8))
-        for p, slots in ((plan, n_slots), (NULL, 1)):
-            ops.moe_gemv_mma(dev, tab, fmt, p, n_pairs, slots, n_experts, x, n_slots * (k + 8), k + 8,
-                             mem(4 * n_pairs * n), n, k)
-            ops.moe_gate_up_mma(dev, tab, tab_up, fmt, p, n_pairs, slots, n_experts, x, n_slots * (k + 8), k + 8,
-                                mem(2 * n_pairs * n), n, k, limit=7.0)
+        for rows in (ops.PLAN_ROWS, ops.MMA8_ROWS):
+            plan = mem(ops.moe_plan_bytes(n_pairs, n_experts, rows))
+            ops.moe_route_plan(dev, tab, ids, n_pairs, n_experts, plan, rows=rows)
+            x = mem(2 * n_pairs * n_slots * (k + 8))
+            for p, slots in ((plan, n_slots), (NULL, 1)):
+                ops.moe_gemv_mma(dev, tab, fmt, p, n_pairs, slots, n_experts, x, n_slots * (k + 8), k + 8,
+                                 mem(4 * n_pairs * n), n, k, rows=rows)
+                ops.moe_gate_up_mma(dev, tab, tab_up, fmt, p, n_pairs, slots, n_experts, x, n_slots * (k + 8),
+                                    k + 8, mem(2 * n_pairs * n), n, k, limit=7.0, rows=rows)
     m, E, top_k = 3, 8, 2
     logits, bias = mem(4 * m * E), mem(4 * E)
     ops.moe_topk_softmax(dev, logits, mem(4 * m * top_k), mem(4 * m * top_k), m, E, top_k, scale=2.5)

@@ -446,8 +446,9 @@ def skewed_ids(rng, m, top_k, E, hot=(), p_hot=0.0):
     return np.stack([rng.choice(E, top_k, replace=False, p=w / w.sum()) for _ in range(m)]).astype(np.int32)
 
 
+@pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])
 @pytest.mark.parametrize("n_pairs", [1, 7, 96, 640, 2048])
-def test_route_plan(dev, rng, n_pairs):
+def test_route_plan(dev, rng, n_pairs, rows):
     """The plan against its definition: experts held by another rank (NULL entries), ids outside [0, E) and -1
     go to the none list; a hot expert has several items; poisoned buffer."""
     E = 40
@@ -455,13 +456,13 @@ def test_route_plan(dev, rng, n_pairs):
     tab = np.zeros((E, 3), np.uint64)
     tab[local, 0] = 16 * (1 + np.nonzero(local)[0])   # the plan reads only whether the weight is NULL
     ids = rng.choice(np.r_[np.arange(E), [5] * 60, [-1, E, E + 7]], n_pairs).astype(np.int32)
-    tb, ib, pb = up(dev, tab), up(dev, ids), out(dev, "u8", ops.moe_plan_bytes(n_pairs, E))
-    ops.moe_route_plan(dev, tb.ptr, ib.ptr, n_pairs, E, pb.ptr)
+    tb, ib, pb = up(dev, tab), up(dev, ids), out(dev, "u8", ops.moe_plan_bytes(n_pairs, E, rows))
+    ops.moe_route_plan(dev, tb.ptr, ib.ptr, n_pairs, E, pb.ptr, rows=rows)
     hdr, items, srt = read_plan(dev, pb, n_pairs, E)
-    want_items, want_order, none0 = ref_plan(ids.tolist(), local, E)
-    assert hdr == [len(want_items), none0, 4 + 2 * ops.plan_max_items(n_pairs, E), 0]
+    want_items, want_order, none0 = ref_plan(ids.tolist(), local, E, rows)
+    assert hdr == [len(want_items), none0, 4 + 2 * ops.plan_max_items(n_pairs, E, rows), rows]
     assert items == want_items and srt == want_order
-    assert len(items) <= ops.plan_max_items(n_pairs, E)
+    assert len(items) <= ops.plan_max_items(n_pairs, E, rows)
 
 
 # K in chunks of the format: a ragged last k unit, and 1, 2 or 4 warps splitting k (ops.moe.mma_ks)
@@ -477,9 +478,10 @@ def _mma_case(dev, rng, fmt, chunks, n, n_experts, gate_up):
     return k, host, lins, [up(dev, ops.expert_table(lj)) for lj in lins]
 
 
+@pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])
 @pytest.mark.parametrize("chunks", list(MMA_CHUNKS))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_moe_gemv_mma_formats(dev, rng, fmt, chunks):
+def test_moe_gemv_mma_formats(dev, rng, fmt, chunks, rows):
     """y[q] = W[ids[q]] x_q through a plan: repeats (a hot expert with more than 32 pairs: two items), an absent
     expert (NULL entry), an out-of-range id and -1 (zeros), an N tail, a ragged last k unit."""
     n_experts, m, n_slots, n = 5, 24, 3, 136
@@ -488,10 +490,10 @@ def test_moe_gemv_mma_formats(dev, rng, fmt, chunks):
     x = bf16(rng.standard_normal((m, n_slots, k)))
     n_pairs = m * n_slots
     xb, ib, y = up(dev, x), up(dev, ids), out(dev, "f32", (n_pairs, n))
-    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts))
-    ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n_pairs, n_experts, plan.ptr)
+    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts, rows))
+    ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n_pairs, n_experts, plan.ptr, rows=rows)
     ops.moe_gemv_mma(dev, tabs[0].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xb.ptr, n_slots * k, k, y.ptr, n,
-                     k)
+                     k, rows=rows)
     got = get(dev, y, "f32", (n_pairs, n))
     dense = [h[0][1]() for h in host]
     for q, e in enumerate(ids.ravel()):
@@ -501,9 +503,10 @@ def test_moe_gemv_mma_formats(dev, rng, fmt, chunks):
             assert_close(got[q], dense[e] @ f32(x.reshape(-1, k)[q]).astype(np.float64), 1e-5, f"pair {q} expert {e}")
 
 
+@pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])
 @pytest.mark.parametrize("chunks", list(MMA_CHUNKS))
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_moe_gate_up_mma_formats(dev, rng, fmt, chunks):
+def test_moe_gate_up_mma_formats(dev, rng, fmt, chunks, rows):
     """h[q] = swiglu(Wg x_r, Wu x_r) of row r = q / n_slots (x slot stride 0) through a plan, as above; the
     clamp of V4 on odd chunk counts."""
     n_experts, m, n_slots, n = 5, 20, 4, 136
@@ -514,11 +517,11 @@ def test_moe_gate_up_mma_formats(dev, rng, fmt, chunks):
     x = bf16(rng.standard_normal((m, k)) * 4)
     n_pairs = m * n_slots
     xb, ib, h = up(dev, x), up(dev, ids), out(dev, "bf16", (n_pairs, n))
-    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts))
-    ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n_pairs, n_experts, plan.ptr)
+    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts, rows))
+    ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n_pairs, n_experts, plan.ptr, rows=rows)
     assert read_plan(dev, plan, n_pairs, n_experts)[0][0] >= 4   # expert 1 has two items
     ops.moe_gate_up_mma(dev, tabs[0].ptr, tabs[1].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xb.ptr, k, 0,
-                        h.ptr, n, k, limit)
+                        h.ptr, n, k, limit, rows=rows)
     got = f32(get(dev, h, "bf16", (n_pairs, n)))
     for q, e in enumerate(ids.ravel()):
         if e in (3, 9, -1):
@@ -530,10 +533,11 @@ def test_moe_gate_up_mma_formats(dev, rng, fmt, chunks):
             assert np.abs(got[q]).max() <= limit * limit + 1e-6
 
 
+@pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_row", "nvfp4"])
-def test_moe_mma_one_weight(dev, rng, fmt):
+def test_moe_mma_one_weight(dev, rng, fmt, rows):
     """plan NULL: table entry 0 for every pair (the shared expert: one "expert" for all rows), 70 rows in items of
-    32, 32 and 6; a NULL entry gives zeros."""
+    `rows` (32, 32, 6 or eight 8s and 6); a NULL entry gives zeros."""
     m, n, k = 70, 96, 32 * ops.moe.CHUNK[fmt]
     hg, hu, hd = (host_weight(rng, fmt, *sh) for sh in ((n, k), (n, k), (k, n)))
     lg, lu, ld = (upload_weight(dev, fmt, *sh, hw[0]) for sh, hw in zip(((n, k), (n, k), (k, n)), (hg, hu, hd)))
@@ -541,14 +545,51 @@ def test_moe_mma_one_weight(dev, rng, fmt):
     none = up(dev, ops.expert_table([None]))
     x = bf16(rng.standard_normal((m, k)))
     xb, h, y = up(dev, x), out(dev, "bf16", (m, n)), out(dev, "f32", (m, k))
-    ops.moe_gate_up_mma(dev, tg.ptr, tu.ptr, fmt, NULL, m, 1, 1, xb.ptr, k, 0, h.ptr, n, k, 0.0)
-    ops.moe_gemv_mma(dev, td.ptr, fmt, NULL, m, 1, 1, h.ptr, n, 0, y.ptr, k, n)
+    ops.moe_gate_up_mma(dev, tg.ptr, tu.ptr, fmt, NULL, m, 1, 1, xb.ptr, k, 0, h.ptr, n, k, 0.0, rows=rows)
+    ops.moe_gemv_mma(dev, td.ptr, fmt, NULL, m, 1, 1, h.ptr, n, 0, y.ptr, k, n, rows=rows)
     xs = f32(x).astype(np.float64)
     hh = f32(get(dev, h, "bf16", (m, n)))
     assert_close(hh, swiglu(xs @ hg[1]().T, xs @ hu[1]().T, 0.0), 1e-2, "gate/up")
     assert_close(get(dev, y, "f32", (m, k)), f32(hh).astype(np.float64) @ hd[1]().T, 1e-5, "down")
-    ops.moe_gemv_mma(dev, none.ptr, fmt, NULL, m, 1, 1, h.ptr, n, 0, y.ptr, k, n)
+    ops.moe_gemv_mma(dev, none.ptr, fmt, NULL, m, 1, 1, h.ptr, n, 0, y.ptr, k, n, rows=rows)
     assert np.array_equal(get(dev, y, "f32", (m, k)), np.zeros((m, k), np.float32))
+
+
+@pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_moe_mma_grid_walks(dev, rng, fmt, rows):
+    """A persistent grid smaller than the work (`blocks` 1, 2, 7): every block walks several (item, tile) units
+    with its ring running across them, through an absent expert's units (NULL entry, zeros) in between; the
+    results are bit-identical to the full grid's and match the reference."""
+    n_experts, m, n_slots, n, k = 5, 24, 3, 96, 75 * ops.moe.CHUNK[fmt]
+    host = [[host_weight(rng, fmt, *sh) for sh in ((n, k), (n, k), (k, n))] for _ in range(n_experts)]
+    lins = [[upload_weight(dev, fmt, *sh, h[j][0]) if e != 3 else None for e, h in enumerate(host)]
+            for j, sh in enumerate(((n, k), (n, k), (k, n)))]
+    tg, tu, td = (up(dev, ops.expert_table(L)) for L in lins)
+    ids = rng.choice([0, 1, 1, 2, 3, 3, 4, -1], (m, n_slots)).astype(np.int32)
+    x = bf16(rng.standard_normal((m, k)))
+    n_pairs = m * n_slots
+    xb, ib = up(dev, x), up(dev, ids)
+    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts, rows))
+    ops.moe_route_plan(dev, tg.ptr, ib.ptr, n_pairs, n_experts, plan.ptr, rows=rows)
+    runs = {}
+    for blocks in (None, 1, 2, 7):
+        h, y = out(dev, "bf16", (n_pairs, n)), out(dev, "f32", (n_pairs, k))
+        ops.moe_gate_up_mma(dev, tg.ptr, tu.ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xb.ptr, k, 0, h.ptr,
+                            n, k, rows=rows, blocks=blocks)
+        ops.moe_gemv_mma(dev, td.ptr, fmt, plan.ptr, n_pairs, 1, n_experts, h.ptr, n, 0, y.ptr, k, n, rows=rows,
+                         blocks=blocks)
+        runs[blocks] = (get(dev, h, "bf16", (n_pairs, n)), get(dev, y, "f32", (n_pairs, k)))
+    for blocks in (1, 2, 7):
+        assert all(np.array_equal(a, b) for a, b in zip(runs[blocks], runs[None])), f"blocks={blocks}"
+    hh, yy = runs[None]
+    for q, e in enumerate(ids.ravel()):
+        if e in (3, -1):
+            assert not hh[q].any() and not yy[q].any(), (q, e)
+            continue
+        xr = f32(x[q // n_slots]).astype(np.float64)
+        assert_close(f32(hh[q]), swiglu(host[e][0][1]() @ xr, host[e][1][1]() @ xr, 0.0), 1e-2, f"gate/up {q}")
+        assert_close(yy[q], host[e][2][1]() @ f32(hh[q]).astype(np.float64), 1e-5, f"down {q}")
 
 
 def test_moe_mma_errors(ref, rng):

@@ -151,7 +151,7 @@ class MoE:
         regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * K * I, "y": 4 * R * K * D,
                    "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
                    "glogit": 4 * R if shared_gate is not None else 0,
-                   "plan": ops.moe_plan_bytes(R * K, E) if R * K <= ops.MAX_PLAN_PAIRS else 0}
+                   "plan": ops.moe_plan_bytes(R * K, E, ops.MMA8_ROWS) if R * K <= ops.MAX_PLAN_PAIRS else 0}
         self._scratch, ptrs = carve(gpu, regions)
         gpu.fill(self._scratch.ptr, self._scratch.nbytes, 0)  # `zeros` (the expert id of single-weight launches) stays 0
         for name, ptr in ptrs.items():
@@ -170,12 +170,13 @@ class MoE:
         else:
             ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
+        rows = ops.MMA8_ROWS  # 8-pair items: 16 warps an SM (the 32-pair kernels hold 8); an expert rarely has more
         if self.grouped(m):
-            ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * K, E, self.plan, stream=stream)
+            ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * K, E, self.plan, stream=stream, rows=rows)
             ops.moe_gate_up_mma(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.plan, m * K, K, E, x, D, 0, self.h,
-                                I, D, c.swiglu_limit, stream=stream)
+                                I, D, c.swiglu_limit, stream=stream, rows=rows)
             ops.moe_gemv_mma(gpu, self.tab_down, self.fmt_down, self.plan, m * K, K, E, self.h, K * I, I, self.y, D,
-                             I, stream=stream)
+                             I, stream=stream, rows=rows)
         else:
             ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I,
                             D, c.swiglu_limit, stream=stream, invariant=self.inv)
@@ -187,9 +188,9 @@ class MoE:
             Is = self.inter_s
             if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
                 ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
-                                    D, c.swiglu_limit, stream=stream)
+                                    D, c.swiglu_limit, stream=stream, rows=rows)
                 ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
-                                 stream=stream)
+                                 stream=stream, rows=rows)
             else:
                 ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
                                 Is, D, c.swiglu_limit, stream=stream, invariant=self.inv)

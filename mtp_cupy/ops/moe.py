@@ -16,7 +16,7 @@ from ..weights.linear import Linear
 from ._util import blocks_for, launch, need
 from .gemv import REGS_PER_SM, SMEM_PER_BLOCK, SMEM_PER_SM, _sms
 
-__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MAX_PLAN_PAIRS", "expert_table", "moe_gemv",
+__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "MAX_PLAN_PAIRS", "expert_table", "moe_gemv",
            "moe_gate_up", "moe_topk_softmax", "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash",
            "moe_weighted_sum", "plan_max_items", "moe_plan_bytes", "moe_route_plan", "moe_gate_up_mma",
            "moe_gemv_mma"]
@@ -180,6 +180,7 @@ def moe_weighted_sum(gpu, y, weights, top_k: int, out, m: int, hidden: int, shar
 # then max_items (expert, first << 8 | pairs) pairs of words, then the n_pairs pair ids in plan order.
 MMA_FORMATS = ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
 PLAN_ROWS = 32                   # pairs per item: the kernels' 4 n-tiles of 8 x rows
+MMA8_ROWS = 8                    # pairs per item of the one-n-tile kernels (moe_*_mma8_*)
 PLAN_HEADER = 4                  # u32 words before the items
 MAX_PLAN_PAIRS = 32768           # the plan kernel keeps 4 bytes per pair and 8 per expert in shared memory
 MMA_STAGE = 32 * 8 * 16          # ring bytes per warp and stage: 32 weight rows x 8 chunks of 16 bytes
@@ -187,39 +188,41 @@ MMA_MAX_STAGES = 8
 MMA_MAX_KS = 4                   # warps per block (the kernels' launch bound is 128 threads)
 # registers per thread where the backend cannot say (nvcc 13, sm_90a: scripts/compile_kernels.sh); only the
 # launch geometry uses them, and geometry never changes a result
-_MMA_REGS = {"bf16": 150, "fp8_row": 174, "fp8_block": 178, "fp8_block_e8m0": 178, "nvfp4": 247, "mxfp4": 244}
+_MMA_REGS = {"bf16": 164, "fp8_row": 187, "fp8_block": 191, "fp8_block_e8m0": 191, "nvfp4": 251, "mxfp4": 251}
 
 
-def plan_max_items(n_pairs: int, n_experts: int) -> int:
-    """An upper bound on a plan's items: each local expert's first item, plus one per further PLAN_ROWS pairs."""
-    return min(n_pairs, min(n_pairs, n_experts) + n_pairs // PLAN_ROWS)
+def plan_max_items(n_pairs: int, n_experts: int, rows: int = PLAN_ROWS) -> int:
+    """An upper bound on a plan's items: each local expert's first item, plus one per further `rows` pairs."""
+    return min(n_pairs, min(n_pairs, n_experts) + n_pairs // rows)
 
 
-def moe_plan_bytes(n_pairs: int, n_experts: int) -> int:
-    """Bytes of the plan of a call of `n_pairs` pairs over `n_experts` experts (a buffer for the largest call
-    serves every smaller one)."""
-    return 4 * (PLAN_HEADER + 2 * plan_max_items(n_pairs, n_experts) + n_pairs)
+def moe_plan_bytes(n_pairs: int, n_experts: int, rows: int = PLAN_ROWS) -> int:
+    """Bytes of the plan of a call of `n_pairs` pairs over `n_experts` experts in items of `rows` pairs (a
+    buffer for the largest call serves every smaller one, and one for MMA8_ROWS every larger `rows`)."""
+    return 4 * (PLAN_HEADER + 2 * plan_max_items(n_pairs, n_experts, rows) + n_pairs)
 
 
-def moe_route_plan(gpu, table, ids, n_pairs: int, n_experts: int, plan, stream=None) -> None:
+def moe_route_plan(gpu, table, ids, n_pairs: int, n_experts: int, plan, stream=None, rows: int = PLAN_ROWS) -> None:
     """Build the routing plan of ids i32 [n_pairs] on the device (one block; no host sync, graph-safe): the
     distinct experts whose `table` entry is non-zero, each one's pairs in ascending order, cut into items of
-    PLAN_ROWS pairs, then the pairs of no local expert (another rank's, or an id outside [0, n_experts)).
-    A function of ids and the table alone. `plan` holds moe_plan_bytes(n_pairs, n_experts) bytes."""
+    `rows` pairs (PLAN_ROWS for moe_gemv_mma / moe_gate_up_mma, MMA8_ROWS for their rows=MMA8_ROWS form), then
+    the pairs of no local expert (another rank's, or an id outside [0, n_experts)). A function of ids, the table
+    and `rows` alone. `plan` holds moe_plan_bytes(n_pairs, n_experts, rows) bytes."""
     name = "moe_route_plan"
     need(1 <= n_pairs <= MAX_PLAN_PAIRS and 1 <= n_experts <= MAX_EXPERTS,
          f"{name}: n_pairs {n_pairs} must be in [1, {MAX_PLAN_PAIRS}], n_experts {n_experts} in [1, {MAX_EXPERTS}]")
+    need(rows in (PLAN_ROWS, MMA8_ROWS), f"{name}: rows {rows} must be {PLAN_ROWS} or {MMA8_ROWS}")
     need(int(plan) != 0 and int(plan) % 16 == 0 and int(ids) != 0 and int(table) != 0,
          f"{name}: plan (16-byte aligned), ids and table must not be NULL")
     launch(gpu, "moe_mma", name).grid(1).block(1024).shared(_dynamic_smem(4 * (2 * (n_experts + 1) + n_pairs))) \
         .arg_ptr(table) \
-        .arg_ptr(ids).arg_u32(n_pairs).arg_u32(n_experts).arg_ptr(plan).launch(stream)
+        .arg_ptr(ids).arg_u32(n_pairs).arg_u32(n_experts).arg_u32(rows).arg_ptr(plan).launch(stream)
 
 
 def mma_ks(fmt: str, k: int) -> int:
     """Warps splitting k in the grouped GEMMs: a function of (format, k) only, so a pair's sum order (hence its
-    result, bit for bit) is the same whatever pairs share the call. Doubles up to MMA_MAX_KS while every warp
-    keeps at least 4 stage units (128-byte runs of each of its 32 rows)."""
+    result, bit for bit) is the same whatever pairs share the call and whichever `rows` the call uses. Doubles up
+    to MMA_MAX_KS while every warp keeps at least 4 stage units (128-byte runs of each of its 32 rows)."""
     units = -(-(k // CHUNK[fmt]) // 8)
     ks = 1
     while ks < MMA_MAX_KS and units >= 4 * 2 * ks:
@@ -240,20 +243,30 @@ def _mma_regs(gpu, name: str, fmt: str) -> int:
     return _MMA_NUM_REGS[key]
 
 
-def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: int):
+def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: int, rows: int,
+                blocks: int | None = None):
     """Block (32, ks); a persistent grid of as many blocks as fit on the GPU at once (by registers), at most
-    one per (item, tile) work unit; a ring as deep as shared memory allows them (2 .. 8 stages, at most a
+    one per (item, tile) work unit and at most `blocks`; a ring as deep as shared memory allows them (2 .. 8 stages, at most a
     warp's units + 1). None of it changes a result but ks (mma_ks)."""
     ks = mma_ks(fmt, k)
     regs = -(-_mma_regs(gpu, name, fmt) // 8) * 8
     per_sm = max(1, min(32, 64 // ks, REGS_PER_SM // (regs * 32 * ks)))
     units = -(-(k // CHUNK[fmt]) // 8)
     per_warp = -(-units // ks)
-    stages = min(MMA_MAX_STAGES, per_warp + 1, (SMEM_PER_SM // per_sm - 1024) // (ks * MMA_STAGE))
-    stages = max(2, min(stages, SMEM_PER_BLOCK // (ks * MMA_STAGE)))
+    red = mma_red_bytes(ks, rows)
+    stages = min(MMA_MAX_STAGES, per_warp + 1, (SMEM_PER_SM // per_sm - 1024 - red) // (ks * MMA_STAGE))
+    stages = max(2, min(stages, (SMEM_PER_BLOCK - red) // (ks * MMA_STAGE)))
     tiles = -(-n // outputs)
-    blocks = max(1, min(_sms(gpu) * per_sm, items * tiles))
-    return launch(gpu, "moe_mma", name).grid(blocks).block(32, ks).shared(_dynamic_smem(ks * stages * MMA_STAGE))
+    need(blocks is None or blocks >= 1, f"{name}: blocks {blocks} must be >= 1")
+    blocks = max(1, min(_sms(gpu) * per_sm, items * tiles, blocks or items * tiles))
+    return launch(gpu, "moe_mma", name).grid(blocks).block(32, ks).shared(
+        _dynamic_smem(ks * stages * MMA_STAGE + red))
+
+
+def mma_red_bytes(ks: int, rows: int = PLAN_ROWS) -> int:
+    """The grouped GEMMs' reduction area after the rings: two buffers of ks warps x (rows sums: 2 slabs x rows / 8
+    n-tiles x 4) x 32 lanes, f32."""
+    return 2 * ks * rows * 32 * 4 if ks > 1 else 0
 
 
 def _dynamic_smem(nbytes: int, static: int = 256) -> int:
@@ -264,9 +277,14 @@ def _dynamic_smem(nbytes: int, static: int = 256) -> int:
     return 48 * 1024 + 16 if 48 * 1024 - static < nbytes <= 48 * 1024 else nbytes
 
 
+def _mma_name(kind: str, fmt: str, rows: int) -> str:
+    need(rows in (PLAN_ROWS, MMA8_ROWS), f"{kind}: rows {rows} must be {PLAN_ROWS} or {MMA8_ROWS}")
+    return f"{kind}{'8' if rows == MMA8_ROWS else ''}_{fmt}"
+
+
 def _check_mma(name: str, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x, xrs: int, xss: int,
-               n: int, k: int) -> int:
-    """The launch's items bound (plan_max_items, or the pairs / PLAN_ROWS of a plan-less call)."""
+               n: int, k: int, rows: int) -> int:
+    """The launch's items bound (plan_max_items, or the pairs / rows of a plan-less call)."""
     need(fmt in MMA_FORMATS, f"{name}: format {fmt!r} is not one of {MMA_FORMATS}")
     top = MAX_PLAN_PAIRS if int(plan) else MAX_PAIRS
     need(1 <= n_pairs <= top and n_slots >= 1 and n_experts >= 1 and n >= 1,
@@ -275,30 +293,34 @@ def _check_mma(name: str, fmt: str, plan, n_pairs: int, n_slots: int, n_experts:
     need(int(x) % 16 == 0 and xrs % 8 == 0 and xss % 8 == 0,
          f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
     need(int(plan) % 16 == 0, f"{name}: plan 0x{int(plan):x} is not 16-byte aligned")
-    return plan_max_items(n_pairs, n_experts) if int(plan) else -(-n_pairs // PLAN_ROWS)
+    return plan_max_items(n_pairs, n_experts, rows) if int(plan) else -(-n_pairs // rows)
 
 
 def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x, x_row_stride: int,
-                 x_slot_stride: int, y, n: int, k: int, stream=None) -> None:
+                 x_slot_stride: int, y, n: int, k: int, stream=None, rows: int = PLAN_ROWS,
+                 blocks: int | None = None) -> None:
     """y f32 [n_pairs, n] = W[e] x_q for every pair q, e its expert by `plan` (moe_route_plan of the same
-    n_pairs / n_experts); zeros for a pair of no local expert. plan NULL: every pair uses table entry 0 (a
-    single weight, such as the shared expert's). Tensor cores, each (expert, 32-row tile) read once for up to
-    32 pairs; always batch-invariant (a pair's result does not depend on the other pairs)."""
-    name = f"moe_gemv_mma_{fmt}"
-    items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
-    _mma_launch(gpu, name, fmt, n, k, 32, items).arg_ptr(plan).arg_ptr(table).arg_u32(n_pairs).arg_u32(n_slots) \
+    n_pairs / n_experts and `rows`); zeros for a pair of no local expert. plan NULL: every pair uses table entry
+    0 (a single weight, such as the shared expert's). Tensor cores, each (expert, 32-row tile) read once per
+    item of up to `rows` pairs: PLAN_ROWS (4 n-tiles, for batches) or MMA8_ROWS (one n-tile: fewer registers,
+    twice the warps per SM, for up to 8 rows). Always batch-invariant: a pair's result does not depend on the
+    other pairs, nor on `rows`. `blocks` caps the persistent grid (each block then walks more work units; the
+    result does not change)."""
+    name = _mma_name("moe_gemv_mma", fmt, rows)
+    items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)
+    _mma_launch(gpu, name, fmt, n, k, 32, items, rows, blocks).arg_ptr(plan).arg_ptr(table).arg_u32(n_pairs).arg_u32(n_slots) \
         .arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(y).arg_u32(n).arg_u32(k).launch(stream)
 
 
 def moe_gate_up_mma(gpu, table_gate, table_up, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x,
                     x_row_stride: int, x_slot_stride: int, h, n: int, k: int, limit: float = 0.0,
-                    stream=None) -> None:
+                    stream=None, rows: int = PLAN_ROWS, blocks: int | None = None) -> None:
     """h bf16 [n_pairs, n] = silu(g) * u, g = Wg[e] x_q, u = Wu[e] x_q (with limit > 0, g = min(g, limit) and
-    u = clamp(u, -limit, limit) first), e by `plan` as in moe_gemv_mma; 16 gate rows and the same 16 up rows
-    per tile."""
-    name = f"moe_gate_up_mma_{fmt}"
-    items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k)
+    u = clamp(u, -limit, limit) first), e by `plan` as in moe_gemv_mma (`rows`, `blocks` too); 16 gate rows
+    and the same 16 up rows per tile."""
+    name = _mma_name("moe_gate_up_mma", fmt, rows)
+    items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)
     need(limit >= 0, f"{name}: negative swiglu limit {limit}")
-    _mma_launch(gpu, name, fmt, n, k, 16, items).arg_ptr(plan).arg_ptr(table_gate).arg_ptr(table_up) \
+    _mma_launch(gpu, name, fmt, n, k, 16, items, rows, blocks).arg_ptr(plan).arg_ptr(table_gate).arg_ptr(table_up) \
         .arg_u32(n_pairs).arg_u32(n_slots).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(h) \
         .arg_u32(n).arg_u32(k).arg_f32(limit).launch(stream)

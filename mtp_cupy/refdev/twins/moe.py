@@ -193,13 +193,13 @@ def moe_weighted_sum(dev, y, w, top_k, ys, gate, out, m, hidden):
 PLAN_ROWS, PLAN_HEADER = 32, 4
 
 
-def plan_max_items(n_pairs: int, n_experts: int) -> int:
-    return min(n_pairs, min(n_pairs, n_experts) + n_pairs // PLAN_ROWS)
+def plan_max_items(n_pairs: int, n_experts: int, rows: int) -> int:
+    return min(n_pairs, min(n_pairs, n_experts) + n_pairs // rows)
 
 
 @twin("moe_mma", "moe_route_plan")
-def moe_route_plan(dev, tab, ids, n_pairs, n_experts, plan):
-    n, E = int(n_pairs), int(n_experts)
+def moe_route_plan(dev, tab, ids, n_pairs, n_experts, rows, plan):
+    n, E, R = int(n_pairs), int(n_experts), int(rows)
     e = dev.view(ids, "i32", n).astype(np.int64)
     t = dev.view(tab, np.uint64, (E, 3))
     local = (e >= 0) & (e < E)
@@ -208,10 +208,10 @@ def moe_route_plan(dev, tab, ids, n_pairs, n_experts, plan):
     order = np.argsort(key, kind="stable")             # by expert, each expert's pairs in pair order
     counts = np.bincount(key, minlength=E + 1)
     first = np.concatenate([[0], np.cumsum(counts)[:-1]])
-    items = [(ex, (int(first[ex]) + j) << 8 | min(PLAN_ROWS, int(counts[ex]) - j))
-             for ex in np.nonzero(counts[:E])[0].tolist() for j in range(0, int(counts[ex]), PLAN_ROWS)]
-    mi = plan_max_items(n, E)
-    dev.view(plan, np.uint32, PLAN_HEADER)[:] = (len(items), int(first[E]), PLAN_HEADER + 2 * mi, 0)
+    items = [(ex, (int(first[ex]) + j) << 8 | min(R, int(counts[ex]) - j))
+             for ex in np.nonzero(counts[:E])[0].tolist() for j in range(0, int(counts[ex]), R)]
+    mi = plan_max_items(n, E, R)
+    dev.view(plan, np.uint32, PLAN_HEADER)[:] = (len(items), int(first[E]), PLAN_HEADER + 2 * mi, R)
     if items:
         dev.view(plan.offset(4 * PLAN_HEADER), np.uint32, (len(items), 2))[:] = items
     dev.view(plan.offset(4 * (PLAN_HEADER + 2 * mi)), np.uint32, n)[:] = order
@@ -219,7 +219,7 @@ def moe_route_plan(dev, tab, ids, n_pairs, n_experts, plan):
 
 def plan_units(dev, plan, n_pairs: int):
     """([(expert, pair ids)] per item, pair ids of no local expert) of a plan; plan NULL: entry 0 for every
-    pair, PLAN_ROWS pairs an item."""
+    pair, PLAN_ROWS pairs an item (how a plan-less call is cut does not change a product)."""
     if not int(plan):
         return [(0, np.arange(q, min(q + PLAN_ROWS, n_pairs))) for q in range(0, n_pairs, PLAN_ROWS)], []
     count, none0, soff, _ = (int(v) for v in dev.view(plan, np.uint32, PLAN_HEADER))
@@ -277,5 +277,6 @@ def _gate_up_mma(fmt):
 
 
 for _f in ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4"):
-    twin("moe_mma", f"moe_gemv_mma_{_f}")(_gemv_mma(_f))
-    twin("moe_mma", f"moe_gate_up_mma_{_f}")(_gate_up_mma(_f))
+    for _v in ("", "8"):   # 32- and 8-row items: the same products
+        twin("moe_mma", f"moe_gemv_mma{_v}_{_f}")(_gemv_mma(_f))
+        twin("moe_mma", f"moe_gate_up_mma{_v}_{_f}")(_gate_up_mma(_f))
