@@ -671,16 +671,18 @@ extern "C" __global__ __launch_bounds__(256) void moe_gate_up_mxfp4(
 
 // ---------------------------------------------------------------------------------------------------
 // out[r, d] = bf16( sum_k w[r, k] * y[r, k, d]  +  g_r * ys[r, d] ), g_r = sigmoid(gate[r]) or 1 when gate
-// is NULL; the shared term is skipped when ys is NULL. fp32 throughout, k in order, one rounding.
-extern "C" __global__ void moe_weighted_sum(const float* y, const float* w, u32 top_k, const float* ys,
-                                            const float* gate, __nv_bfloat16* out, u32 m, u32 hidden) {
+// is NULL; the shared term is skipped when ys is NULL. y rows hold y_slots >= top_k slots of `hidden` and ys
+// rows are ys_stride apart (a shared expert fused into the routed call: its output is slot top_k of y).
+// fp32 throughout, k in order, one rounding.
+extern "C" __global__ void moe_weighted_sum(const float* y, const float* w, u32 top_k, u32 y_slots, const float* ys,
+                                            u32 ys_stride, const float* gate, __nv_bfloat16* out, u32 m, u32 hidden) {
     pdl_entry();
     const u64 total = (u64)m * hidden;
     for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < total; i += (u64)gridDim.x * blockDim.x) {
         const u64 r = i / hidden, d = i - r * hidden;
         float acc = 0.f;
-        for (u32 k = 0; k < top_k; ++k) acc = fmaf(w[r * top_k + k], y[(r * top_k + k) * hidden + d], acc);
-        if (ys) acc = fmaf(gate ? 1.f / (1.f + expf(-gate[r])) : 1.f, ys[i], acc);
+        for (u32 k = 0; k < top_k; ++k) acc = fmaf(w[r * top_k + k], y[(r * y_slots + k) * hidden + d], acc);
+        if (ys) acc = fmaf(gate ? 1.f / (1.f + expf(-gate[r])) : 1.f, ys[r * ys_stride + d], acc);
         out[i] = f2bf(acc);
     }
 }

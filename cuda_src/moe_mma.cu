@@ -76,10 +76,13 @@ __device__ void scan2_exclusive(u32* a, u32* b, u32 n, u32* ws) {
 }
 
 // Grid 1, block 1024, dynamic shared memory 4 * (2 * (n_experts + 1) + n_pairs) bytes; n_experts <= 4096,
-// n_pairs <= 32768 (ops.moe: MAX_EXPERTS, MAX_PLAN_PAIRS), 1 <= rows <= 255. A pair's expert is local when its
-// id is in [0, n_experts) and tab[id]'s weight is not NULL.
+// n_pairs <= 32768 (ops.moe: MAX_EXPERTS, MAX_PLAN_PAIRS), 1 <= rows <= 255. ids are [rows of the batch, top_k];
+// with shared_id >= 0 every row has one more slot, slot top_k, whose expert is shared_id (a shared expert fused
+// into the routed call: pair q is row q / (top_k + 1), slot q % (top_k + 1); a routed slot holding shared_id
+// goes to the none list); else pair q's expert is ids[q]. A pair's expert is local when its id is in [0, n_experts) and tab[id]'s weight is not NULL.
 extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab, const i32* ids, u32 n_pairs,
-                                                                   u32 n_experts, u32 rows, u32* plan)
+                                                                   u32 n_experts, u32 rows, u32 top_k,
+                                                                   i32 shared_id, u32* plan)
 {
     pdl_entry();
     __shared__ u32 ws[64];
@@ -91,8 +94,11 @@ extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab
     uint2* items = (uint2*)(plan + PLAN_HEADER);
     u32* sorted = plan + PLAN_HEADER + 2 * mi;
     for (u32 i = tid; i <= E; i += nt) cnt[i] = 0;
+    const u32 slots = top_k + (shared_id >= 0 ? 1u : 0u);
     for (u32 q = tid; q < n_pairs; q += nt) {
-        const i32 e = ids[q];
+        const u32 r = q / slots, s = q - r * slots;
+        i32 e = s < top_k ? ids[r * top_k + s] : shared_id;
+        if (s < top_k && e == shared_id) e = -1;  // a routed slot never reaches the fused shared expert
         kr[q] = e >= 0 && (u32)e < E && tab[3 * (u64)e] != 0 ? (u32)e : E;
     }
     __syncthreads();

@@ -607,16 +607,16 @@ def test_moe_mma_errors(ref, rng):
 # every family's routing on its own format; the grouped twins must give each row the bits of its m = 1 call
 @pytest.mark.parametrize("case,fmt,kernels", [("deepseek_v3", "fp8_block", "auto"), ("qwen3_next", "nvfp4", "auto"),
                                               ("deepseek_v4", "mxfp4", "grouped"), ("v4_hash", "bf16", "auto"),
-                                              ("qwen3_next", "bf16", "grouped")])
+                                              ("qwen3_next", "bf16", "plain"), ("deepseek_v3", "fp8_block", "plain")])
 def test_moe_layer_rows_independent_of_batch(ref, rng, case, fmt, kernels):
     """forward of m = 3, 17, 64 rows on the NumPy device: each row bit-identical to its m = 1 forward (the
-    FMA GEMVs, or with "grouped" the grouped ones too), whichever kernels each m takes; some experts absent."""
+    grouped GEMMs, or with "plain" the FMA GEMVs); some experts absent."""
     b = _built(rng, case, fmt)
     E = b.cfg.n_experts
     moe = b.build(ref, only={e for e in range(E) if e % 8 != 5}, max_rows=64, expert_kernels=kernels)
     x = grid_x(rng, 64, b.cfg.hidden)
     tok = rng.integers(0, 40, 64) if case == "v4_hash" else None
-    assert moe.grouped(64) and moe.grouped(1) == (kernels == "grouped")
+    assert moe.grouped(64) == moe.grouped(1) == (kernels != "plain")
     single = np.concatenate([forward(ref, moe, x[r:r + 1], 1, None if tok is None else tok[r:r + 1])
                              for r in range(64)])
     for m in (3, 17, 64):
@@ -627,23 +627,43 @@ def test_moe_layer_rows_independent_of_batch(ref, rng, case, fmt, kernels):
 
 
 def test_moe_layer_expert_kernels(ref, rng):
-    """expert_kernels: "auto" takes the grouped GEMMs from GROUPED_MIN_ROWS rows and never when batch-invariant,
-    "plain" keeps the FMA GEMVs at every m, "grouped" takes the grouped GEMMs at every m (same results on the
-    NumPy device); anything else is a ConfigError."""
-    from mtp_cupy.layers.moe import GROUPED_MIN_ROWS as G
+    """expert_kernels: "auto" and "grouped" take the grouped GEMMs at every m, "plain" keeps the FMA GEMVs at
+    every m (same results on the NumPy device); anything else is a ConfigError."""
     b = _built(rng, "deepseek_v3", "fp8_row")
-    m = G + 3
+    m = 35
     x = grid_x(rng, m, b.cfg.hidden)
-    want = {"auto": lambda r, inv: r >= G and not inv, "plain": lambda r, inv: False, "grouped": lambda r, inv: True}
     outs = []
     for kind in ("auto", "plain", "grouped"):
         for inv in (False, True):
             moe = b.build(ref, expert_kernels=kind, invariant=inv, max_rows=m)
-            assert [moe.grouped(r) for r in (1, G - 1, G, m)] == [want[kind](r, inv) for r in (1, G - 1, G, m)]
+            assert [moe.grouped(r) for r in (1, 8, 9, m)] == [kind != "plain"] * 4
         outs.append(forward(ref, moe, x, m))
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
     with pytest.raises(ConfigError):
         b.build(ref, expert_kernels="fast")
+
+
+@pytest.mark.parametrize("case,fmt", [("deepseek_v3", "fp8_block"), ("qwen3_next", "bf16"), ("v4_hash", "mxfp4")])
+def test_moe_layer_fused_shared(dev, rng, case, fmt):
+    """A shared expert of the routed format and width runs as expert E of the routed grouped GEMMs: bit-identical
+    to its own launches (fuse_shared off on the same layer), each row bit-identical to its m = 1 forward, against
+    the float64 reference; add_shared=False leaves it out; some experts absent (EP)."""
+    b = _built(rng, case, fmt, shared_inter=128)
+    E, m = b.cfg.n_experts, 11
+    only = {e for e in range(E) if e % 8 != 5}
+    moe = b.build(dev, only=only, max_rows=m, invariant=True)
+    assert moe.fuse_shared
+    x = grid_x(rng, m, b.cfg.hidden)
+    tok = rng.integers(0, 40, m) if case == "v4_hash" else None
+    fused = forward(dev, moe, x, m, tok)
+    alone = forward(dev, moe, x, m, tok, add_shared=False)
+    single = np.concatenate([forward(dev, moe, x[r:r + 1], 1, None if tok is None else tok[r:r + 1])
+                             for r in range(m)])
+    moe.fuse_shared = False    # the same weights through the shared expert's own launches
+    apart = forward(dev, moe, x, m, tok)
+    assert np.array_equal(fused, apart) and np.array_equal(fused, single)
+    assert np.array_equal(alone, forward(dev, moe, x, m, tok, add_shared=False))
+    assert_close(fused, b.reference(x, tok, only=only), 1e-2)
 
 
 # -- CUDA vs twin at real model dims ---------------------------------------------------------------

@@ -1,19 +1,22 @@
 """Routed mixture of experts for decode: router GEMV, the family's top-k rule, SwiGLU experts read in place
 through device pointer tables (no weight is copied), an optional shared expert, and the weighted sum.
 
-One forward is 5 launches (router GEMV through ops.linear, top-k, gate/up, down, weighted sum) plus 2 for a
-shared expert and 1 for Qwen's shared-expert gate, and for batches 1 more (the routing plan); it allocates nothing
-and reads every per-call value from device memory, so it can be captured in a CUDA graph. Expert ids missing
-from `experts` live on other ranks (EP): they contribute 0, and the caller all-reduces `out` across ranks (with
-`add_shared=True` on one rank only).
+One forward is 6 launches (router GEMV through ops.linear, top-k, the routing plan, gate/up, down, weighted sum),
+plus 1 for Qwen's shared-expert gate; a shared expert of another format or width than the routed ones (V4's
+FP8 one beside MXFP4 experts) adds 2. It allocates nothing and reads every per-call value from device memory, so
+it can be captured in a CUDA graph. Expert ids missing from `experts` live on other ranks (EP): they contribute
+0, and the caller all-reduces `out` across ranks (with `add_shared=True` on one rank only).
 
-Expert kernels. A wide batch (m >= GROUPED_MIN_ROWS) of a layer that need not be batch-invariant runs the
-grouped tensor-core GEMMs (ops.moe_gate_up_mma / moe_gemv_mma): a routing plan built on the device groups the
-pairs by expert, and each chosen expert's weights are streamed once for all its rows; the shared expert is one
-such "expert" holding all m rows. Otherwise the FMA GEMVs (ops.moe_gate_up / moe_gemv) run. A batch-invariant
-layer must give a row the same arithmetic at every m, so it keeps one kernel family for all m: the FMA GEMVs by
-default (an H200 measured the grouped GEMMs at m = 1 1.5-1.8x slower), the grouped ones with
-expert_kernels="grouped" (both are invariant per pair)."""
+Expert kernels. The grouped tensor-core GEMMs (ops.moe_gate_up_mma / moe_gemv_mma) at every m by default: a
+routing plan built on the device groups the (row, expert) pairs by expert, and each chosen expert's weights are
+streamed once for all its rows, in items of 8 pairs (the one-n-tile kernels, 16 warps an SM). A shared expert of
+the routed experts' format and width is fused into that call as expert E, chosen by every row in an extra slot
+(as SGLang fuses DeepSeek's): no launches of its own, and its tiles share the GPU with the routed ones. A pair's
+result does not depend on the other pairs, so the layer is batch-invariant. expert_kernels="plain" keeps the FMA
+GEMVs (ops.moe_gate_up / moe_gemv; also invariant per pair, but an expert chosen by several rows is re-read).
+An H200 (scripts/bench_moe.py, batch-invariant, graphed) measured the grouped GEMMs 1.5-3.1x faster from m = 8
+on, 0.8-0.9x at m = 1 before the shared expert was fused.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,10 +30,7 @@ from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 
 ROUTINGS = ("softmax", "sigmoid_grouped", "sqrtsoftplus", "hash")
-EXPERT_KERNELS = ("auto", "plain", "grouped")  # MoE(expert_kernels=): see MoE.grouped
-# rows from which "auto" takes the grouped GEMMs: the H200 crossover of scripts/bench_moe.py (at m = 8 they were
-# 0.76-0.84x of the GEMVs in bf16 / fp8 / mxfp4, at m = 32 0.95-1.47x, at m = 64 1.14-2.0x)
-GROUPED_MIN_ROWS = 32
+EXPERT_KERNELS = ("auto", "plain", "grouped")  # MoE(expert_kernels=): "auto" is "grouped"; see MoE.grouped
 
 
 @dataclass
@@ -99,8 +99,8 @@ class MoE:
     sigmoid(shared_gate . x) when given). router: Linear [n_experts, hidden] (bf16, or any expert format;
     an object with fmt "f32" for f32 checkpoints); experts: id -> (gate, up, down); bias: f32 [n_experts]
     device pointer (selection only; sigmoid_grouped / sqrtsoftplus); tid2eid: i32 [vocab, top_k] device
-    pointer for hash routing (with `vocab`). expert_kernels: "auto" (the grouped GEMMs from GROUPED_MIN_ROWS rows
-    unless `invariant`), "plain" (the FMA GEMVs at every m) or "grouped" (at every m)."""
+    pointer for hash routing (with `vocab`). expert_kernels: "auto" or "grouped" (the grouped GEMMs at every m)
+    or "plain" (the FMA GEMVs at every m)."""
 
     def __init__(self, gpu, cfg: MoeConfig, router: Linear, experts: dict[int, tuple[Linear, Linear, Linear]],
                  bias: DevicePtr = NULL, shared: tuple[Linear, Linear, Linear] | None = None,
@@ -136,22 +136,27 @@ class MoE:
         self.bias, self.tid2eid = DevicePtr(bias), DevicePtr(tid2eid)
         self.expert_kernels = expert_kernels
 
-        # pointer tables: gate, up, down [E, 3] each, then shared gate/up/down and the router [1, 3] each
-        # (the router's is used for an f32 weight only: ops.linear takes every Linear format)
+        # pointer tables: gate, up, down [E + 1, 3] each (entry E: the shared expert's, NULL without one), then the
+        # router's [1, 3] (used for an f32 weight only: ops.linear takes every Linear format)
+        sh = list(shared or (None, None, None))
         local = [experts.get(e) for e in range(E)]
-        tabs = [ops.expert_table([t and t[j] for t in local]) for j in range(3)]
-        tabs += [ops.expert_table([L]) for L in list(shared or (None, None, None)) + [router]]
-        self._tables = gpu.upload(np.concatenate(tabs))
+        tabs = [ops.expert_table([t and t[j] for t in local] + [sh[j]]) for j in range(3)]
+        self._tables = gpu.upload(np.concatenate(tabs + [ops.expert_table([router])]))
         base, row = self._tables.ptr, 3 * 8
-        self.tab_gate, self.tab_up, self.tab_down = (base.offset(j * E * row) for j in range(3))
-        self.tab_sh_gate, self.tab_sh_up, self.tab_sh_down, self.tab_router = (base.offset((3 * E + j) * row)
-                                                                               for j in range(4))
+        self.tab_gate, self.tab_up, self.tab_down = (base.offset(j * (E + 1) * row) for j in range(3))
+        self.tab_sh_gate, self.tab_sh_up, self.tab_sh_down = (t.offset(E * row) for t in
+                                                              (self.tab_gate, self.tab_up, self.tab_down))
+        self.tab_router = base.offset(3 * (E + 1) * row)
+        # a shared expert of the routed experts' formats and width runs as expert E in the routed grouped GEMMs
+        # (slot K of every row): no launches of its own, and its tiles fill the GPU with the routed ones
+        self.fuse_shared = (shared is not None and shared[0].fmt == self.fmt_gu and shared[2].fmt == self.fmt_down
+                            and self.inter_s == I)
 
-        R = self.max_rows
-        regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * K * I, "y": 4 * R * K * D,
+        R, S = self.max_rows, K + (1 if self.fuse_shared else 0)
+        regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * S * I, "y": 4 * R * S * D,
                    "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
                    "glogit": 4 * R if shared_gate is not None else 0,
-                   "plan": ops.moe_plan_bytes(R * K, E, ops.MMA8_ROWS) if R * K <= ops.MAX_PLAN_PAIRS else 0}
+                   "plan": ops.moe_plan_bytes(min(R * S, ops.MAX_PLAN_PAIRS), E + 1, ops.MMA8_ROWS)}
         self._scratch, ptrs = carve(gpu, regions)
         gpu.fill(self._scratch.ptr, self._scratch.nbytes, 0)  # `zeros` (the expert id of single-weight launches) stays 0
         for name, ptr in ptrs.items():
@@ -171,12 +176,24 @@ class MoE:
             ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
         rows = ops.MMA8_ROWS  # 8-pair items: 16 warps an SM (the 32-pair kernels hold 8); an expert rarely has more
+        fused = add_shared and self.fuse_shared and self.grouped(m)
         if self.grouped(m):
-            ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * K, E, self.plan, stream=stream, rows=rows)
-            ops.moe_gate_up_mma(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.plan, m * K, K, E, x, D, 0, self.h,
-                                I, D, c.swiglu_limit, stream=stream, rows=rows)
-            ops.moe_gemv_mma(gpu, self.tab_down, self.fmt_down, self.plan, m * K, K, E, self.h, K * I, I, self.y, D,
+            S, En, sid = (K + 1, E + 1, E) if fused else (K, E, -1)
+            ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * S, En, self.plan, stream=stream, rows=rows,
+                               top_k=K, shared_id=sid)
+            ops.moe_gate_up_mma(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.plan, m * S, S, En, x, D, 0,
+                                self.h, I, D, c.swiglu_limit, stream=stream, rows=rows)
+            ops.moe_gemv_mma(gpu, self.tab_down, self.fmt_down, self.plan, m * S, S, En, self.h, S * I, I, self.y, D,
                              I, stream=stream, rows=rows)
+            if fused:
+                gate = NULL
+                if self.shared_gate is not None:
+                    ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream,
+                               invariant=self.inv)
+                    gate = self.glogit
+                ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, self.y.offset(4 * K * D), gate,
+                                     stream=stream, y_slots=S, shared_stride=S * D)
+                return
         else:
             ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I,
                             D, c.swiglu_limit, stream=stream, invariant=self.inv)
@@ -187,6 +204,7 @@ class MoE:
             g, u, d = self.shared
             Is = self.inter_s
             if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
+                rows = ops.MMA8_ROWS if m <= ops.MMA8_ROWS else ops.PLAN_ROWS  # the same sums, fewer passes
                 ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
                                     D, c.swiglu_limit, stream=stream, rows=rows)
                 ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
@@ -204,12 +222,12 @@ class MoE:
 
     def grouped(self, m: int, shared: bool = False) -> bool:
         """Whether a forward of m rows runs the grouped tensor-core GEMMs (the routed experts', or with `shared`
-        the shared expert's) rather than the FMA GEMVs: with expert_kernels "auto" from GROUPED_MIN_ROWS rows
-        when not batch-invariant; never with "plain"; with "grouped" at every m (up to the plan's
-        MAX_PLAN_PAIRS)."""
-        if self.expert_kernels == "plain" or not (shared or m * self.cfg.top_k <= ops.MAX_PLAN_PAIRS):
+        the shared expert's) rather than the FMA GEMVs: at every m (up to the plan's MAX_PLAN_PAIRS) unless
+        expert_kernels is "plain". Both are batch-invariant per pair; the grouped ones read each chosen expert
+        once for all its rows."""
+        if self.expert_kernels == "plain":
             return False
-        return self.expert_kernels == "grouped" or (not self.inv and m >= GROUPED_MIN_ROWS)
+        return shared or m * (self.cfg.top_k + self.fuse_shared) <= ops.MAX_PLAN_PAIRS
 
     def _route(self, m: int, token_ids, token_ids_stride: int, stream) -> None:
         c, gpu = self.cfg, self.gpu

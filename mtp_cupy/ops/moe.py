@@ -165,12 +165,18 @@ def moe_topk_hash(gpu, logits, token_ids, token_ids_stride: int, tid2eid, vocab:
 
 
 def moe_weighted_sum(gpu, y, weights, top_k: int, out, m: int, hidden: int, shared=NULL, shared_gate=NULL,
-                     stream=None) -> None:
-    """out bf16 [m, hidden] = sum_k weights[r, k] * y[r, k] (y f32 [m, top_k, hidden]) + g_r * shared[r]
-    (f32 [m, hidden], NULL = none), g_r = sigmoid(shared_gate[r]) (f32 [m]) or 1 when shared_gate is NULL."""
-    need(m >= 1 and hidden >= 1 and top_k >= 1, f"moe_weighted_sum: m {m}, hidden {hidden}, top_k {top_k}")
+                     stream=None, y_slots: int | None = None, shared_stride: int | None = None) -> None:
+    """out bf16 [m, hidden] = sum_k weights[r, k] * y[r, k] (y f32 [m, y_slots, hidden], the first top_k slots
+    read) + g_r * shared[r] (f32 rows `shared_stride` elements apart, default hidden; NULL = none), g_r =
+    sigmoid(shared_gate[r]) (f32 [m]) or 1 when shared_gate is NULL. A shared expert fused into the routed
+    call passes y_slots = top_k + 1 and shared = slot top_k of y (shared_stride = y_slots * hidden)."""
+    slots = top_k if y_slots is None else y_slots
+    stride = hidden if shared_stride is None else shared_stride
+    need(m >= 1 and hidden >= 1 and top_k >= 1 and slots >= top_k and stride >= hidden,
+         f"moe_weighted_sum: m {m}, hidden {hidden}, top_k {top_k}, y_slots {slots}, shared_stride {stride}")
     launch(gpu, "moe", "moe_weighted_sum").grid(blocks_for(m * hidden)).block(256).arg_ptr(y).arg_ptr(weights) \
-        .arg_u32(top_k).arg_ptr(shared).arg_ptr(shared_gate).arg_ptr(out).arg_u32(m).arg_u32(hidden).launch(stream)
+        .arg_u32(top_k).arg_u32(slots).arg_ptr(shared).arg_u32(stride).arg_ptr(shared_gate).arg_ptr(out) \
+        .arg_u32(m).arg_u32(hidden).launch(stream)
 
 
 # -- grouped expert GEMMs (cuda_src/moe_mma.cu) ------------------------------------------------------------
@@ -202,21 +208,28 @@ def moe_plan_bytes(n_pairs: int, n_experts: int, rows: int = PLAN_ROWS) -> int:
     return 4 * (PLAN_HEADER + 2 * plan_max_items(n_pairs, n_experts, rows) + n_pairs)
 
 
-def moe_route_plan(gpu, table, ids, n_pairs: int, n_experts: int, plan, stream=None, rows: int = PLAN_ROWS) -> None:
+def moe_route_plan(gpu, table, ids, n_pairs: int, n_experts: int, plan, stream=None, rows: int = PLAN_ROWS,
+                   top_k: int = 1, shared_id: int = -1) -> None:
     """Build the routing plan of ids i32 [n_pairs] on the device (one block; no host sync, graph-safe): the
     distinct experts whose `table` entry is non-zero, each one's pairs in ascending order, cut into items of
     `rows` pairs (PLAN_ROWS for moe_gemv_mma / moe_gate_up_mma, MMA8_ROWS for their rows=MMA8_ROWS form), then
-    the pairs of no local expert (another rank's, or an id outside [0, n_experts)). A function of ids, the table
-    and `rows` alone. `plan` holds moe_plan_bytes(n_pairs, n_experts, rows) bytes."""
+    the pairs of no local expert (another rank's, or an id outside [0, n_experts)). With shared_id >= 0, ids
+    are [n_pairs / (top_k + 1), top_k] and every row gets one more pair, slot top_k, of expert shared_id (a
+    shared expert fused into the routed call). A function of ids, the table, `rows` and the shared slot alone.
+    `plan` holds moe_plan_bytes(n_pairs, n_experts, rows) bytes."""
     name = "moe_route_plan"
     need(1 <= n_pairs <= MAX_PLAN_PAIRS and 1 <= n_experts <= MAX_EXPERTS,
          f"{name}: n_pairs {n_pairs} must be in [1, {MAX_PLAN_PAIRS}], n_experts {n_experts} in [1, {MAX_EXPERTS}]")
     need(rows in (PLAN_ROWS, MMA8_ROWS), f"{name}: rows {rows} must be {PLAN_ROWS} or {MMA8_ROWS}")
+    need(top_k >= 1 and shared_id < n_experts and (shared_id < 0 or n_pairs % (top_k + 1) == 0),
+         f"{name}: top_k {top_k}, shared_id {shared_id} (below {n_experts}; n_pairs {n_pairs} a multiple of "
+         "top_k + 1 with a shared slot)")
     need(int(plan) != 0 and int(plan) % 16 == 0 and int(ids) != 0 and int(table) != 0,
          f"{name}: plan (16-byte aligned), ids and table must not be NULL")
     launch(gpu, "moe_mma", name).grid(1).block(1024).shared(_dynamic_smem(4 * (2 * (n_experts + 1) + n_pairs))) \
         .arg_ptr(table) \
-        .arg_ptr(ids).arg_u32(n_pairs).arg_u32(n_experts).arg_u32(rows).arg_ptr(plan).launch(stream)
+        .arg_ptr(ids).arg_u32(n_pairs).arg_u32(n_experts).arg_u32(rows).arg_u32(top_k).arg_i32(shared_id) \
+        .arg_ptr(plan).launch(stream)
 
 
 def mma_ks(fmt: str, k: int) -> int:

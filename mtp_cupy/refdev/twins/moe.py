@@ -180,12 +180,12 @@ for _f in ("bf16", "f32", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mx
 
 
 @twin("moe", "moe_weighted_sum")
-def moe_weighted_sum(dev, y, w, top_k, ys, gate, out, m, hidden):
+def moe_weighted_sum(dev, y, w, top_k, y_slots, ys, ys_stride, gate, out, m, hidden):
     acc = np.einsum("rk,rkd->rd", dev.view(w, F32, (m, top_k)).astype(np.float64),
-                    dev.view(y, F32, (m, top_k, hidden)).astype(np.float64))
+                    dev.view(y, F32, (m, y_slots, hidden))[:, :top_k].astype(np.float64))
     if int(ys):
         g = np.ones(m) if not int(gate) else 1.0 / (1.0 + np.exp(-dev.view(gate, F32, m).astype(np.float64)))
-        acc += g[:, None] * dev.view(ys, F32, (m, hidden))
+        acc += g[:, None] * strided(dev, ys, F32, (m, hidden), (ys_stride, 1))
     dev.view(out, BF16, (m, hidden))[:] = acc.astype(F32).astype(BF16)
 
 
@@ -198,9 +198,15 @@ def plan_max_items(n_pairs: int, n_experts: int, rows: int) -> int:
 
 
 @twin("moe_mma", "moe_route_plan")
-def moe_route_plan(dev, tab, ids, n_pairs, n_experts, rows, plan):
-    n, E, R = int(n_pairs), int(n_experts), int(rows)
-    e = dev.view(ids, "i32", n).astype(np.int64)
+def moe_route_plan(dev, tab, ids, n_pairs, n_experts, rows, top_k, shared_id, plan):
+    n, E, R, K, sid = int(n_pairs), int(n_experts), int(rows), int(top_k), int(np.int32(shared_id))
+    if sid >= 0:   # slot K of every row is the shared expert
+        e = np.full((n // (K + 1), K + 1), sid, np.int64)
+        routed = dev.view(ids, "i32", (n // (K + 1), K)).astype(np.int64)
+        e[:, :K] = np.where(routed == sid, -1, routed)   # a routed slot never reaches the shared expert
+        e = e.ravel()
+    else:
+        e = dev.view(ids, "i32", n).astype(np.int64)
     t = dev.view(tab, np.uint64, (E, 3))
     local = (e >= 0) & (e < E)
     local[local] = t[e[local], 0] != 0
