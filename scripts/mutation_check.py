@@ -175,6 +175,16 @@ MUTATIONS = [
       "mtp_cupy/speculative/batch_inputs.py",
       "ok &= bool((p == nxt).all() if prop.drafter_context else (p >= nxt).all())",
       "ok &= bool((p >= nxt).all())", "tests/test_batch.py"),
+    # -- the shared expert fused into the routed grouped GEMMs (layers/moe.py, refdev twins) ----------------------
+    M("moe-fused-shared-wrong-slot", "the fused shared expert's output is read from the last routed slot",
+      "mtp_cupy/layers/moe.py", "self.y.offset(4 * K * D)", "self.y.offset(4 * (K - 1) * D)",
+      "tests/test_moe.py::test_moe_layer_fused_shared"),
+    M("moe-weighted-sum-shared-stride", "the weighted sum's twin reads shared rows `hidden` apart, not shared_stride",
+      "mtp_cupy/refdev/twins/moe.py", "strided(dev, ys, F32, (m, hidden), (ys_stride, 1))",
+      "strided(dev, ys, F32, (m, hidden), (hidden, 1))", "tests/test_moe.py"),
+    M("moe-plan-shared-slot-skipped", "the plan's twin gives the fused shared slot to no expert",
+      "mtp_cupy/refdev/twins/moe.py", "e = np.full((n // (K + 1), K + 1), sid, np.int64)",
+      "e = np.full((n // (K + 1), K + 1), -1, np.int64)", "tests/test_moe.py"),
 ]
 
 

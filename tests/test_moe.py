@@ -465,6 +465,29 @@ def test_route_plan(dev, rng, n_pairs, rows):
     assert len(items) <= ops.plan_max_items(n_pairs, E, rows)
 
 
+@pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])
+def test_route_plan_shared_slot(dev, rng, rows):
+    """shared_id >= 0: ids [m, top_k] and one more pair per row, slot top_k, of the shared expert (a routed slot
+    naming it goes to the none list), against the definition on the expanded ids; n_pairs must be m (top_k + 1)."""
+    m, K, E = 45, 3, 12
+    sid = E - 1
+    local = [e % 5 != 2 for e in range(E)]
+    tab = np.zeros((E, 3), np.uint64)
+    tab[local, 0] = 16 * (1 + np.nonzero(local)[0])
+    ids = rng.choice(np.r_[np.arange(E), [-1, E + 3]], (m, K)).astype(np.int32)
+    ids[4, 1] = sid
+    n_pairs = m * (K + 1)
+    tb, ib, pb = up(dev, tab), up(dev, ids), out(dev, "u8", ops.moe_plan_bytes(n_pairs, E, rows))
+    ops.moe_route_plan(dev, tb.ptr, ib.ptr, n_pairs, E, pb.ptr, rows=rows, top_k=K, shared_id=sid)
+    hdr, items, srt = read_plan(dev, pb, n_pairs, E)
+    full = np.concatenate([np.where(ids == sid, -1, ids), np.full((m, 1), sid, np.int32)], axis=1)
+    want_items, want_order, none0 = ref_plan(full.ravel().tolist(), local, E, rows)
+    assert hdr == [len(want_items), none0, 4 + 2 * ops.plan_max_items(n_pairs, E, rows), rows]
+    assert items == want_items and srt == want_order
+    with pytest.raises(KernelError):
+        ops.moe_route_plan(dev, tb.ptr, ib.ptr, n_pairs - 1, E, pb.ptr, top_k=K, shared_id=sid)
+
+
 # K in chunks of the format: a ragged last k unit, and 1, 2 or 4 warps splitting k (ops.moe.mma_ks)
 MMA_CHUNKS = {20: 1, 75: 2, 136: 4}
 
