@@ -411,212 +411,35 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     cp_async_wait<0>();  // only the trailing empty groups are pending
 }
 
-// y f32 [n_pairs, N] = W x_q for every pair (routed experts' down projections; the shared expert's with plan
-// NULL); zeros for a pair whose expert is not in the table.
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_bf16(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<BF16, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
+// Kernels, per format: moe_gemv_mma_<fmt> (y f32 [n_pairs, N] = W x_q for every pair: routed experts' down
+// projections, the shared expert's with plan NULL; zeros for a pair whose expert is not in the table) and
+// moe_gate_up_mma_<fmt> (h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0), each for 32-pair
+// items (MT = 4, 2 blocks an SM) and, as moe_*_mma8_<fmt>, for 8-pair items (MT = 1, ~115 registers: 4 blocks,
+// 16 warps an SM). A pair's arithmetic is the same in both.
+#define MOE_GEMV_MMA(KIND, FMT, F, MT, MINB)                                                                      \
+    extern "C" __global__ __launch_bounds__(128, MINB) void moe_##KIND##_##FMT(                                   \
+        const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride,                \
+        u32 x_slot_stride, float* y, u32 N, u32 K) {                                                              \
+        pdl_entry();                                                                                              \
+        expert_mma<F, false, MT>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f); \
+    }
+#define MOE_GATE_UP_MMA(KIND, FMT, F, MT, MINB)                                                                   \
+    extern "C" __global__ __launch_bounds__(128, MINB) void moe_##KIND##_##FMT(                                   \
+        const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,          \
+        u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit) {                       \
+        pdl_entry();                                                                                              \
+        expert_mma<F, true, MT>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N,  \
+                                K, limit);                                                                        \
+    }
+#define MOE_MMA_KERNELS(FMT, F)                                                                                   \
+    MOE_GEMV_MMA(gemv_mma, FMT, F, 4, 2)                                                                          \
+    MOE_GEMV_MMA(gemv_mma8, FMT, F, 1, 4)                                                                         \
+    MOE_GATE_UP_MMA(gate_up_mma, FMT, F, 4, 2)                                                                    \
+    MOE_GATE_UP_MMA(gate_up_mma8, FMT, F, 1, 4)
 
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_row(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<FP8_ROW, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_fp8_block_e8m0(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK_E8M0, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K,
-                                      0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_nvfp4(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<NVFP4, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gemv_mma_mxfp4(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<MXFP4, false, 4>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-// h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0.
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_bf16(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<BF16, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_row(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<FP8_ROW, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                              limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                                limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_fp8_block_e8m0(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK_E8M0, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,
-                                     N, K, limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_nvfp4(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<NVFP4, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                            limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 2) void moe_gate_up_mma_mxfp4(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<MXFP4, true, 4>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                            limit);
-}
-
-// The same for items of at most 8 pairs (one n-tile; a plan built with rows = 8): ~115 registers, so an SM holds
-// 16 warps (the 4-n-tile kernels: 8). A pair's arithmetic is the same in both.
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_bf16(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<BF16, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_fp8_row(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<FP8_ROW, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_fp8_block(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_fp8_block_e8m0(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK_E8M0, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K,
-                                      0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_nvfp4(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<NVFP4, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gemv_mma8_mxfp4(
-    const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride, u32 x_slot_stride,
-    float* y, u32 N, u32 K)
-{
-    pdl_entry();
-    expert_mma<MXFP4, false, 1>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f);
-}
-
-// h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0.
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_bf16(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<BF16, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_fp8_row(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<FP8_ROW, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                              limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_fp8_block(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                                limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_fp8_block_e8m0(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<FP8_BLOCK_E8M0, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,
-                                     N, K, limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_nvfp4(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<NVFP4, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                            limit);
-}
-
-extern "C" __global__ __launch_bounds__(128, 4) void moe_gate_up_mma8_mxfp4(
-    const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,
-    u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit)
-{
-    pdl_entry();
-    expert_mma<MXFP4, true, 1>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K,
-                            limit);
-}
+MOE_MMA_KERNELS(bf16, BF16)
+MOE_MMA_KERNELS(fp8_row, FP8_ROW)
+MOE_MMA_KERNELS(fp8_block, FP8_BLOCK)
+MOE_MMA_KERNELS(fp8_block_e8m0, FP8_BLOCK_E8M0)
+MOE_MMA_KERNELS(nvfp4, NVFP4)
+MOE_MMA_KERNELS(mxfp4, MXFP4)

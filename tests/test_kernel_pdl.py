@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 from mtp_cupy.runtime.backend import CUDA_SRC, cuda_modules
-from test_kernel_signatures import _KERNEL, _close, expand_kernel_macros, strip_comments
+from mtp_cupy.runtime.cuda_text import close_paren, expand_kernel_macros, strip_comments
+from test_kernel_signatures import _KERNEL
 
 LATE_WAIT = {"mma_stream"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
 
 
 def _body(code: str, paren: int, name: str) -> str:
     """The text between the braces that follow the parameter list opening at code[paren] ('(')."""
-    b = code.index("{", _close(code, paren))
+    b = code.index("{", close_paren(code, paren))
     depth = 0
     for j in range(b, len(code)):
         depth += {"{": 1, "}": -1}.get(code[j], 0)

@@ -27,6 +27,7 @@ from mtp_cupy.refdev.backend import RefBackend
 from mtp_cupy.refdev.registry import load_all
 from mtp_cupy.runtime.arena import pack_mtp_attn_meta
 from mtp_cupy.runtime.backend import CUDA_SRC, KernelLaunch, cuda_modules
+from mtp_cupy.runtime.cuda_text import close_paren, expand_kernel_macros, split_top, strip_comments
 from mtp_cupy.runtime.ptr import NULL, DevicePtr
 from mtp_cupy.weights.linear import Linear
 
@@ -43,76 +44,6 @@ KINDS = {"u32": "u32", "unsigned": "u32", "unsigned int": "u32", "uint32_t": "u3
 QUALIFIERS = {"const", "volatile", "__restrict__", "__restrict"}
 _BOUNDS = r"(?:__launch_bounds__\s*\([^)]*\)\s*)?"
 _KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+' + _BOUNDS + r"void\s+" + _BOUNDS + r"(\w+)\s*\(")
-_DEFINE = re.compile(r"^[ \t]*#[ \t]*define[ \t]+(\w+)\(([^)]*)\)((?:[^\n]*\\\n)*[^\n]*)", re.M)
-
-
-def strip_comments(src: str) -> str:
-    out, i = [], 0
-    while i < len(src):
-        if src.startswith("//", i):
-            j = src.find("\n", i)
-            i = len(src) if j < 0 else j
-        elif src.startswith("/*", i):
-            j = src.find("*/", i + 2)
-            out.append(" ")
-            i = len(src) if j < 0 else j + 2
-        elif src[i] == '"':
-            j = i + 1
-            while src[j] != '"':
-                j += 2 if src[j] == "\\" else 1
-            out.append(src[i:j + 1])
-            i = j + 1
-        else:
-            out.append(src[i])
-            i += 1
-    return "".join(out)
-
-
-def _close(text: str, i: int) -> int:
-    """text[i] == '(': the index just past its matching ')'."""
-    depth = 0
-    for j in range(i, len(text)):
-        depth += {"(": 1, ")": -1}.get(text[j], 0)
-        if depth == 0:
-            return j + 1
-    raise ValueError(f"unbalanced parentheses from {text[i:i + 60]!r}")
-
-
-def split_top(s: str) -> list[str]:
-    """Split on commas outside (), <>, [] (no operators appear in parameter lists or macro arguments)."""
-    parts, depth, cur = [], 0, []
-    for ch in s:
-        depth += 1 if ch in "(<[" else -1 if ch in ")>]" else 0
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    parts = [p.strip() for p in parts]
-    return [] if parts == [""] else parts
-
-
-def expand_kernel_macros(code: str) -> str:
-    """Expand the function-like macros whose body defines a __global__ (token pasting with ##)."""
-    macros = {}
-    for m in _DEFINE.finditer(code):
-        body = m.group(3).replace("\\\n", " ")
-        if "__global__" in body:
-            macros[m.group(1)] = ([p.strip() for p in m.group(2).split(",") if p.strip()], body)
-    if not macros:
-        return code
-    code = _DEFINE.sub(lambda m: "" if m.group(1) in macros else m.group(0), code)
-    for name, (params, body) in macros.items():
-        while (m := re.search(r"\b%s\s*\(" % name, code)):
-            end = _close(code, m.end() - 1)
-            args = split_top(code[m.end():end - 1])
-            assert len(args) == len(params), f"macro {name}: {len(args)} arguments for {len(params)} parameters"
-            text = body
-            for p, a in zip(params, args):
-                text = re.sub(r"\b%s\b" % p, lambda _: a, text)
-            code = code[:m.start()] + re.sub(r"\s*##\s*", "", text) + code[end:]
-    return code
 
 
 def c_param(decl: str) -> tuple[str, str]:
@@ -132,7 +63,7 @@ def parse_kernels(src: str) -> dict[str, list[tuple[str, str]]]:
     code = expand_kernel_macros(strip_comments(src))
     out = {}
     for m in _KERNEL.finditer(code):
-        end = _close(code, m.end() - 1)
+        end = close_paren(code, m.end() - 1)
         assert m.group(1) not in out, f"kernel {m.group(1)} defined twice"
         out[m.group(1)] = [c_param(p) for p in split_top(code[m.end():end - 1])]
     return out

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, KernelError
+from .cuda_text import expand_kernel_macros, strip_comments
 from .dtypes import dtype as _dtype
 from .ptr import DevicePtr
 
@@ -31,7 +32,7 @@ def cuda_kernel_names(module: str) -> list[str]:
     path = cuda_source(module)
     if not path.exists():
         return []
-    return _KERNEL_RE.findall(path.read_text())
+    return _KERNEL_RE.findall(expand_kernel_macros(strip_comments(path.read_text())))
 
 
 _INCLUDE_RE = re.compile(r'^#include "(\w+\.cuh)"\s*$', re.M)
