@@ -578,12 +578,12 @@ def test_moe_mma_one_weight(dev, rng, fmt, rows):
     assert np.array_equal(get(dev, y, "f32", (m, k)), np.zeros((m, k), np.float32))
 
 
-@pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_moe_mma_grid_walks(dev, rng, fmt, rows):
+def test_moe_mma_grid_walks(dev, rng, fmt):
     """A persistent grid smaller than the work (`blocks` 1, 2, 7): every block walks several (item, tile) units
     with its ring running across them, through an absent expert's units (NULL entry, zeros) in between; the
-    results are bit-identical to the full grid's and match the reference."""
+    results are bit-identical to the full grid's, the same for 32- and 8-pair items (the 4- and 1-n-tile
+    kernels), and match the reference."""
     n_experts, m, n_slots, n, k = 5, 24, 3, 96, 75 * ops.moe.CHUNK[fmt]
     host = [[host_weight(rng, fmt, *sh) for sh in ((n, k), (n, k), (k, n))] for _ in range(n_experts)]
     lins = [[upload_weight(dev, fmt, *sh, h[j][0]) if e != 3 else None for e, h in enumerate(host)]
@@ -593,19 +593,21 @@ def test_moe_mma_grid_walks(dev, rng, fmt, rows):
     x = bf16(rng.standard_normal((m, k)))
     n_pairs = m * n_slots
     xb, ib = up(dev, x), up(dev, ids)
-    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts, rows))
-    ops.moe_route_plan(dev, tg.ptr, ib.ptr, n_pairs, n_experts, plan.ptr, rows=rows)
     runs = {}
-    for blocks in (None, 1, 2, 7):
-        h, y = out(dev, "bf16", (n_pairs, n)), out(dev, "f32", (n_pairs, k))
-        ops.moe_gate_up_mma(dev, tg.ptr, tu.ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xb.ptr, k, 0, h.ptr,
-                            n, k, rows=rows, blocks=blocks)
-        ops.moe_gemv_mma(dev, td.ptr, fmt, plan.ptr, n_pairs, 1, n_experts, h.ptr, n, 0, y.ptr, k, n, rows=rows,
-                         blocks=blocks)
-        runs[blocks] = (get(dev, h, "bf16", (n_pairs, n)), get(dev, y, "f32", (n_pairs, k)))
-    for blocks in (1, 2, 7):
-        assert all(np.array_equal(a, b) for a, b in zip(runs[blocks], runs[None])), f"blocks={blocks}"
-    hh, yy = runs[None]
+    for rows in (ops.PLAN_ROWS, ops.MMA8_ROWS):
+        plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts, rows))
+        ops.moe_route_plan(dev, tg.ptr, ib.ptr, n_pairs, n_experts, plan.ptr, rows=rows)
+        for blocks in (None, 1, 2, 7):
+            h, y = out(dev, "bf16", (n_pairs, n)), out(dev, "f32", (n_pairs, k))
+            ops.moe_gate_up_mma(dev, tg.ptr, tu.ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xb.ptr, k, 0,
+                                h.ptr, n, k, rows=rows, blocks=blocks)
+            ops.moe_gemv_mma(dev, td.ptr, fmt, plan.ptr, n_pairs, 1, n_experts, h.ptr, n, 0, y.ptr, k, n,
+                             rows=rows, blocks=blocks)
+            runs[rows, blocks] = (get(dev, h, "bf16", (n_pairs, n)), get(dev, y, "f32", (n_pairs, k)))
+    first = runs[ops.PLAN_ROWS, None]
+    for key, got in runs.items():
+        assert all(np.array_equal(a, b) for a, b in zip(got, first)), f"rows, blocks = {key}"
+    hh, yy = first
     for q, e in enumerate(ids.ravel()):
         if e in (3, -1):
             assert not hh[q].any() and not yy[q].any(), (q, e)

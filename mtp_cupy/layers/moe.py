@@ -175,50 +175,49 @@ class MoE:
         else:
             ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
-        rows = ops.MMA8_ROWS  # 8-pair items: 16 warps an SM (the 32-pair kernels hold 8); an expert rarely has more
         fused = add_shared and self.fuse_shared and self.grouped(m)
+        S = K + 1 if fused else K   # y slots a row: the routed experts' (and the fused shared expert's)
         if self.grouped(m):
-            S, En, sid = (K + 1, E + 1, E) if fused else (K, E, -1)
+            rows = ops.MMA8_ROWS    # 8-pair items: 16 warps an SM (the 32-pair kernels hold 8); an expert rarely has more
+            En, sid = (E + 1, E) if fused else (E, -1)
             ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * S, En, self.plan, stream=stream, rows=rows,
                                top_k=K, shared_id=sid)
             ops.moe_gate_up_mma(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.plan, m * S, S, En, x, D, 0,
                                 self.h, I, D, c.swiglu_limit, stream=stream, rows=rows)
             ops.moe_gemv_mma(gpu, self.tab_down, self.fmt_down, self.plan, m * S, S, En, self.h, S * I, I, self.y, D,
                              I, stream=stream, rows=rows)
-            if fused:
-                gate = NULL
-                if self.shared_gate is not None:
-                    ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream,
-                               invariant=self.inv)
-                    gate = self.glogit
-                ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, self.y.offset(4 * K * D), gate,
-                                     stream=stream, y_slots=S, shared_stride=S * D)
-                return
         else:
             ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I,
                             D, c.swiglu_limit, stream=stream, invariant=self.inv)
             ops.moe_gemv(gpu, self.tab_down, self.fmt_down, self.ids, m * K, K, E, self.h, K * I, I, self.y, D, I,
                          stream=stream, invariant=self.inv)
-        ys = gate = NULL
-        if add_shared and self.shared is not None:
-            g, u, d = self.shared
-            Is = self.inter_s
-            if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
-                rows = ops.MMA8_ROWS if m <= ops.MMA8_ROWS else ops.PLAN_ROWS  # the same sums, fewer passes
-                ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
-                                    D, c.swiglu_limit, stream=stream, rows=rows)
-                ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
-                                 stream=stream, rows=rows)
-            else:
-                ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
-                                Is, D, c.swiglu_limit, stream=stream, invariant=self.inv)
-                ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
-                             stream=stream, invariant=self.inv)
+        ys, ys_stride, gate = NULL, D, NULL
+        if fused:
+            ys, ys_stride = self.y.offset(4 * K * D), S * D
+        elif add_shared and self.shared is not None:
+            self._shared_expert(x, m, stream)
             ys = self.ys
-            if self.shared_gate is not None:
-                ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream, invariant=self.inv)
-                gate = self.glogit
-        ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, ys, gate, stream=stream)
+        if int(ys) and self.shared_gate is not None:
+            ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream, invariant=self.inv)
+            gate = self.glogit
+        ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, ys, gate, stream=stream, y_slots=S,
+                             shared_stride=ys_stride)
+
+    def _shared_expert(self, x, m: int, stream) -> None:
+        """ys f32 [m, hidden] = the shared expert of x, through its own launches (not fused)."""
+        c, gpu, (g, _, d) = self.cfg, self.gpu, self.shared
+        D, Is = c.hidden, self.inter_s
+        if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
+            rows = ops.MMA8_ROWS if m <= ops.MMA8_ROWS else ops.PLAN_ROWS  # the same sums, fewer passes
+            ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
+                                D, c.swiglu_limit, stream=stream, rows=rows)
+            ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
+                             stream=stream, rows=rows)
+        else:
+            ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
+                            Is, D, c.swiglu_limit, stream=stream, invariant=self.inv)
+            ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
+                         stream=stream, invariant=self.inv)
 
     def grouped(self, m: int, shared: bool = False) -> bool:
         """Whether a forward of m rows runs the grouped tensor-core GEMMs (the routed experts', or with `shared`
