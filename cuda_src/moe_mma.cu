@@ -79,7 +79,8 @@ __device__ void scan2_exclusive(u32* a, u32* b, u32 n, u32* ws) {
 // n_pairs <= 32768 (ops.moe: MAX_EXPERTS, MAX_PLAN_PAIRS), 1 <= rows <= 255. ids are [rows of the batch, top_k];
 // with shared_id >= 0 every row has one more slot, slot top_k, whose expert is shared_id (a shared expert fused
 // into the routed call: pair q is row q / (top_k + 1), slot q % (top_k + 1); a routed slot holding shared_id
-// goes to the none list); else pair q's expert is ids[q]. A pair's expert is local when its id is in [0, n_experts) and tab[id]'s weight is not NULL.
+// goes to the none list); else pair q's expert is ids[q]. A pair's expert is local when its id is in
+// [0, n_experts) and tab[id]'s weight is not NULL.
 extern "C" __global__ __launch_bounds__(1024) void moe_route_plan(const u64* tab, const i32* ids, u32 n_pairs,
                                                                    u32 n_experts, u32 rows, u32 top_k,
                                                                    i32 shared_id, u32* plan)

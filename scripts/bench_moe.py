@@ -1,8 +1,8 @@
 """MoE layer benchmark on one CUDA GPU at real expert dims: MoE.forward, batch-invariant as drafters run it, on
 the FMA expert GEMVs ("fma", expert_kernels="plain") against the grouped tensor-core GEMMs ("mma",
 expert_kernels="grouped": each chosen expert read once for all its rows) at several batch widths; cold L2, CUDA
-events around a replayed CUDA graph of the forward, medians; bytes read (router, the distinct experts the rows chose, the shared expert and its gate), their
-floor at the device-to-device copy bandwidth, and GB/s against it.
+events around a replayed CUDA graph of the forward, medians; bytes read (router, the distinct experts the rows
+chose, the shared expert and its gate), their floor at the device-to-device copy bandwidth, and the % of it.
 
     python scripts/bench_moe.py [--models deepseek_v3,qwen3_next_bf16,qwen3_next_nvfp4,deepseek_v4]
                                 [--batches 1,8,32,64] [--iters N] [--json PATH]

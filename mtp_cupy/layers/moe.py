@@ -178,7 +178,7 @@ class MoE:
         fused = add_shared and self.fuse_shared and self.grouped(m)
         S = K + 1 if fused else K   # y slots a row: the routed experts' (and the fused shared expert's)
         if self.grouped(m):
-            rows = ops.MMA8_ROWS    # 8-pair items: 16 warps an SM (the 32-pair kernels hold 8); an expert rarely has more
+            rows = ops.MMA8_ROWS    # 16 warps an SM (the 32-pair kernels: 8); an expert rarely has 8 pairs
             En, sid = (E + 1, E) if fused else (E, -1)
             ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * S, En, self.plan, stream=stream, rows=rows,
                                top_k=K, shared_id=sid)

@@ -16,7 +16,8 @@ from ..weights.linear import Linear
 from ._util import blocks_for, launch, need
 from .gemv import REGS_PER_SM, SMEM_PER_BLOCK, SMEM_PER_SM, _sms
 
-__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "MAX_PLAN_PAIRS", "expert_table", "moe_gemv",
+__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "MAX_PLAN_PAIRS",
+           "expert_table", "moe_gemv",
            "moe_gate_up", "moe_topk_softmax", "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash",
            "moe_weighted_sum", "plan_max_items", "moe_plan_bytes", "moe_route_plan", "moe_gate_up_mma",
            "moe_gemv_mma"]
@@ -181,9 +182,10 @@ def moe_weighted_sum(gpu, y, weights, top_k: int, out, m: int, hidden: int, shar
 
 # -- grouped expert GEMMs (cuda_src/moe_mma.cu) ------------------------------------------------------------
 # The routing plan groups a call's pairs by expert (this rank's, ascending id; each expert's pairs in pair order)
-# into items of at most PLAN_ROWS pairs; the GEMMs stream each (item, 16- or 32-row weight tile) once with the
-# tensor cores, for all the item's x rows. Layout of a plan (u32 words): [items, none_start, sorted offset, 0],
-# then max_items (expert, first << 8 | pairs) pairs of words, then the n_pairs pair ids in plan order.
+# into items of at most `rows` (PLAN_ROWS or MMA8_ROWS) pairs; the GEMMs stream each (item, 16- or 32-row weight
+# tile) once with the tensor cores, for all the item's x rows. Layout of a plan (u32 words): [items, none_start,
+# sorted offset, rows], then max_items (expert, first << 8 | pairs) pairs of words, then the n_pairs pair ids in
+# plan order.
 MMA_FORMATS = ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
 PLAN_ROWS = 32                   # pairs per item: the kernels' 4 n-tiles of 8 x rows
 MMA8_ROWS = 8                    # pairs per item of the one-n-tile kernels (moe_*_mma8_*)
@@ -192,8 +194,9 @@ MAX_PLAN_PAIRS = 32768           # the plan kernel keeps 4 bytes per pair and 8 
 MMA_STAGE = 32 * 8 * 16          # ring bytes per warp and stage: 32 weight rows x 8 chunks of 16 bytes
 MMA_MAX_STAGES = 8
 MMA_MAX_KS = 4                   # warps per block (the kernels' launch bound is 128 threads)
-# registers per thread where the backend cannot say (nvcc 13, sm_90a: scripts/compile_kernels.sh); only the
-# launch geometry uses them, and geometry never changes a result
+# registers per thread of the 32-pair kernels where the backend cannot say (nvcc 13, sm_90a:
+# scripts/compile_kernels.sh; the mma8 ones use ~110); only the launch geometry uses them, and geometry never
+# changes a result
 _MMA_REGS = {"bf16": 164, "fp8_row": 187, "fp8_block": 191, "fp8_block_e8m0": 191, "nvfp4": 251, "mxfp4": 251}
 
 
@@ -259,8 +262,8 @@ def _mma_regs(gpu, name: str, fmt: str) -> int:
 def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: int, rows: int,
                 blocks: int | None = None):
     """Block (32, ks); a persistent grid of as many blocks as fit on the GPU at once (by registers), at most
-    one per (item, tile) work unit and at most `blocks`; a ring as deep as shared memory allows them (2 .. 8 stages, at most a
-    warp's units + 1). None of it changes a result but ks (mma_ks)."""
+    one per (item, tile) work unit and at most `blocks`; a ring as deep as shared memory allows them (2 .. 8
+    stages, at most a warp's units + 1). None of it changes a result but ks (mma_ks)."""
     ks = mma_ks(fmt, k)
     regs = -(-_mma_regs(gpu, name, fmt) // 8) * 8
     per_sm = max(1, min(32, 64 // ks, REGS_PER_SM // (regs * 32 * ks)))
@@ -315,13 +318,14 @@ def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_exper
     """y f32 [n_pairs, n] = W[e] x_q for every pair q, e its expert by `plan` (moe_route_plan of the same
     n_pairs / n_experts and `rows`); zeros for a pair of no local expert. plan NULL: every pair uses table entry
     0 (a single weight, such as the shared expert's). Tensor cores, each (expert, 32-row tile) read once per
-    item of up to `rows` pairs: PLAN_ROWS (4 n-tiles, for batches) or MMA8_ROWS (one n-tile: fewer registers,
-    twice the warps per SM, for up to 8 rows). Always batch-invariant: a pair's result does not depend on the
+    item of up to `rows` pairs: PLAN_ROWS (4 n-tiles) or MMA8_ROWS (one n-tile: fewer registers, twice the
+    warps an SM; MoE's choice at every width). Always batch-invariant: a pair's result does not depend on the
     other pairs, nor on `rows`. `blocks` caps the persistent grid (each block then walks more work units; the
     result does not change)."""
     name = _mma_name("moe_gemv_mma", fmt, rows)
     items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)
-    _mma_launch(gpu, name, fmt, n, k, 32, items, rows, blocks).arg_ptr(plan).arg_ptr(table).arg_u32(n_pairs).arg_u32(n_slots) \
+    _mma_launch(gpu, name, fmt, n, k, 32, items, rows, blocks).arg_ptr(plan).arg_ptr(table).arg_u32(n_pairs) \
+        .arg_u32(n_slots) \
         .arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(y).arg_u32(n).arg_u32(k).launch(stream)
 
 
