@@ -627,6 +627,20 @@ def test_moe_mma_errors(ref, rng):
         ops.moe_route_plan(ref, x.ptr, x.ptr, ops.MAX_PLAN_PAIRS + 1, 8, x.ptr)
     with pytest.raises(KernelError):
         ops.moe_gate_up_mma(ref, x.ptr, x.ptr, "bf16", NULL, 4, 1, 1, x.ptr, 64, 0, x.ptr, 8, 64, limit=-1.0)
+    before = ref.read(x.ptr, np.uint8, 512).copy()
+    with pytest.raises(KernelError, match="rows 16"):           # items of 8 or 32 pairs only
+        ops.moe_gemv_mma(ref, x.ptr, "bf16", NULL, 4, 1, 1, x.ptr, 64, 0, x.ptr, 8, 64, rows=16)
+    with pytest.raises(KernelError, match="rows 16"):
+        ops.moe_route_plan(ref, x.ptr, x.ptr, 4, 8, x.ptr, rows=16)
+    with pytest.raises(KernelError, match="blocks 0"):
+        ops.moe_gate_up_mma(ref, x.ptr, x.ptr, "bf16", NULL, 4, 1, 1, x.ptr, 64, 0, x.ptr, 8, 64, blocks=0)
+    with pytest.raises(KernelError, match="shared_id 8"):       # the shared expert's id must be a table entry
+        ops.moe_route_plan(ref, x.ptr, x.ptr, 4, 8, x.ptr, top_k=3, shared_id=8)
+    with pytest.raises(KernelError, match="y_slots 2"):         # fewer y slots a row than top_k
+        ops.moe_weighted_sum(ref, x.ptr, x.ptr, 3, x.ptr, 2, 8, y_slots=2)
+    with pytest.raises(KernelError, match="shared_stride 4"):
+        ops.moe_weighted_sum(ref, x.ptr, x.ptr, 3, x.ptr, 2, 8, shared=x.ptr, shared_stride=4)
+    assert np.array_equal(ref.read(x.ptr, np.uint8, 512), before), "a refused call wrote"
 
 
 # every family's routing on its own format; the grouped twins must give each row the bits of its m = 1 call

@@ -175,9 +175,10 @@ class MoE:
         else:
             ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
-        fused = add_shared and self.fuse_shared and self.grouped(m)
+        grouped = self.grouped(m)
+        fused = add_shared and self.fuse_shared and grouped
         S = K + 1 if fused else K   # y slots a row: the routed experts' (and the fused shared expert's)
-        if self.grouped(m):
+        if grouped:
             rows = ops.MMA8_ROWS    # 16 warps an SM (the 32-pair kernels: 8); an expert rarely has 8 pairs
             En, sid = (E + 1, E) if fused else (E, -1)
             ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * S, En, self.plan, stream=stream, rows=rows,

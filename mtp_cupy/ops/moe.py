@@ -223,7 +223,7 @@ def moe_route_plan(gpu, table, ids, n_pairs: int, n_experts: int, plan, stream=N
     name = "moe_route_plan"
     need(1 <= n_pairs <= MAX_PLAN_PAIRS and 1 <= n_experts <= MAX_EXPERTS,
          f"{name}: n_pairs {n_pairs} must be in [1, {MAX_PLAN_PAIRS}], n_experts {n_experts} in [1, {MAX_EXPERTS}]")
-    need(rows in (PLAN_ROWS, MMA8_ROWS), f"{name}: rows {rows} must be {PLAN_ROWS} or {MMA8_ROWS}")
+    _check_rows(name, rows)
     need(top_k >= 1 and shared_id < n_experts and (shared_id < 0 or n_pairs % (top_k + 1) == 0),
          f"{name}: top_k {top_k}, shared_id {shared_id} (below {n_experts}; n_pairs {n_pairs} a multiple of "
          "top_k + 1 with a shared slot)")
@@ -293,8 +293,12 @@ def _dynamic_smem(nbytes: int, static: int = 256) -> int:
     return 48 * 1024 + 16 if 48 * 1024 - static < nbytes <= 48 * 1024 else nbytes
 
 
+def _check_rows(name: str, rows: int) -> None:
+    need(rows in (PLAN_ROWS, MMA8_ROWS), f"{name}: rows {rows} must be {PLAN_ROWS} or {MMA8_ROWS}")
+
+
 def _mma_name(kind: str, fmt: str, rows: int) -> str:
-    need(rows in (PLAN_ROWS, MMA8_ROWS), f"{kind}: rows {rows} must be {PLAN_ROWS} or {MMA8_ROWS}")
+    _check_rows(kind, rows)
     return f"{kind}{'8' if rows == MMA8_ROWS else ''}_{fmt}"
 
 
