@@ -148,19 +148,27 @@ __device__ __forceinline__ float swiglu(float g, float u, float limit) {  // as 
     return g / (1.f + expf(-g)) * u;
 }
 
-template <bool GU> __device__ __forceinline__ void store_zero(void* out, u64 i) {
-    if (GU) ((u16*)out)[i] = 0;
+__device__ __forceinline__ void store_zero(void* out, u64 i, bool bf) {
+    if (bf) ((u16*)out)[i] = 0;
     else ((float*)out)[i] = 0.f;
 }
 
 // Work unit u of a plan (or of the plan-less call): its expert, first output row, first sorted position and
-// rows.
+// rows. Grouped calls (per > 0: groups = n_slots, per items of `rows` batch rows each): the units of one
+// (group, tile) are consecutive, so the blocks that read a tile for its row items run at once and share it
+// through L2; p0 is the item's first batch row.
 struct Unit {
     u32 e, n0, p0, nrows;
 };
-__device__ __forceinline__ Unit unit_of(const u32* plan, u32 u, u32 T, u32 outs, u32 n_pairs, u32 rows) {
-    const u32 it = u / T;
+__device__ __forceinline__ Unit unit_of(const u32* plan, u32 u, u32 T, u32 outs, u32 n_pairs, u32 rows, u32 per,
+                                        u32 n_slots) {
     Unit r;
+    if (per) {
+        const u32 tp = T * per, e = u / tp, rem = u - e * tp, tile = rem / per, c = rem - tile * per;
+        r.e = e, r.n0 = tile * outs, r.p0 = c * rows, r.nrows = min(rows, n_pairs / n_slots - r.p0);
+        return r;
+    }
+    const u32 it = u / T;
     r.n0 = (u - it * T) * outs;
     if (plan) {
         const uint2 v = ((const uint2*)(plan + PLAN_HEADER))[it];
@@ -171,13 +179,15 @@ __device__ __forceinline__ Unit unit_of(const u32* plan, u32 u, u32 T, u32 outs,
     return r;
 }
 
-// GU: tab_a = gate, tab_b = up, out = bf16 h [n_pairs, N] = swiglu(gate x, up x); else out = f32 y
-// [n_pairs, N] = W x (tab_b = tab_a). x of pair q: x + (q / n_slots) * xrs + (q % n_slots) * xss. A plan's
-// items hold at most 8 MT pairs (its rows).
+// GU: tab_a = gate, tab_b = up, out = bf16 h = swiglu(gate x, up x); else out = y = W x (tab_b = tab_a), bf16
+// when obf, else f32. x of pair q: x + (q / n_slots) * xrs + (q % n_slots) * xss; its output row at out +
+// (q / n_slots) * yrs + (q % n_slots) * yss. A plan's items hold at most 8 MT pairs (its rows). per > 0: a
+// grouped call (plan NULL; pair q = row * n_slots + group uses table entry `group`, whose third word is the
+// row offset of its first row inside its 128-row scale block for the block formats).
 template <int F, bool GU, int MT>
 __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, const u64* tab_b, u32 n_pairs,
-                                           u32 n_slots, const u16* x, u32 xrs, u32 xss, void* out, u32 N, u32 K,
-                                           float limit)
+                                           u32 n_slots, const u16* x, u32 xrs, u32 xss, void* out, u32 yrs,
+                                           u32 yss, bool obf, u32 per, u32 N, u32 K, float limit)
 {
     constexpr int RT = MMA_RT, KC = kchunk<F>(), NM = KC / 4, CH = 8, TR = 16 * RT, E = RT * MT * 4;
     constexpr int SL = GU ? RT / 2 : RT;  // slabs per matrix: a tile has 16 * SL outputs
@@ -194,14 +204,16 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     const u32 NS = (dyn_smem_bytes() - red_bytes) / (KS * STAGE * 16);  // ring stages, >= 2 (launcher)
     uint4* const ring = g_dsm + ks * NS * STAGE;
     float* const red = (float*)(g_dsm + KS * NS * STAGE);
-    const u32 count = plan ? plan[0] : (n_pairs + ROWS - 1) / ROWS;
+    const u32 count = plan ? plan[0] : per ? n_slots * per : (n_pairs + ROWS - 1) / ROWS;
     const u32 none0 = plan ? plan[1] : n_pairs;
     const u32* sorted = plan ? plan + plan[2] : nullptr;
 
+    const bool obf16 = GU || obf;
+    auto out_at = [&](u32 q, u32 n) { return (u64)(q / n_slots) * yrs + (u64)(q % n_slots) * yss + n; };
     // pairs without a local expert: zero rows (the whole grid shares them)
     const u64 nz = (u64)(n_pairs - none0) * N;
     for (u64 i = (u64)blockIdx.x * nth + tid; i < nz; i += (u64)gridDim.x * nth)
-        store_zero<GU>(out, (u64)sorted[none0 + i / N] * N + i % N);
+        store_zero(out, out_at(sorted[none0 + i / N], i % N), obf16);
 
     const u32 total = count * T, NB = gridDim.x, bx = blockIdx.x;
     const u32 nwalk = bx < total ? (total - 1 - bx) / NB + 1 : 0;  // this block's units bx, bx + NB, ...
@@ -216,7 +228,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
         if (left) {
             --left;
             if (iu == 0) {
-                const Unit u = unit_of(plan, bx + iw * NB, T, OUTS, n_pairs, ROWS);
+                const Unit u = unit_of(plan, bx + iw * NB, T, OUTS, n_pairs, ROWS, per, n_slots);
                 const u64* ta = tab_a + 3 * (u64)u.e;
                 const u64* tb = GU ? tab_b + 3 * (u64)u.e : ta;
                 in0 = u.n0, wsrc[0] = (const u8*)ta[0], wsrc[1] = (const u8*)tb[0];
@@ -246,13 +258,16 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     for (u32 p = 1; p < NS; ++p) issue();
     u32 cslot = 0, nred = 0;
     for (u32 i = 0; i < nwalk; ++i) {
-        const Unit u = unit_of(plan, bx + i * NB, T, OUTS, n_pairs, ROWS);
+        const Unit u = unit_of(plan, bx + i * NB, T, OUTS, n_pairs, ROWS, per, n_slots);
         const u32 n0 = u.n0, nrows = u.nrows;
         const u64* ta = tab_a + 3 * (u64)u.e;
         const u64* tb = GU ? tab_b + 3 * (u64)u.e : ta;
         const bool have = ta[0] && tb[0];  // uniform over the block
         const u8* const Sm[2] = {(const u8*)ta[1], (const u8*)tb[1]};
-        auto pair_of = [&](u32 r) { return sorted ? __ldg(sorted + u.p0 + r) : u.p0 + r; };  // item row -> pair
+        auto pair_of = [&](u32 r) {  // item row -> pair
+            return sorted ? __ldg(sorted + u.p0 + r) : per ? (u.p0 + r) * n_slots + u.e : u.p0 + r;
+        };
+        const u32 roff = per && BLOCK ? (u32)ta[2] : 0u;  // grouped: the first row's place in its scale block
 
         const u16* xp[MT];  // x row of item row 8 jm + g (the last row stands in past nrows: loads masked)
 #pragma unroll
@@ -312,7 +327,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                 f[r] = 1.f;
                 if (BLOCK) {
                     const u8* S = Sm[GU ? r : 0];
-                    const u64 si = (u64)(min(n0 + (GU ? 0u : 16u * r), N - 1) >> 7) * ((K + 127) / 128) + (c0 >> 3);
+                    const u64 si = (u64)((min(n0 + (GU ? 0u : 16u * r), N - 1) + roff) >> 7) * ((K + 127) / 128) + (c0 >> 3);
                     f[r] = F == FP8_BLOCK ? __ldg((const float*)S + si) : e8m0_to_f(__ldg(S + si));
                 }
             }
@@ -361,7 +376,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
         if (!have) {  // not in this table: zeros (uniform over the block)
             for (u32 q = tid; q < nrows * OUTS; q += nth) {
                 const u32 n = n0 + q % OUTS;
-                if (n < N) store_zero<GU>(out, (u64)pair_of(q / OUTS) * N + n);
+                if (n < N) store_zero(out, out_at(pair_of(q / OUTS), n), obf16);
             }
             continue;
         }
@@ -371,7 +386,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
         auto emit = [&](u32 r, u32 jm, u32 e2, float v, float vu) {
             const u32 q = 8 * jm + 2 * t + (e2 & 1), n = n0 + (GU ? 0u : 16u * r) + g + 8 * (e2 >> 1);
             if (q >= nrows || n >= N) return;
-            const u64 o = (u64)pair_of(q) * N + n;
+            const u64 o = out_at(pair_of(q), n);
             const float fm0 = F == NVFP4 ? __uint_as_float((u32)ta[2]) * 256.f : F == MXFP4 ? 0x1p64f : 1.f;
             if (GU) {
                 const float fm1 = F == NVFP4 ? __uint_as_float((u32)tb[2]) * 256.f : fm0;  // undo fp4_scale
@@ -379,7 +394,9 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                 const float ru = F == FP8_ROW ? __ldg((const float*)Sm[1] + n) : fm1;
                 ((__nv_bfloat16*)out)[o] = f2bf(swiglu(v * rg, vu * ru, limit));
             } else {
-                ((float*)out)[o] = v * (F == FP8_ROW ? __ldg((const float*)Sm[0] + n) : fm0);
+                const float yv = v * (F == FP8_ROW ? __ldg((const float*)Sm[0] + n) : fm0);
+                if (obf) ((__nv_bfloat16*)out)[o] = f2bf(yv);
+                else ((float*)out)[o] = yv;
             }
         };
         constexpr u32 EO = GU ? E / 2 : E;  // outputs per lane
@@ -422,15 +439,16 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
         const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride,                \
         u32 x_slot_stride, float* y, u32 N, u32 K) {                                                              \
         pdl_entry();                                                                                              \
-        expert_mma<F, false, MT>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K, 0.f); \
+        expert_mma<F, false, MT>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, n_slots * N, \
+                                 N, false, 0, N, K, 0.f);                                                         \
     }
 #define MOE_GATE_UP_MMA(KIND, FMT, F, MT, MINB)                                                                   \
     extern "C" __global__ __launch_bounds__(128, MINB) void moe_##KIND##_##FMT(                                   \
         const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,          \
         u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit) {                       \
         pdl_entry();                                                                                              \
-        expert_mma<F, true, MT>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N,  \
-                                K, limit);                                                                        \
+        expert_mma<F, true, MT>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,     \
+                                n_slots * N, N, true, 0, N, K, limit);                                            \
     }
 #define MOE_MMA_KERNELS(FMT, F)                                                                                   \
     MOE_GEMV_MMA(gemv_mma, FMT, F, 4, 2)                                                                          \
@@ -438,9 +456,25 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     MOE_GATE_UP_MMA(gate_up_mma, FMT, F, 4, 2)                                                                    \
     MOE_GATE_UP_MMA(gate_up_mma8, FMT, F, 1, 4)
 
+// grouped_mma8_<fmt>: for g < groups, r < m, j < N: y[r * y_row_stride + g * y_group_stride + j] =
+// sum_k W_g[j, k] x[r * x_row_stride + g * x_group_stride + k], W_g table entry g (ops.grouped_gemv's
+// tensor-core form: MLA's W_UK^T and W_UV, V4's wo_a). y bf16, or f32 with out_f32. 8-row items (MT = 1) at
+// every m: a row's result does not depend on m.
+#define GROUPED_MMA(FMT, F)                                                                                       \
+    extern "C" __global__ __launch_bounds__(128, 4) void grouped_mma8_##FMT(                                      \
+        const u64* tab, u32 m, u32 groups, const u16* x, u32 x_row_stride, u32 x_group_stride, void* y,           \
+        u32 y_row_stride, u32 y_group_stride, u32 out_f32, u32 N, u32 K) {                                        \
+        pdl_entry();                                                                                              \
+        expert_mma<F, false, 1>(nullptr, tab, tab, m * groups, groups, x, x_row_stride, x_group_stride, y,       \
+                                y_row_stride, y_group_stride, out_f32 == 0, (m + 7) / 8, N, K, 0.f);              \
+    }
+
 MOE_MMA_KERNELS(bf16, BF16)
 MOE_MMA_KERNELS(fp8_row, FP8_ROW)
 MOE_MMA_KERNELS(fp8_block, FP8_BLOCK)
 MOE_MMA_KERNELS(fp8_block_e8m0, FP8_BLOCK_E8M0)
 MOE_MMA_KERNELS(nvfp4, NVFP4)
 MOE_MMA_KERNELS(mxfp4, MXFP4)
+GROUPED_MMA(bf16, BF16)
+GROUPED_MMA(fp8_block, FP8_BLOCK)
+GROUPED_MMA(fp8_block_e8m0, FP8_BLOCK_E8M0)

@@ -1,4 +1,5 @@
-"""grouped_gemv against float64 textbook math (exact dequantisation), and CUDA against the twin."""
+"""grouped_gemv, both forms (the FMA kernels; with a group table, the tensor-core grouped_mma8 kernels), against
+float64 textbook math (exact dequantisation), each row against its own one-row call, and CUDA against the twin."""
 import numpy as np
 import pytest
 
@@ -104,3 +105,119 @@ def test_grouped_gemv_cuda_vs_twin(ref, cuda, rng, fmt, groups, n, k, row0, grou
         ops.grouped_gemv(dev, x.ptr, W, y.ptr, groups, n, row0=row0, group_rows=group_rows, out_dtype="f32")
         res.append(dev.read(y.ptr, "f32", groups * n))
     assert_close(res[1], res[0].astype(np.float64), 1e-4)
+
+
+# -- the tensor-core form (group table) ------------------------------------------------------------------
+# (groups, n, k, row0, group_rows, m, x_group_stride, y_group_stride): CASES' shapes whose groups start on
+# 16-row slabs, a GLM-5-like W_UV (row0 192, group_rows 448: groups start mid scale block), partial tiles
+# (n 40, 24), k of one partial 128-unit (144, 192), 1 / 3 / 9 / 17 rows (items of 8: full and partial).
+MMA_CASES = [(4, 64, 32, 0, None, 1, None, None),
+             (4, 32, 64, 32, 64, 3, 64, 32),
+             (3, 16, 64, 32, 48, 2, 0, 80),
+             (2, 40, 144, 0, 48, 9, None, None),
+             (3, 64, 128, 192, 448, 17, None, None),
+             (5, 24, 192, 16, 32, 9, 200, 40)]
+
+
+def _table(dev, W, groups, n, row0, group_rows):
+    t = ops.group_table(W, groups, n, row0, group_rows)
+    assert t is not None
+    return up(dev, t)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("case", MMA_CASES)
+@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
+def test_grouped_mma_textbook(dev, rng, fmt, case, out_dtype):
+    groups, n, k, row0, group_rows, m, xgs, ygs = case
+    gr = n if group_rows is None else group_rows
+    xgs_, ygs_ = (k if xgs is None else xgs), (n if ygs is None else ygs)
+    xrs, yrs = groups * xgs_ + 8, groups * ygs_ + 8
+    W, wd = make_weight(dev, rng, fmt, row0 + (groups - 1) * gr + n + 5, k)
+    tab = _table(dev, W, groups, n, row0, group_rows)
+    xh = rng.standard_normal(m * xrs + k).astype(BF16)
+    x = up(dev, xh)
+    yn = (m - 1) * yrs + (groups - 1) * ygs_ + n + 8
+    y = out(dev, out_dtype, yn)
+    ops.grouped_gemv(dev, x.ptr, W, y.ptr, groups, n, row0=row0, group_rows=group_rows, x_group_stride=xgs,
+                     y_group_stride=ygs, m=m, x_row_stride=xrs, y_row_stride=yrs, out_dtype=out_dtype, table=tab.ptr)
+    got = dev.read(y.ptr, out_dtype, yn)
+    ref = textbook(xh, wd, groups, m, n, k, row0, gr, xgs_, xrs)
+    idx = (np.arange(m)[:, None, None] * yrs + np.arange(groups)[None, :, None] * ygs_ + np.arange(n)).reshape(-1)
+    assert_close(f32(got[idx]), ref.reshape(-1), 4e-3 if out_dtype == "bf16" else 1e-5)
+    mask = np.ones(yn, bool)
+    mask[idx] = False
+    assert np.isnan(f32(got[mask])).all(), "wrote outside the addressed elements"
+
+
+def test_group_table(ref, rng):
+    """The table's rows by definition; None where the tensor-core form cannot take the weight."""
+    W, _ = make_weight(ref, rng, "fp8_block", 1152, 128)
+    t = ops.group_table(W, 3, 64, 192, 448)
+    starts = [192, 640, 1088]
+    assert t[:, 0].tolist() == [int(W.weight) + r * 128 for r in starts]
+    assert t[:, 1].tolist() == [int(W.scale) + (r // 128) * 4 for r in starts]   # kb = 1 f32 scale a block
+    assert t[:, 2].tolist() == [r % 128 for r in starts]
+    assert ops.group_table(W, 3, 64, 200, 448) is None                        # a slab across a scale block
+    assert ops.group_table(W, 3, 64, 192, 480) is None                        # rows past the weight's
+    Wb, _ = make_weight(ref, rng, "bf16", 64, 40)
+    assert ops.group_table(Wb, 2, 16, 0, 24) is not None
+    assert ops.group_table(Linear("nvfp4", 64, 32, Wb.weight, Wb.weight), 1, 8) is None
+
+
+def test_grouped_mma_errors(ref, rng):
+    W, _ = make_weight(ref, rng, "bf16", 64, 32)
+    tab = _table(ref, W, 2, 32, 0, None)
+    x, y = up(ref, np.zeros(256, BF16)), out(ref, "bf16", 256)
+    before = ref.read(y.ptr, "bf16", 256)
+    with pytest.raises(KernelError, match="multiples of 8"):
+        ops.grouped_gemv(ref, x.ptr, W, y.ptr, 2, 32, x_group_stride=36, table=tab.ptr)
+    with pytest.raises(KernelError, match="16-byte aligned"):
+        ops.grouped_gemv(ref, x.ptr.offset(2), W, y.ptr, 2, 32, table=tab.ptr)
+    with pytest.raises(KernelError, match="out_dtype"):
+        ops.grouped_gemv(ref, x.ptr, W, y.ptr, 2, 32, out_dtype="f16", table=tab.ptr)
+    with pytest.raises(KernelError, match="table form"):
+        ops.grouped_gemv(ref, x.ptr, Linear("nvfp4", 64, 32, W.weight, W.weight), y.ptr, 1, 8, table=tab.ptr)
+    assert np.array_equal(ref.read(y.ptr, "bf16", 256).view(np.uint16), before.view(np.uint16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,groups,n,k,row0,group_rows", REAL + [("fp8_block", 64, 256, 512, 192, 448)])
+def test_grouped_mma_cuda_vs_twin(ref, cuda, rng, fmt, groups, n, k, row0, group_rows):
+    """Real dims (and GLM-5's W_UV: 64 heads, rows h*448 + 192), m = 1 and 64, bf16 out as the layers use it."""
+    gr = n if group_rows is None else group_rows
+    rows = row0 + (groups - 1) * gr + n
+    seed = int(rng.integers(1 << 30))
+    for m in (1, 64):
+        xh = rng.standard_normal(m * groups * k).astype(BF16)
+        res = []
+        for dev in (ref, cuda):
+            W, _ = make_weight(dev, np.random.default_rng(seed), fmt, rows, k)
+            tab = _table(dev, W, groups, n, row0, group_rows)
+            x, y = up(dev, xh), out(dev, "bf16", m * groups * n)
+            ops.grouped_gemv(dev, x.ptr, W, y.ptr, groups, n, row0=row0, group_rows=group_rows, m=m, table=tab.ptr)
+            res.append(f32(dev.read(y.ptr, "bf16", m * groups * n)))
+        assert np.isfinite(res[1]).all()
+        assert_close(res[1], res[0].astype(np.float64), 1e-2, f"m {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 9, 64])
+@pytest.mark.parametrize("fmt,groups,n,k,row0,group_rows", REAL[1:])
+def test_grouped_mma_rows_bit_identical(cuda, rng, fmt, groups, n, k, row0, group_rows, m):
+    """An m-row call gives each row the bits of its own m = 1 call (batch-invariant drafting); real dims,
+    outputs poisoned."""
+    gr = n if group_rows is None else group_rows
+    W, _ = make_weight(cuda, rng, fmt, row0 + (groups - 1) * gr + n, k)
+    tab = _table(cuda, W, groups, n, row0, group_rows)
+    xh = rng.standard_normal(m * groups * k).astype(BF16)
+    x, y = up(cuda, xh), out(cuda, "f32", m * groups * n)
+    ops.grouped_gemv(cuda, x.ptr, W, y.ptr, groups, n, row0=row0, group_rows=group_rows, m=m, out_dtype="f32",
+                     table=tab.ptr)
+    got = cuda.read(y.ptr, "f32", m * groups * n).reshape(m, -1)
+    assert np.isfinite(got).all()
+    for r in range(m):
+        xr, yr = up(cuda, xh[r * groups * k:(r + 1) * groups * k]), out(cuda, "f32", groups * n)
+        ops.grouped_gemv(cuda, xr.ptr, W, yr.ptr, groups, n, row0=row0, group_rows=group_rows, out_dtype="f32",
+                         table=tab.ptr)
+        assert np.array_equal(cuda.read(yr.ptr, "f32", groups * n), got[r]), f"row {r} of {m}"

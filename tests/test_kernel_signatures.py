@@ -319,6 +319,9 @@ def _grouped_gemv(dev, mem):
               Linear("fp8_block_e8m0", 40, k, mem(40 * k), mem(4))):
         ops.grouped_gemv(dev, mem(2 * 3 * 2 * k), W, mem(4 * 3 * 2 * 16), 2, 16, row0=4, group_rows=18, m=3,
                          out_dtype="f32")
+        tab = mem.put(ops.group_table(W, 2, 16, row0=0, group_rows=16))   # the tensor-core form
+        ops.grouped_gemv(dev, mem(2 * 3 * 2 * k), W, mem(4 * 3 * 2 * 16), 2, 16, row0=0, group_rows=16, m=3,
+                         out_dtype="f32", table=tab)
 
 
 @exercise

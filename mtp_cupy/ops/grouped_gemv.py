@@ -1,11 +1,19 @@
-"""Launcher for cuda_src/grouped_gemv.cu: per-group GEMVs over row blocks of one weight matrix.
+"""Launcher for per-group GEMVs over row blocks of one weight matrix: cuda_src/grouped_gemv.cu (FMA, one x
+row a block) and, given a group table, the tensor-core grouped_mma8_<fmt> of cuda_src/moe_mma.cu (each
+group's weight tile read once for 8 rows of x, at every m).
 
-Used by MLA (q absorption with W_UK^T per head, the W_UV up-projection read in place from kv_b_proj, the
-nope/rope split of q_b_proj) and DeepSeek-V4's grouped low-rank output projection (wo_a)."""
+Used by MLA (q absorption with W_UK^T per head, the W_UV up-projection read in place from kv_b_proj) and
+DeepSeek-V4's grouped low-rank output projection (wo_a)."""
+import numpy as np
+
+from ..runtime.ptr import NULL
 from ..weights.linear import Linear
 from ._util import launch, need
+from .moe import CHUNK, MAX_PAIRS, MMA8_ROWS, _mma_launch
 
-__all__ = ["grouped_gemv"]
+__all__ = ["grouped_gemv", "group_table", "upload_group_table", "GROUPED_MMA_FORMATS"]
+
+GROUPED_MMA_FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")
 
 THREADS = 256
 MAX_K = 12288  # x row staged in 48 KB of shared memory as fp32
@@ -25,14 +33,23 @@ _KERNELS = {"bf16": "grouped_gemv_bf16", "fp8_block": "grouped_gemv_fp8_block",
 def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group_rows: int | None = None,
                  x_group_stride: int | None = None, y_group_stride: int | None = None, m: int = 1,
                  x_row_stride: int | None = None, y_row_stride: int | None = None, out_dtype: str = "bf16",
-                 stream=None) -> None:
+                 stream=None, table=None) -> None:
     """For g < groups, r < m, j < n:
         y[r*y_row_stride + g*y_group_stride + j] = sum_k W[row0 + g*group_rows + j, k] * x[r*x_row_stride + g*x_group_stride + k]
 
     `W` is the whole [W.n, W.k] matrix (bf16, fp8_block or fp8_block_e8m0; block scales are looked up by
     absolute row, so groups may start anywhere). x is bf16; y is bf16 or f32 (`out_dtype`). Strides are in
     elements; defaults: group_rows = n, x_group_stride = k, y_group_stride = n, and rows packed after
-    all groups (x_row_stride = groups * x_group_stride, y_row_stride = groups * y_group_stride)."""
+    all groups (x_row_stride = groups * x_group_stride, y_row_stride = groups * y_group_stride).
+
+    `table`: a device copy of `group_table(W, groups, n, row0, group_rows)` (the same arguments; a buffer, its
+    pointer, or None for the FMA form): the tensor-core form, grouped_mma8_<fmt>, runs instead (x 16-byte
+    aligned, its strides multiples of 8). Each form gives a row the same bits whatever m is (batch-invariant);
+    the two forms differ in their sum order."""
+    tab = NULL if table is None else getattr(table, "ptr", table)
+    if int(tab):
+        return _grouped_mma(gpu, x, W, y, groups, n, m, x_group_stride, y_group_stride, x_row_stride,
+                            y_row_stride, out_dtype, stream, tab)
     name = _KERNELS.get(W.fmt)
     k = W.k
     need(name is not None, f"grouped_gemv: weight format {W.fmt!r} is not supported (bf16, fp8_block, "
@@ -61,3 +78,51 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
         L.arg_ptr(W.scale)
     L.arg_ptr(y).arg_u32(groups).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(row0).arg_u32(group_rows)
     L.arg_u64(xgs).arg_u64(xrs).arg_u64(ygs).arg_u64(yrs).arg_u32(out_dtype == "f32").arg_u32(lpr).launch(stream)
+
+
+def group_table(W: Linear, groups: int, n: int, row0: int = 0, group_rows: int | None = None):
+    """u64 [groups, 3] rows for grouped_gemv's tensor-core form: the address of group g's first row (row0 + g *
+    group_rows), of its 128-row scale block's scales (block formats) and that row's offset in the block; None
+    where the form cannot take W (another format, k not whole 16-byte chunks, a group whose 16-row slabs would
+    straddle a scale block, a misaligned row). Upload it once and pass it as `table`."""
+    gr = n if group_rows is None else group_rows
+    if W.fmt not in GROUPED_MMA_FORMATS or W.k % CHUNK[W.fmt] or groups < 1 or n < 1 or row0 < 0 or gr < 0 \
+            or row0 + (groups - 1) * gr + n > W.n:
+        return None
+    es = 2 if W.fmt == "bf16" else 1
+    kb, ss = (W.k + 127) // 128, (4 if W.fmt == "fp8_block" else 1)
+    t = np.zeros((groups, 3), np.uint64)
+    for g in range(groups):
+        r = row0 + g * gr
+        w = int(W.weight) + r * W.k * es
+        if w % 16 or (W.fmt != "bf16" and r % 16):
+            return None
+        t[g] = (w, int(W.scale) + (r // 128) * kb * ss if W.fmt != "bf16" else 0, r % 128)
+    return t
+
+
+def upload_group_table(gpu, W: Linear, groups: int, n: int, row0: int = 0, group_rows: int | None = None):
+    """group_table on the device (a buffer to keep and pass as grouped_gemv's `table`), or None where the
+    tensor-core form cannot take W (grouped_gemv then runs its FMA form)."""
+    t = group_table(W, groups, n, row0, group_rows)
+    return None if t is None else gpu.upload(t)
+
+
+def _grouped_mma(gpu, x, W, y, groups, n, m, xgs, ygs, xrs, yrs, out_dtype, stream, table) -> None:
+    name, k = f"grouped_mma8_{W.fmt}", W.k
+    need(W.fmt in GROUPED_MMA_FORMATS, f"grouped_gemv: the table form takes {GROUPED_MMA_FORMATS}, not {W.fmt!r}")
+    xgs = k if xgs is None else xgs
+    ygs = n if ygs is None else ygs
+    xrs = groups * xgs if xrs is None else xrs
+    yrs = groups * ygs if yrs is None else yrs
+    need(groups >= 1 and m >= 1 and n >= 1 and m * groups <= MAX_PAIRS,
+         f"{name}: groups {groups}, m {m}, n {n} must be >= 1 with m * groups <= {MAX_PAIRS}")
+    need(k % CHUNK[W.fmt] == 0, f"{name}: k {k} must be a multiple of {CHUNK[W.fmt]}")
+    need(int(x) % 16 == 0 and xgs % 8 == 0 and xrs % 8 == 0,
+         f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
+    need(min(ygs, yrs) >= 0 and max(xgs, xrs, ygs, yrs) < 1 << 32, f"{name}: strides out of range")
+    need(out_dtype in ("bf16", "f32"), f"{name}: out_dtype {out_dtype!r} is not bf16/f32")
+    items = groups * -(-m // MMA8_ROWS)
+    _mma_launch(gpu, name, W.fmt, n, k, 32, items, MMA8_ROWS).arg_ptr(table).arg_u32(m).arg_u32(groups) \
+        .arg_ptr(x).arg_u32(xrs).arg_u32(xgs).arg_ptr(y).arg_u32(yrs).arg_u32(ygs).arg_u32(out_dtype == "f32") \
+        .arg_u32(n).arg_u32(k).launch(stream)

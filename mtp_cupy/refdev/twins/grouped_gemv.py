@@ -54,3 +54,33 @@ def grouped_gemv_fp8_block_e8m0(dev, x, W, scale, y, groups, m, n, k, row0, grou
                                 x_row_stride, y_group_stride, y_row_stride, out_f32, lpr):
     _run(dev, x, _fp8_rows(dev, W, scale, k, E8M0), y, groups, m, n, k, row0, group_rows, x_group_stride,
          x_row_stride, y_group_stride, y_row_stride, out_f32)
+
+
+# -- grouped_mma8_<fmt> (cuda_src/moe_mma.cu): the same products, group g's weight from table entry g ----------
+def _table_rows(dev, fmt, entry, n, k):
+    """Group weight [n, k] f32 from a group_table row (first row's address, its scale block's scales, the row's
+    offset in that block)."""
+    w, s, off = entry
+    if fmt == "bf16":
+        return dev.view(w, BF16, (n, k)).astype(np.float32)
+    q = dev.view(w, FP8, (n, k)).astype(np.float32)
+    sc = dev.view(s, np.float32 if fmt == "fp8_block" else E8M0, ((off + n + 127) // 128, (k + 127) // 128))
+    blk = np.repeat(np.repeat(sc.astype(np.float32), 128, axis=0), 128, axis=1)[off:off + n, :k]
+    return q * blk
+
+
+def _grouped_mma(fmt):
+    def fn(dev, tab, m, groups, x, x_row_stride, x_group_stride, y, y_row_stride, y_group_stride, out_f32, N, K):
+        t = dev.view(tab, np.uint64, (groups, 3)).tolist()
+        wg = np.stack([_table_rows(dev, fmt, (int(a), int(b), int(c)), N, K) for a, b, c in t])   # [G, N, K]
+        base = _offsets(m, groups, x_row_stride, x_group_stride)
+        xs = dev.view(x, BF16, int(base.max()) + K)[base[..., None] + np.arange(K)].astype(np.float64)
+        out = np.einsum("mgk,gnk->mgn", xs, wg.astype(np.float64))
+        yo = _offsets(m, groups, y_row_stride, y_group_stride)[..., None] + np.arange(N)
+        yv = dev.view(y, np.float32 if out_f32 else BF16, int(yo.max()) + 1)
+        yv[yo] = out.astype(np.float32).astype(yv.dtype)
+    return fn
+
+
+for _f in ("bf16", "fp8_block", "fp8_block_e8m0"):
+    twin("moe_mma", f"grouped_mma8_{_f}")(_grouped_mma(_f))
