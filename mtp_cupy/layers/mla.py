@@ -114,6 +114,9 @@ class MlaAttention:
         sizes = {"cq": (dims.q_lora_rank or 0) * r, "qb": H * (dn + dr) * r, "Q": H * dims.row_width * r,
                  "o_lat": H * C * r, "o": H * dv * r, "kv": dims.row_width * rk}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})   # 256-byte aligned
+        # W_UK^T and W_UV per head on tensor cores (each head's tile read once per 8 rows) where the format allows
+        self._uk_tab = ops.upload_group_table(gpu, w.w_uk_t, H, C)
+        self._uv_tab = ops.upload_group_table(gpu, w.kv_b, H, dv, dn, dn + dv)
 
     def weight_bytes_per_step(self, m: int = 1) -> int:
         """Weight bytes one decode step of m rows reads (W_UK^T and the W_UV half of kv_b_proj), once for all rows."""
@@ -172,7 +175,7 @@ class MlaAttention:
                  self.rope.interleaved, self.rope.mscale, stream=stream, out=p["Q"], out_offset=C,
                  out_row_stride=H * W, out_head_stride=W)
         ops.grouped_gemv(gpu, p["qb"], w.w_uk_t, p["Q"], H, C, x_group_stride=G, y_group_stride=W, m=m,
-                         stream=stream)
+                         stream=stream, table=self._uk_tab)
 
     def attend(self, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, sel: DevicePtr = NULL,
                sel_stride: int = 0, stream=None) -> None:
@@ -181,5 +184,6 @@ class MlaAttention:
         H, C, dn, dv, W = d.heads, d.kv_lora_rank, d.qk_nope, d.v_head, d.row_width
         ops.mla_decode(gpu, p["Q"], self.kv.base(self.cache, self.layer), meta, meta_stride, p["o_lat"], m, H, W, C,
                        self.rope.softmax_scale, sel=sel, sel_stride=sel_stride, stream=stream, invariant=self.inv)
-        ops.grouped_gemv(gpu, p["o_lat"], w.kv_b, p["o"], H, dv, row0=dn, group_rows=dn + dv, m=m, stream=stream)
+        ops.grouped_gemv(gpu, p["o_lat"], w.kv_b, p["o"], H, dv, row0=dn, group_rows=dn + dv, m=m, stream=stream,
+                         table=self._uv_tab)
         ops.linear(gpu, p["o"], w.o_proj, out, m, stream=stream, invariant=self.inv)

@@ -98,6 +98,7 @@ class V4Attention:
         r = self.max_rows
         sizes = {"qa": w.wq_a.n * r, "q": H * hd * r, "o": H * hd * r, "kv": hd * self.max_kv_rows, "z": w.wo_a.n * r}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})
+        self._wo_a_tab = ops.upload_group_table(gpu, w.wo_a, G, w.wo_a.n // G)   # tensor-core form where it fits
 
     def weight_bytes_per_step(self, m: int = 1) -> int:
         """Weight bytes one decode step of m rows reads (every projection once for all rows)."""
@@ -145,5 +146,6 @@ class V4Attention:
                        window=self.window, sink=w.sink, kv_dtype=self.d.kv_dtype, nope=self.d.nope, stream=stream,
                        invariant=self.inv)
         self._rope(p["o"], meta, meta_stride, m, H, True, stream)
-        ops.grouped_gemv(gpu, p["o"], w.wo_a, p["z"], self.G, w.wo_a.n // self.G, m=m, stream=stream)
+        ops.grouped_gemv(gpu, p["o"], w.wo_a, p["z"], self.G, w.wo_a.n // self.G, m=m, stream=stream,
+                         table=self._wo_a_tab)
         ops.linear(gpu, p["z"], w.wo_b, out, m, stream=stream, invariant=self.inv)
