@@ -361,6 +361,9 @@ __device__ __forceinline__ void mma_regs(const u8* W, const void* S, float scale
 // share each of their tiles, warp w = blockIdx.y * KS + ks taking units w, w + KB * KS, ...; each block sums
 // its warps' slices, then rank 0 adds the KB block sums in rank order from the others' shared memory (DSMEM)
 // and stores. A row's sum order depends on (KS, KB) only, never on M or on which tiles a block walks.
+// Rows: a pass takes 8 MT x rows; M > 8 MT runs P = ceil(M / 8 MT) passes in one launch, the walk's units
+// being (tile, pass) with the pass fastest, so the blocks that read a tile for its P passes run at once and
+// all but one of them find it in L2 (W leaves DRAM about once for all M rows).
 template <int F, int MT, int RT>
 __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float scale2, const u16* x, void* y,
                                            u32 M, u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
@@ -372,7 +375,9 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
     const u32 KB = gridDim.y, kr = blockIdx.y, w = kr * KS + ks, KW = KB * KS;  // kr: rank in the cluster
     const u32 tb = blockIdx.x, NB = gridDim.x;  // tile walker (cluster) index, walkers
     const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH, T = (N + TR - 1) / TR;
-    const u32 ntile = tb < T ? (T - 1 - tb) / NB + 1 : 0;
+    constexpr u32 R = 8 * MT;  // x rows a pass
+    const u32 P = (M + R - 1) / R, TP = T * P;  // passes; (tile, pass) units
+    const u32 ntile = tb < TP ? (TP - 1 - tb) / NB + 1 : 0;
     const u32 nunit = w < NU ? (NU - 1 - w) / KW + 1 : 0;
     const u64 rowbytes = (u64)K * (F == BF16 ? 2 : 1) / (FP4 ? 2 : 1);
     const u32 red_bytes = (KS > 1 ? 2 * KS * E * 32 * 4 : 0) + (KB > 1 ? E * 32 * 4 : 0);
@@ -386,7 +391,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
     auto issue = [&]() {
         if (left) {
             --left;
-            const u32 row0 = (tb + it * NB) * TR, c0 = (w + iu * KW) * CH, ch = c0 + cc;
+            const u32 row0 = (tb + it * NB) / P * TR, c0 = (w + iu * KW) * CH, ch = c0 + cc;
             const bool ok = ch < KCH;
             uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
 #pragma unroll
@@ -408,7 +413,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
     u32 cslot = 0;
     const float fm = F == NVFP4 ? scale2 * 256.f : F == MXFP4 ? 0x1p64f : 1.f;  // undo fp4_scale
     for (u32 i = 0; i < ntile; ++i) {
-        const u32 row0 = (tb + i * NB) * TR;
+        const u32 tu = tb + i * NB, row0 = tu / P * TR, p0 = tu % P * R;  // p0: the pass's first x row
         u32 rows[RT][2];
 #pragma unroll
         for (int r = 0; r < RT; ++r)
@@ -426,7 +431,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
                 const u32 c = c0 + 4 * s + t;
 #pragma unroll
                 for (int jm = 0; jm < MT; ++jm) {
-                    const u32 xm = 8 * jm + g;
+                    const u32 xm = p0 + 8 * jm + g;
                     const uint4* xp = (const uint4*)(x + (u64)xm * xs + (u64)c * KC);
 #pragma unroll
                     for (int v = 0; v < KC / 8; ++v) {
@@ -491,7 +496,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
         }
         // C fragment element e of (slab r, n-tile jm): x row 8jm + 2t + (e & 1), weight row 16r + g + 8(e >> 1)
         auto emit = [&](u32 r, u32 jm, u32 e, float v) {
-            const u32 m = 8 * jm + 2 * t + (e & 1), n = row0 + r * 16 + g + 8 * (e >> 1);
+            const u32 m = p0 + 8 * jm + 2 * t + (e & 1), n = row0 + r * 16 + g + 8 * (e >> 1);
             if (m < M && n < N)
                 store_out(y, (u64)m * ys + n, v * (F == FP8_ROW ? __ldg((const float*)S + n) : fm), out_f32);
         };
@@ -535,7 +540,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
     }
 }
 
-// M <= 8, one pass over W (streaming kernels; block (32, KS), KS <= 16).
+// 8 x rows a pass over W (streaming kernels; block (32, KS), KS <= 16; passes as in mma_stream).
 extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batchm(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
@@ -543,7 +548,7 @@ extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batchm(
     mma_stream<BF16, 1, 1>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// M <= 32, one pass over W; 32 weight rows per tile so each x chunk (from L1/L2) serves two A tiles.
+// 32 x rows a pass over W; 32 weight rows per tile so each x chunk (from L1/L2) serves two A tiles.
 extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch32(
     const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
 {
@@ -551,7 +556,7 @@ extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch32(
     mma_stream<BF16, 4, 2>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// e4m3 W [N, K], f32 scale [N]; M <= 8.
+// e4m3 W [N, K], f32 scale [N]; 8 x rows a pass.
 extern "C" __global__ __launch_bounds__(512) void gemv_fp8w(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
@@ -560,7 +565,7 @@ extern "C" __global__ __launch_bounds__(512) void gemv_fp8w(
     mma_stream<FP8_ROW, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// e4m3 W [N, K], f32 scale [ceil(N/128), ceil(K/128)] (DeepSeek weight_scale_inv); M <= 8.
+// e4m3 W [N, K], f32 scale [ceil(N/128), ceil(K/128)] (DeepSeek weight_scale_inv); 8 x rows a pass.
 extern "C" __global__ __launch_bounds__(512) void w8a16_gemv(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
@@ -578,7 +583,7 @@ extern "C" __global__ __launch_bounds__(512) void w8a16_gemv_e8m0(
     mma_stream<FP8_BLOCK_E8M0, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// NVFP4: W u8 [N, K/2] (low nibble = even k), e4m3 scale [N, K/16], f32 global scale2; M <= 8.
+// NVFP4: W u8 [N, K/2] (low nibble = even k), e4m3 scale [N, K/16], f32 global scale2; 8 x rows a pass.
 extern "C" __global__ __launch_bounds__(512) void w4a16_gemv(
     const u8* W, const u8* scale, float scale2, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,
     u32 y_stride, u32 out_f32)
@@ -587,7 +592,7 @@ extern "C" __global__ __launch_bounds__(512) void w4a16_gemv(
     mma_stream<NVFP4, 1, 1>(W, scale, scale2, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// MXFP4: W u8 [N, K/2], E8M0 scale [N, K/32], no global scale; M <= 8.
+// MXFP4: W u8 [N, K/2], E8M0 scale [N, K/32], no global scale; 8 x rows a pass.
 extern "C" __global__ __launch_bounds__(512) void w4a16_gemv_mx(
     const u8* W, const u8* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,
     u32 out_f32)
@@ -596,8 +601,8 @@ extern "C" __global__ __launch_bounds__(512) void w4a16_gemv_mx(
     mma_stream<MXFP4, 1, 1>(W, scale, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// M <= 32 in one pass over W for every quantised format (4 x tiles of 8 rows). A row's sum runs over the
-// same units in the same order as in the M <= 8 kernel of its format when launched with the same KS, so
+// 32 x rows a pass over W for every quantised format (4 x tiles of 8 rows). A row's sum runs over the
+// same units in the same order as in the 8-row kernel of its format when launched with the same KS, so
 // linear() keeps a row's arithmetic whatever the batch it runs in.
 extern "C" __global__ __launch_bounds__(512) void gemv_fp8w_batch32(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,

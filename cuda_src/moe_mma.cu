@@ -327,7 +327,8 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                 f[r] = 1.f;
                 if (BLOCK) {
                     const u8* S = Sm[GU ? r : 0];
-                    const u64 si = (u64)((min(n0 + (GU ? 0u : 16u * r), N - 1) + roff) >> 7) * ((K + 127) / 128) + (c0 >> 3);
+                    const u32 sr = (min(n0 + (GU ? 0u : 16u * r), N - 1) + roff) >> 7;  // the slab's block row
+                    const u64 si = (u64)sr * ((K + 127) / 128) + (c0 >> 3);
                     f[r] = F == FP8_BLOCK ? __ldg((const float*)S + si) : e8m0_to_f(__ldg(S + si));
                 }
             }

@@ -93,11 +93,12 @@ def test_linear_vs_float64(dev, rng, fmt, m, out_dtype):
     check(got, x.astype(np.float64) @ wd().T, out_dtype, n, f"{fmt} m={m} n={n} k={k}")
 
 
-@pytest.mark.parametrize("m", [1, 9, 33, 64])
+@pytest.mark.parametrize("m", [1, 9, 33, 40, 64])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_batch_invariant(dev, rng, fmt, m):
-    """invariant=True: correct against float64 at every width (one 8-row pass, 32-row passes), and each row's
-    result bit-identical to that row computed alone, whoever its neighbours are."""
+    """invariant=True: correct against float64 at every width (one 8-row pass, one or two 32-row passes in one
+    launch, the last partial at 33 and 40), and each row's result bit-identical to that row computed alone,
+    whoever its neighbours are."""
     n, k = int(rng.integers(1, 120)) * 2 + 1, int(rng.integers(1, 12)) * 32
     xs, ys = k + 8, n + 1
     arrays, scale2, wd = make_weight(rng, fmt, n, k)
@@ -140,9 +141,11 @@ def test_dense_kernels(dev, rng, name, m):
 
 # Streaming kernels under launch plans the planner would not pick: k split over 2..16 warps, ring depths
 # 1..8, a handful of blocks walking many tiles (the reduction buffers swap every tile), odd n and k.
-STREAM = [("bf16", "dense_gemv_bf16", 3), ("bf16", "dense_gemv_bf16_batchm", 8),
-          ("bf16", "dense_gemv_bf16_batch32", 32), ("fp8_row", "gemv_fp8w", 8), ("fp8_block", "w8a16_gemv", 8),
-          ("fp8_block_e8m0", "w8a16_gemv_e8m0", 8), ("nvfp4", "w4a16_gemv", 8), ("mxfp4", "w4a16_gemv_mx", 8),
+# m up to 64: the tensor-core streaming kernels run ceil(m / pass rows) passes in one launch.
+STREAM = [("bf16", "dense_gemv_bf16", 3), ("bf16", "dense_gemv_bf16_batchm", 64),
+          ("bf16", "dense_gemv_bf16_batch32", 64), ("fp8_row", "gemv_fp8w", 64), ("fp8_block", "w8a16_gemv", 64),
+          ("fp8_block_e8m0", "w8a16_gemv_e8m0", 64), ("nvfp4", "w4a16_gemv", 64), ("mxfp4", "w4a16_gemv_mx", 64),
+          ("fp8_block", "w8a16_gemv_batch32", 64), ("mxfp4", "w4a16_gemv_mx_batch32", 64),
           ("fp8_block", "w8a16_gemv_regs", 8), ("nvfp4", "w4a16_gemv_regs", 8)]
 TUNES = [Tune(ks=1, stages=1, blocks=1), Tune(ks=2, stages=2, blocks=2), Tune(ks=3, stages=8, blocks=3),
          Tune(ks=5, stages=3, blocks=1), Tune(ks=8, stages=4), Tune(stages=6, warps_per_sm=1),
@@ -247,8 +250,8 @@ def test_shape_errors(rng):
         ops.linear(dev, x.ptr, Linear("bf16", 4, 64, w.ptr), y.ptr, m=2, x_stride=68)
     with pytest.raises(KernelError, match="16-byte aligned"):
         ops.linear(dev, x.ptr.offset(2), Linear("bf16", 4, 64, w.ptr), y.ptr)
-    with pytest.raises(KernelError, match="m=9"):
-        ops.gemv_fp8w(dev, w.ptr, w.ptr, x.ptr, y.ptr, 9, 4, 64, 64, 4)
+    with pytest.raises(KernelError, match="m=65"):   # STREAM_MAX_M rows a launch
+        ops.gemv_fp8w(dev, w.ptr, w.ptr, x.ptr, y.ptr, 65, 4, 64, 64, 4)
     with pytest.raises(KernelError, match="scale pointer"):
         ops.linear(dev, x.ptr, Linear("fp8_row", 4, 64, w.ptr), y.ptr)
     with pytest.raises(KernelError, match="out_dtype"):

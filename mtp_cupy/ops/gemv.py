@@ -30,7 +30,8 @@ __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf
            "Tune", "Plan", "plan_gemv"]
 
 WARPS = 8  # register-round kernels: warps per block
-QUANT_MAX_M = 8  # x rows per pass of the quantised kernels; `linear` loops for more
+QUANT_MAX_M = 8  # x rows a pass of the 8-row streaming kernels (32 for the _batch32 ones)
+STREAM_MAX_M = 64  # x rows one streaming launch takes: its passes share each weight tile through L2
 
 STAGES = 4              # ring stages per warp (S - 1 in flight while one is consumed)
 WARPS_PER_SM = 16       # resident streaming warps wanted per SM
@@ -57,12 +58,13 @@ class _Geom:
     stages: int = STAGES    # default ring depth and resident warps wanted per SM (Tune overrides both)
     wps: int = WARPS_PER_SM
     max_kb: int = 1         # streaming: blocks of a cluster splitting k (the tensor-core kernels: up to 8)
+    pass_rows: int = 0      # streaming: x rows a pass (a launch of more rows runs several passes)
 
 
-def _mma(kchunk: int, mt: int, rt: int, max_m: int, scale_align: int = 1, regs: int = 96, stages: int = STAGES,
+def _mma(kchunk: int, mt: int, rt: int, scale_align: int = 1, regs: int = 96, stages: int = STAGES,
          wps: int = WARPS_PER_SM, max_ks: int = 16) -> _Geom:
-    return _Geom(kchunk, 16 * rt, 8, max_m, scale_align, rt * mt * 4 * 32, max_ks, regs, stages=stages, wps=wps,
-                 max_kb=MAX_KB)
+    return _Geom(kchunk, 16 * rt, 8, STREAM_MAX_M, scale_align, rt * mt * 4 * 32, max_ks, regs, stages=stages, wps=wps,
+                 max_kb=MAX_KB, pass_rows=8 * mt)
 
 
 # `bench_kernels.py --sweep` (H200, BENCHMARKS.md): the one-tile tensor-core kernels run best with a shallow
@@ -75,20 +77,20 @@ def _regs(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align
 
 
 _GEOM = {"dense_gemv_bf16": _Geom(8, 2, 64, 65535, red_floats=2, max_ks=16, regs=48, row_grid=True),
-         "dense_gemv_bf16_batchm": _mma(8, 1, 1, 8, regs=64, **_SHALLOW),
-         "dense_gemv_bf16_batch32": _mma(8, 4, 2, 32, regs=128),
-         "gemv_fp8w": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64, **_SHALLOW),
-         "w8a16_gemv": _mma(16, 1, 1, QUANT_MAX_M, 4, regs=64, **_SHALLOW),
-         "w8a16_gemv_e8m0": _mma(16, 1, 1, QUANT_MAX_M, regs=64, **_SHALLOW),
+         "dense_gemv_bf16_batchm": _mma(8, 1, 1, regs=64, **_SHALLOW),
+         "dense_gemv_bf16_batch32": _mma(8, 4, 2, regs=128),
+         "gemv_fp8w": _mma(16, 1, 1, 4, regs=64, **_SHALLOW),
+         "w8a16_gemv": _mma(16, 1, 1, 4, regs=64, **_SHALLOW),
+         "w8a16_gemv_e8m0": _mma(16, 1, 1, regs=64, **_SHALLOW),
          # fp4: at most 8 warps per block, so the 32-row kernels (256 threads) can take the 8-row plan's k-split
-         "w4a16_gemv": _mma(32, 1, 1, QUANT_MAX_M, 2, regs=80, max_ks=8),  # two e4m3 scales per 32-code chunk
-         "w4a16_gemv_mx": _mma(32, 1, 1, QUANT_MAX_M, regs=80, max_ks=8),
+         "w4a16_gemv": _mma(32, 1, 1, 2, regs=80, max_ks=8),  # two e4m3 scales per 32-code chunk
+         "w4a16_gemv_mx": _mma(32, 1, 1, regs=80, max_ks=8),
          # the 32-row streaming kernels of the quantised formats (linear: 8 < m <= 32, and batch-invariant)
-         "gemv_fp8w_batch32": _mma(16, 4, 1, 32, 4, regs=126, **_SHALLOW),
-         "w8a16_gemv_batch32": _mma(16, 4, 1, 32, 4, regs=126, **_SHALLOW),
-         "w8a16_gemv_e8m0_batch32": _mma(16, 4, 1, 32, regs=126, **_SHALLOW),
-         "w4a16_gemv_batch32": _mma(32, 4, 1, 32, 2, regs=204, max_ks=8),
-         "w4a16_gemv_mx_batch32": _mma(32, 4, 1, 32, regs=198, max_ks=8),
+         "gemv_fp8w_batch32": _mma(16, 4, 1, 4, regs=126, **_SHALLOW),
+         "w8a16_gemv_batch32": _mma(16, 4, 1, 4, regs=126, **_SHALLOW),
+         "w8a16_gemv_e8m0_batch32": _mma(16, 4, 1, regs=126, **_SHALLOW),
+         "w4a16_gemv_batch32": _mma(32, 4, 1, 2, regs=204, max_ks=8),
+         "w4a16_gemv_mx_batch32": _mma(32, 4, 1, regs=198, max_ks=8),
          "dense_gemv_bf16_regs": _regs(8, 2, 32, 65535, row_grid=True),
          "dense_gemv_bf16_batchm_regs": _regs(8, 16, 4, 8),
          "w8a16_gemv_regs": _regs(16, 16, 4, QUANT_MAX_M, 4),
@@ -151,12 +153,12 @@ def _regs(gpu: Backend, name: str) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: int) -> Plan:
+def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: int, passes: int = 1) -> Plan:
     g = _GEOM[name]
     bad = [f"{f}={v}" for f, v in vars(tune).items() if v is not None and not (isinstance(v, int) and v >= 1)]
     need(not bad, f"plan_gemv: {', '.join(bad)}: every Tune field is None (the planner's choice) or an int >= 1")
     max_kb = min(max_kb, g.max_kb)
-    tiles = -(-n // g.tile_rows)
+    tiles = -(-n // g.tile_rows) * passes  # the walk's (tile, pass) units
     units = -(-(k // g.kchunk) // g.unit_chunks)
     stage = g.tile_rows * g.unit_chunks * 16
     want = tune.warps_per_sm or g.wps
@@ -194,10 +196,13 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: in
     return best[1]
 
 
-def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None) -> Plan:
-    """The launch plan of streaming GEMV kernel `name` for an n x k weight (what the launcher uses)."""
+def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None, m: int = 1) -> Plan:
+    """The launch plan of streaming GEMV kernel `name` for an n x k weight and m x rows (what the launcher
+    uses); m beyond the kernel's pass rows adds passes to the walk, never changing ks or kb that Tune fixes."""
     need(name in _GEOM and _GEOM[name].stream, f"plan_gemv: {name!r} is not a streaming GEMV kernel")
-    return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune(), _max_kb(gpu))
+    pr = _GEOM[name].pass_rows   # 0: the FMA kernel, one x row per grid row
+    passes = -(-max(int(m), 1) // pr) if pr else 1
+    return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune(), _max_kb(gpu), passes)
 
 
 def _out_f32(out_dtype: str) -> int:
@@ -231,7 +236,7 @@ def _gemv(gpu: Backend, name: str, lead: list[tuple[str, object]], x, y, m: int,
     l.arg_ptr(x).arg_ptr(y).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
     rows = m if g.row_grid else 1
     if g.stream:
-        p = plan_gemv(gpu, name, n, k, tune)
+        p = plan_gemv(gpu, name, n, k, tune, m)
         if p.kb > 1:  # the row-grid kernels (rows > 1) never split k across blocks (max_kb 1)
             l.cluster(1, p.kb)
         l.grid(p.blocks, rows * p.kb).block(32, p.ks).shared(p.smem).launch(stream)
@@ -380,9 +385,10 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense).
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
-    INVARIANT_MAX_M rows: every pass of up to 32 rows runs the format's streaming kernel with the k-split
-    (ks and kb of the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round
-    ones for bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32."""
+    INVARIANT_MAX_M rows: the format's streaming kernel (8 rows a pass, 32 for m > 8) with the k-split (ks and
+    kb of the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for
+    bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M
+    rows, their passes sharing each weight tile through L2 (W read from DRAM about once)."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
     need(m >= 1, f"linear({W.fmt}): m={m} < 1")
@@ -401,14 +407,13 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     else:
         tune = None
     if tune is not None and not _fits(gpu, wide, W.n, W.k, tune):
-        wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes
-    step = WIDE_M if wide else QUANT_MAX_M
+        wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes only
     ybytes = 4 if _out_f32(out_dtype) else 2
-    for r0 in range(0, m, step):     # each pass reads W once for up to `step` x rows
-        mm = min(step, m - r0)
+    for r0 in range(0, m, STREAM_MAX_M):     # each launch reads W from DRAM about once
+        mm = min(STREAM_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
-        _gemv(gpu, narrow if mm <= QUANT_MAX_M else wide, _lead(W), xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream,
-              tune)
+        _gemv(gpu, narrow if mm <= QUANT_MAX_M or not wide else wide, _lead(W), xr, yr, mm, W.n, W.k, xs, ys,
+              out_dtype, stream, tune)
 
 
 def _fits(gpu: Backend, name: str, n: int, k: int, tune: Tune) -> bool:
