@@ -221,3 +221,28 @@ def test_grouped_mma_rows_bit_identical(cuda, rng, fmt, groups, n, k, row0, grou
         ops.grouped_gemv(cuda, xr.ptr, W, yr.ptr, groups, n, row0=row0, group_rows=group_rows, out_dtype="f32",
                          table=tab.ptr)
         assert np.array_equal(cuda.read(yr.ptr, "f32", groups * n), got[r]), f"row {r} of {m}"
+
+
+@pytest.mark.parametrize("fam", ["deepseek_v3", "glm5", "deepseek_v4"])
+def test_layers_take_the_tensor_core_form(ref, fam):
+    """The embedded models' MLA (W_UK^T, W_UV) and V4 (wo_a) layers built their group tables: a weight layout
+    that group_table refuses would silently fall back to the FMA form (W re-read for every batch row)."""
+    import mtp_cupy
+    from mtp_cupy.layers.mla import MlaAttention
+    from mtp_cupy.layers.v4_attention import V4Attention
+    p = mtp_cupy.load_proposer(mtp_cupy.EMBEDDED[fam], gpu=ref, max_seq_len=64, max_drafts=1)
+    found, seen, todo = [], set(), [p]
+    while todo:   # the proposer's object graph, a few levels deep
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, (MlaAttention, V4Attention)):
+            found.append(o)
+            continue
+        for v in getattr(o, "__dict__", {}).values():
+            todo.extend(v if isinstance(v, (list, tuple)) else [v] if hasattr(v, "__dict__") else [])
+    assert found, f"{fam}: no attention layer found"
+    for a in found:
+        tabs = [a._uk_tab, a._uv_tab] if isinstance(a, MlaAttention) else [a._wo_a_tab]
+        assert all(t is not None for t in tabs), f"{fam}: {type(a).__name__} runs the FMA form"
