@@ -185,6 +185,12 @@ MUTATIONS = [
     M("moe-plan-shared-slot-skipped", "the plan's twin gives the fused shared slot to no expert",
       "mtp_cupy/refdev/twins/moe.py", "e = np.full((n // (K + 1), K + 1), sid, np.int64)",
       "e = np.full((n // (K + 1), K + 1), -1, np.int64)", "tests/test_moe.py"),
+    M("group-table-scale-offset", "a group starting inside a 128-row scale block reads its block's first row's place",
+      "mtp_cupy/ops/grouped_gemv.py", "int(W.scale) + (r // 128) * kb * ss if W.fmt != \"bf16\" else 0, r % 128)",
+      "int(W.scale) + (r // 128) * kb * ss if W.fmt != \"bf16\" else 0, 0)", "tests/test_grouped_gemv.py"),
+    M("mla-uv-table-row0", "MLA's W_UV table starts each head at its W_UK rows (row0 0, not qk_nope)",
+      "mtp_cupy/layers/mla.py", "ops.upload_group_table(gpu, w.kv_b, H, dv, dn, dn + dv)",
+      "ops.upload_group_table(gpu, w.kv_b, H, dv, 0, dn + dv)", "tests/test_deepseek_v3.py", "tests/test_glm_mtp.py"),
 ]
 
 
