@@ -44,22 +44,21 @@ CASES = [(4, 64, 32, 0, None, 1, None, None),
          (2, 40, 144, 0, None, 3, None, None)]
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
-def test_grouped_gemv_textbook(dev, rng, fmt, case, out_dtype):
+def run_textbook(dev, rng, fmt, case, out_dtype, tensor_cores):
+    """One CASES / MMA_CASES case through grouped_gemv (with a group table: the tensor-core form) against the
+    float64 textbook, row gaps in x and y, the unaddressed elements still poisoned."""
     groups, n, k, row0, group_rows, m, xgs, ygs = case
     gr = n if group_rows is None else group_rows
     xgs_, ygs_ = (k if xgs is None else xgs), (n if ygs is None else ygs)
     xrs, yrs = groups * xgs_ + 8, groups * ygs_ + 8   # row gaps: only the addressed elements are touched
-    rows = row0 + (groups - 1) * gr + n + 5
-    W, wd = make_weight(dev, rng, fmt, rows, k)
-    xh = (rng.standard_normal(m * xrs + k) * 1.0).astype(BF16)
+    W, wd = make_weight(dev, rng, fmt, row0 + (groups - 1) * gr + n + 5, k)
+    tab = _table(dev, W, groups, n, row0, group_rows) if tensor_cores else None
+    xh = rng.standard_normal(m * xrs + k).astype(BF16)
     x = up(dev, xh)
     yn = (m - 1) * yrs + (groups - 1) * ygs_ + n + 8
     y = out(dev, out_dtype, yn)
     ops.grouped_gemv(dev, x.ptr, W, y.ptr, groups, n, row0=row0, group_rows=group_rows, x_group_stride=xgs,
-                     y_group_stride=ygs, m=m, x_row_stride=xrs, y_row_stride=yrs, out_dtype=out_dtype)
+                     y_group_stride=ygs, m=m, x_row_stride=xrs, y_row_stride=yrs, out_dtype=out_dtype, table=tab)
     got = dev.read(y.ptr, out_dtype, yn)
     ref = textbook(xh, wd, groups, m, n, k, row0, gr, xgs_, xrs)
     idx = (np.arange(m)[:, None, None] * yrs + np.arange(groups)[None, :, None] * ygs_ + np.arange(n)).reshape(-1)
@@ -67,6 +66,19 @@ def test_grouped_gemv_textbook(dev, rng, fmt, case, out_dtype):
     mask = np.ones(yn, bool)
     mask[idx] = False
     assert np.isnan(f32(got[mask])).all(), "wrote outside the addressed elements"
+
+
+def _table(dev, W, groups, n, row0, group_rows):
+    t = ops.group_table(W, groups, n, row0, group_rows)
+    assert t is not None
+    return up(dev, t)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
+def test_grouped_gemv_textbook(dev, rng, fmt, case, out_dtype):
+    run_textbook(dev, rng, fmt, case, out_dtype, tensor_cores=False)
 
 
 def test_grouped_gemv_errors(ref, rng):
@@ -119,35 +131,11 @@ MMA_CASES = [(4, 64, 32, 0, None, 1, None, None),
              (5, 24, 192, 16, 32, 9, 200, 40)]
 
 
-def _table(dev, W, groups, n, row0, group_rows):
-    t = ops.group_table(W, groups, n, row0, group_rows)
-    assert t is not None
-    return up(dev, t)
-
-
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("case", MMA_CASES)
 @pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
 def test_grouped_mma_textbook(dev, rng, fmt, case, out_dtype):
-    groups, n, k, row0, group_rows, m, xgs, ygs = case
-    gr = n if group_rows is None else group_rows
-    xgs_, ygs_ = (k if xgs is None else xgs), (n if ygs is None else ygs)
-    xrs, yrs = groups * xgs_ + 8, groups * ygs_ + 8
-    W, wd = make_weight(dev, rng, fmt, row0 + (groups - 1) * gr + n + 5, k)
-    tab = _table(dev, W, groups, n, row0, group_rows)
-    xh = rng.standard_normal(m * xrs + k).astype(BF16)
-    x = up(dev, xh)
-    yn = (m - 1) * yrs + (groups - 1) * ygs_ + n + 8
-    y = out(dev, out_dtype, yn)
-    ops.grouped_gemv(dev, x.ptr, W, y.ptr, groups, n, row0=row0, group_rows=group_rows, x_group_stride=xgs,
-                     y_group_stride=ygs, m=m, x_row_stride=xrs, y_row_stride=yrs, out_dtype=out_dtype, table=tab.ptr)
-    got = dev.read(y.ptr, out_dtype, yn)
-    ref = textbook(xh, wd, groups, m, n, k, row0, gr, xgs_, xrs)
-    idx = (np.arange(m)[:, None, None] * yrs + np.arange(groups)[None, :, None] * ygs_ + np.arange(n)).reshape(-1)
-    assert_close(f32(got[idx]), ref.reshape(-1), 4e-3 if out_dtype == "bf16" else 1e-5)
-    mask = np.ones(yn, bool)
-    mask[idx] = False
-    assert np.isnan(f32(got[mask])).all(), "wrote outside the addressed elements"
+    run_textbook(dev, rng, fmt, case, out_dtype, tensor_cores=True)
 
 
 def test_group_table(ref, rng):
