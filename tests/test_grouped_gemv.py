@@ -74,13 +74,6 @@ def _table(dev, W, groups, n, row0, group_rows):
     return up(dev, t)
 
 
-@pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
-def test_grouped_gemv_textbook(dev, rng, fmt, case, out_dtype):
-    run_textbook(dev, rng, fmt, case, out_dtype, tensor_cores=False)
-
-
 def test_grouped_gemv_errors(ref, rng):
     W, _ = make_weight(ref, rng, "bf16", 64, 32)
     x, y = up(ref, np.zeros(128, BF16)), out(ref, "bf16", 256)
@@ -132,10 +125,10 @@ MMA_CASES = [(4, 64, 32, 0, None, 1, None, None),
 
 
 @pytest.mark.parametrize("fmt", FMTS)
-@pytest.mark.parametrize("case", MMA_CASES)
+@pytest.mark.parametrize("tensor_cores,case", [(False, c) for c in CASES] + [(True, c) for c in MMA_CASES])
 @pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
-def test_grouped_mma_textbook(dev, rng, fmt, case, out_dtype):
-    run_textbook(dev, rng, fmt, case, out_dtype, tensor_cores=True)
+def test_grouped_gemv_textbook(dev, rng, fmt, tensor_cores, case, out_dtype):
+    run_textbook(dev, rng, fmt, case, out_dtype, tensor_cores)
 
 
 def test_group_table(ref, rng):
