@@ -72,7 +72,9 @@ def _mma(kchunk: int, mt: int, rt: int, scale_align: int = 1, regs: int = 96, st
 _SHALLOW = dict(stages=2, wps=32)
 
 
-def _regs(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1, row_grid=False) -> _Geom:
+def _rounds(kchunk: int, tile_rows: int, step_chunks: int, max_m: int, scale_align: int = 1,
+            row_grid=False) -> _Geom:
+    """A register-round kernel's geometry."""
     return _Geom(kchunk, tile_rows, step_chunks, max_m, scale_align, stream=False, row_grid=row_grid)
 
 
@@ -91,10 +93,10 @@ _GEOM = {"dense_gemv_bf16": _Geom(8, 2, 64, 65535, red_floats=2, max_ks=16, regs
          "w8a16_gemv_e8m0_batch32": _mma(16, 4, 1, regs=126, **_SHALLOW),
          "w4a16_gemv_batch32": _mma(32, 4, 1, 2, regs=204, max_ks=8),
          "w4a16_gemv_mx_batch32": _mma(32, 4, 1, regs=198, max_ks=8),
-         "dense_gemv_bf16_regs": _regs(8, 2, 32, 65535, row_grid=True),
-         "dense_gemv_bf16_batchm_regs": _regs(8, 16, 4, 8),
-         "w8a16_gemv_regs": _regs(16, 16, 4, QUANT_MAX_M, 4),
-         "w4a16_gemv_regs": _regs(32, 16, 4, QUANT_MAX_M, 2)}
+         "dense_gemv_bf16_regs": _rounds(8, 2, 32, 65535, row_grid=True),
+         "dense_gemv_bf16_batchm_regs": _rounds(8, 16, 4, 8),
+         "w8a16_gemv_regs": _rounds(16, 16, 4, QUANT_MAX_M, 4),
+         "w4a16_gemv_regs": _rounds(32, 16, 4, QUANT_MAX_M, 2)}
 GEMM_TILE = 128
 GEMM_SMEM = 4 * (128 + 128) * 40 * 2  # dense_gemm_bf16: GS ring stages of x and W tiles (gemv.cu)
 
