@@ -107,14 +107,15 @@ def check_chain(res, ref, token: int, hidden, position: int, tol0: float, tol: f
     bf16 as the device stores it. Every draft is compared: its logits must be within tol0 (first draft) / tol
     (chained: the bf16 carried hidden compounds) of one of the step's outcomes -- the exact one, or one that
     takes the other side of a near tie (a routing or index choice closer than `tie`, where rounding may
-    legitimately choose otherwise) -- and its id must be that outcome's argmax where the top-2 gap is clear
-    (`argmax_tie`). The chain goes on from the matched outcome, as the device did. Returns the Picks."""
+    legitimately choose otherwise; for chained drafts `tie * tol / tol0`, the inputs' own difference growing as
+    the logits' does) -- and its id must be that outcome's argmax where the top-2 gap is clear (`argmax_tie`).
+    The chain goes on from the matched outcome, as the device did. Returns the Picks."""
     assert len(res.tokens) > 0, f"{label}: nothing drafted, nothing compared"
     tok, h = token, bf16(hidden).astype(np.float64)
     picks = Picks()
     picks.tied = []
     for i in range(len(res.tokens)):
-        outs = ref.candidates(tok, h, position + i, tie)
+        outs = ref.candidates(tok, h, position + i, tie if i == 0 else tie * tol / tol0)
         errs = [rel_err(res.logits[i], lg) for lg, _ in outs]
         j = int(np.argmin(errs))
         assert errs[j] <= (tol0 if i == 0 else tol), \
