@@ -11,9 +11,9 @@ from ..weights.linear import Linear
 from ._util import launch, need
 from .moe import CHUNK, MAX_PAIRS, MMA8_ROWS, _mma_launch
 
-__all__ = ["grouped_gemv", "group_table", "upload_group_table", "GROUPED_MMA_FORMATS"]
+__all__ = ["grouped_gemv", "group_table", "upload_group_table"]
 
-GROUPED_MMA_FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")
+FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")  # both forms (kernels grouped_{gemv,mma8}_<fmt>)
 
 THREADS = 256
 MAX_K = 12288  # x row staged in 48 KB of shared memory as fp32
@@ -24,10 +24,6 @@ def lanes_per_row(k: int, fmt: str) -> int:
     """Lanes that read one row: the 16-byte loads in a row, rounded down to a power of two, at most 32."""
     loads = k // (8 if fmt == "bf16" else 16)
     return min(32, 1 << (max(loads, 1).bit_length() - 1))
-
-
-_KERNELS = {"bf16": "grouped_gemv_bf16", "fp8_block": "grouped_gemv_fp8_block",
-            "fp8_block_e8m0": "grouped_gemv_fp8_block_e8m0"}
 
 
 def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group_rows: int | None = None,
@@ -47,13 +43,10 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
     aligned, its strides multiples of 8). Each form gives a row the same bits whatever m is (batch-invariant);
     the two forms differ in their sum order."""
     tab = NULL if table is None else getattr(table, "ptr", table)
-    if int(tab):
-        return _grouped_mma(gpu, x, W, y, groups, n, m, x_group_stride, y_group_stride, x_row_stride,
-                            y_row_stride, out_dtype, stream, tab)
-    name = _KERNELS.get(W.fmt)
     k = W.k
-    need(name is not None, f"grouped_gemv: weight format {W.fmt!r} is not supported (bf16, fp8_block, "
-         "fp8_block_e8m0; dequantise other formats to bf16 at load)")
+    name = f"grouped_{'mma8' if int(tab) else 'gemv'}_{W.fmt}"
+    need(W.fmt in FORMATS, f"grouped_gemv: weight format {W.fmt!r} is not supported ({', '.join(FORMATS)}; "
+         "dequantise other formats to bf16 at load)")
     group_rows = n if group_rows is None else group_rows
     xgs = k if x_group_stride is None else x_group_stride
     ygs = n if y_group_stride is None else y_group_stride
@@ -62,12 +55,21 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
     need(groups >= 1 and m >= 1 and n >= 1, f"{name}: groups {groups}, m {m}, n {n} must be >= 1")
     need(row0 >= 0 and group_rows >= 0 and row0 + (groups - 1) * group_rows + n <= W.n,
          f"{name}: rows up to {row0 + (groups - 1) * group_rows + n} exceed the weight's {W.n}")
-    vec = 8 if W.fmt == "bf16" else 16          # elements per 16-byte load of a row
+    vec = CHUNK[W.fmt]                          # elements per 16-byte load of a row
     need(k % vec == 0 and int(W.weight) % 16 == 0,
          f"{name}: k {k} must be a multiple of {vec} ({W.fmt} rows of whole 16-byte loads) and W 16-byte aligned")
-    need(k <= MAX_K, f"{name}: k {k} > {MAX_K} (x is staged in shared memory)")
     need(out_dtype in ("bf16", "f32"), f"{name}: out_dtype {out_dtype!r} is not bf16/f32")
     need(min(xgs, ygs, xrs, yrs) >= 0, f"{name}: negative stride")
+    if int(tab):
+        need(m * groups <= MAX_PAIRS and max(xgs, xrs, ygs, yrs) < 1 << 32,
+             f"{name}: m * groups {m * groups} (at most {MAX_PAIRS}) or a stride out of range")
+        need(int(x) % 16 == 0 and xgs % 8 == 0 and xrs % 8 == 0,
+             f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
+        _mma_launch(gpu, name, W.fmt, n, k, 32, groups * -(-m // MMA8_ROWS), MMA8_ROWS).arg_ptr(tab) \
+            .arg_u32(m).arg_u32(groups).arg_ptr(x).arg_u32(xrs).arg_u32(xgs).arg_ptr(y).arg_u32(yrs).arg_u32(ygs) \
+            .arg_u32(out_dtype == "f32").arg_u32(n).arg_u32(k).launch(stream)
+        return
+    need(k <= MAX_K, f"{name}: k {k} > {MAX_K} (x is staged in shared memory)")
     lpr = lanes_per_row(k, W.fmt)
     block_rows = THREADS // 32 * (32 // lpr) * RPT
     L = launch(gpu, "grouped_gemv", name).grid(min(-(-n // block_rows), 65535), min(groups, 65535),
@@ -86,7 +88,7 @@ def group_table(W: Linear, groups: int, n: int, row0: int = 0, group_rows: int |
     where the form cannot take W (another format, k not whole 16-byte chunks, a group whose 16-row slabs would
     straddle a scale block, a misaligned row). Upload it once and pass it as `table`."""
     gr = n if group_rows is None else group_rows
-    if W.fmt not in GROUPED_MMA_FORMATS or W.k % CHUNK[W.fmt] or groups < 1 or n < 1 or row0 < 0 or gr < 0 \
+    if W.fmt not in FORMATS or W.k % CHUNK[W.fmt] or groups < 1 or n < 1 or row0 < 0 or gr < 0 \
             or row0 + (groups - 1) * gr + n > W.n:
         return None
     es = 2 if W.fmt == "bf16" else 1
@@ -106,23 +108,3 @@ def upload_group_table(gpu, W: Linear, groups: int, n: int, row0: int = 0, group
     tensor-core form cannot take W (grouped_gemv then runs its FMA form)."""
     t = group_table(W, groups, n, row0, group_rows)
     return None if t is None else gpu.upload(t)
-
-
-def _grouped_mma(gpu, x, W, y, groups, n, m, xgs, ygs, xrs, yrs, out_dtype, stream, table) -> None:
-    name, k = f"grouped_mma8_{W.fmt}", W.k
-    need(W.fmt in GROUPED_MMA_FORMATS, f"grouped_gemv: the table form takes {GROUPED_MMA_FORMATS}, not {W.fmt!r}")
-    xgs = k if xgs is None else xgs
-    ygs = n if ygs is None else ygs
-    xrs = groups * xgs if xrs is None else xrs
-    yrs = groups * ygs if yrs is None else yrs
-    need(groups >= 1 and m >= 1 and n >= 1 and m * groups <= MAX_PAIRS,
-         f"{name}: groups {groups}, m {m}, n {n} must be >= 1 with m * groups <= {MAX_PAIRS}")
-    need(k % CHUNK[W.fmt] == 0, f"{name}: k {k} must be a multiple of {CHUNK[W.fmt]}")
-    need(int(x) % 16 == 0 and xgs % 8 == 0 and xrs % 8 == 0,
-         f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
-    need(min(ygs, yrs) >= 0 and max(xgs, xrs, ygs, yrs) < 1 << 32, f"{name}: strides out of range")
-    need(out_dtype in ("bf16", "f32"), f"{name}: out_dtype {out_dtype!r} is not bf16/f32")
-    items = groups * -(-m // MMA8_ROWS)
-    _mma_launch(gpu, name, W.fmt, n, k, 32, items, MMA8_ROWS).arg_ptr(table).arg_u32(m).arg_u32(groups) \
-        .arg_ptr(x).arg_u32(xrs).arg_u32(xgs).arg_ptr(y).arg_u32(yrs).arg_u32(ygs).arg_u32(out_dtype == "f32") \
-        .arg_u32(n).arg_u32(k).launch(stream)

@@ -12,17 +12,22 @@ def _offsets(m: int, groups: int, row_stride: int, group_stride: int) -> np.ndar
             + np.arange(groups, dtype=np.int64)[None, :] * group_stride)
 
 
-def _run(dev, x, w_rows, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride, y_group_stride,
-         y_row_stride, out_f32):
+def _products(dev, x, wg, y, groups, m, n, k, x_group_stride, x_row_stride, y_group_stride, y_row_stride, out_f32):
+    """y[r, g] = wg[g] @ x[r, g] (wg f32 [groups, n, k]) in float64, rounded once to the output dtype."""
     base = _offsets(m, groups, x_row_stride, x_group_stride)
     xv = dev.view(x, BF16, int(base.max()) + k)
     xs = xv[base[..., None] + np.arange(k)].astype(np.float64)                # [m, G, k]
-    rows = row0 + np.arange(groups, dtype=np.int64)[:, None] * group_rows + np.arange(n)  # [G, n]
-    wg = w_rows(int(rows.max()) + 1)[rows]                                      # [G, n, k] f32
     out = np.einsum("mgk,gnk->mgn", xs, wg.astype(np.float64))
     yo = _offsets(m, groups, y_row_stride, y_group_stride)[..., None] + np.arange(n)
     yv = dev.view(y, np.float32 if out_f32 else BF16, int(yo.max()) + 1)
     yv[yo] = out.astype(np.float32).astype(yv.dtype)
+
+
+def _run(dev, x, w_rows, y, groups, m, n, k, row0, group_rows, x_group_stride, x_row_stride, y_group_stride,
+         y_row_stride, out_f32):
+    rows = row0 + np.arange(groups, dtype=np.int64)[:, None] * group_rows + np.arange(n)  # [G, n]
+    _products(dev, x, w_rows(int(rows.max()) + 1)[rows], y, groups, m, n, k, x_group_stride, x_row_stride,
+              y_group_stride, y_row_stride, out_f32)
 
 
 def _fp8_rows(dev, W, scale, k, sdt):
@@ -59,26 +64,20 @@ def grouped_gemv_fp8_block_e8m0(dev, x, W, scale, y, groups, m, n, k, row0, grou
 # -- grouped_mma8_<fmt> (cuda_src/moe_mma.cu): the same products, group g's weight from table entry g ----------
 def _table_rows(dev, fmt, entry, n, k):
     """Group weight [n, k] f32 from a group_table row (first row's address, its scale block's scales, the row's
-    offset in that block)."""
+    offset in that block): the block's rows from its first, dequantised as the FMA form's twin does."""
     w, s, off = entry
     if fmt == "bf16":
         return dev.view(w, BF16, (n, k)).astype(np.float32)
-    q = dev.view(w, FP8, (n, k)).astype(np.float32)
-    sc = dev.view(s, np.float32 if fmt == "fp8_block" else E8M0, ((off + n + 127) // 128, (k + 127) // 128))
-    blk = np.repeat(np.repeat(sc.astype(np.float32), 128, axis=0), 128, axis=1)[off:off + n, :k]
-    return q * blk
+    rows = _fp8_rows(dev, w - off * k, s, k, np.float32 if fmt == "fp8_block" else E8M0)
+    return rows(off + n)[off:]
 
 
 def _grouped_mma(fmt):
     def fn(dev, tab, m, groups, x, x_row_stride, x_group_stride, y, y_row_stride, y_group_stride, out_f32, N, K):
         t = dev.view(tab, np.uint64, (groups, 3)).tolist()
         wg = np.stack([_table_rows(dev, fmt, (int(a), int(b), int(c)), N, K) for a, b, c in t])   # [G, N, K]
-        base = _offsets(m, groups, x_row_stride, x_group_stride)
-        xs = dev.view(x, BF16, int(base.max()) + K)[base[..., None] + np.arange(K)].astype(np.float64)
-        out = np.einsum("mgk,gnk->mgn", xs, wg.astype(np.float64))
-        yo = _offsets(m, groups, y_row_stride, y_group_stride)[..., None] + np.arange(N)
-        yv = dev.view(y, np.float32 if out_f32 else BF16, int(yo.max()) + 1)
-        yv[yo] = out.astype(np.float32).astype(yv.dtype)
+        _products(dev, x, wg, y, groups, m, N, K, x_group_stride, x_row_stride, y_group_stride, y_row_stride,
+                  out_f32)
     return fn
 
 
