@@ -252,6 +252,8 @@ def test_shape_errors(rng):
         ops.linear(dev, x.ptr.offset(2), Linear("bf16", 4, 64, w.ptr), y.ptr)
     with pytest.raises(KernelError, match="m=65"):   # STREAM_MAX_M rows a launch
         ops.gemv_fp8w(dev, w.ptr, w.ptr, x.ptr, y.ptr, 65, 4, 64, 64, 4)
+    with pytest.raises(KernelError, match="m 0"):
+        ops.plan_gemv(dev, "dense_gemv_bf16_batch32", 64, 64, m=0)
     with pytest.raises(KernelError, match="scale pointer"):
         ops.linear(dev, x.ptr, Linear("fp8_row", 4, 64, w.ptr), y.ptr)
     with pytest.raises(KernelError, match="out_dtype"):

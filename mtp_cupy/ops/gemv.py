@@ -202,8 +202,9 @@ def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None,
     """The launch plan of streaming GEMV kernel `name` for an n x k weight and m x rows (what the launcher
     uses); m beyond the kernel's pass rows adds passes to the walk, never changing ks or kb that Tune fixes."""
     need(name in _GEOM and _GEOM[name].stream, f"plan_gemv: {name!r} is not a streaming GEMV kernel")
+    need(int(m) >= 1, f"plan_gemv: m {m} must be >= 1")
     pr = _GEOM[name].pass_rows   # 0: the FMA kernel, one x row per grid row
-    passes = -(-max(int(m), 1) // pr) if pr else 1
+    passes = -(-int(m) // pr) if pr else 1
     return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune(), _max_kb(gpu), passes)
 
 
