@@ -556,6 +556,162 @@ extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch32(
     mma_stream<BF16, 4, 2>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
+// bf16, up to 64 x rows in one pass over W, with x staged in shared memory once per block and shared by its
+// XG_RG row groups (mma_stream's x comes from L2 to every warp: as many bytes as its weights for 32-row tiles,
+// and twice over for 64 rows in two passes). Block (32, KS, XG_RG): warp (ks, rg) owns weight rows
+// tile * 16 XG_RG + 16 rg .. + 15 of every tile the block walks (tiles b, b + gridDim.x, ...) and their k units
+// ks, ks + KS, ...: the units, steps, per-step accumulators and slice-order reduction of mma_stream<BF16> with
+// that KS and KB = 1, so a row's result is bit-identical to the 8-row kernel's under the same plan.
+// One block-wide cp.async ring of NS stages (dynamic shared memory after the reduction area / stage bytes);
+// stage (tile, round j) holds, for each slice ks, unit j * KS + ks of the tile's weight rows, W [KS][16 XG_RG][8
+// chunks], then of x rows 0 .. 8 MA (MA n-tiles of 8 rows, the fewest that cover M; rows past M zero-filled),
+// X [KS][64][8 chunks]; chunk c of a row r sits at r * 8 + (c ^ 4 (r & 1)), free of bank conflicts for the
+// copies and the fragment reads. One __syncthreads a stage. KS and MA are template parameters so that every
+// thread's copy positions are shifts of its index (the kernel is bound by issued instructions, not bytes).
+#define XG_RG 8
+#define XG_ROWS 64
+template <u32 KS, u32 MA>
+__device__ __forceinline__ void x64_body(const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 xs, u32 ys,
+                                         u32 out_f32)
+{
+    constexpr u32 CH = 8, TR = 16 * XG_RG, E = MA * 4, NT = 32 * KS * XG_RG;
+    constexpr u32 SW = KS * TR * CH, STAGE = SW + KS * XG_ROWS * CH;   // uint4 per stage
+    constexpr u32 CW = KS * TR * CH / NT, XR = 8 * MA;                 // W copies per thread; x rows staged
+    constexpr u32 CX = (KS * XR * CH + NT - 1) / NT;
+    const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3, ks = threadIdx.y, rg = threadIdx.z;
+    const u32 tid = (rg * KS + ks) * 32 + lane;
+    const u32 KCH = K / 8, NU = (KCH + CH - 1) / CH, T = (N + TR - 1) / TR, NR = (NU + KS - 1) / KS;
+    const u32 tb = blockIdx.x, NB = gridDim.x, ntile = tb < T ? (T - 1 - tb) / NB + 1 : 0;
+    float* const red = (float*)g_dsm;                                  // [KS - 1][XG_RG][E][32] slice partials
+    constexpr u32 red_u4 = (KS - 1) * XG_RG * 8 * 4 * 32 / 4;          // sized for MA = 8
+    uint4* const ring = g_dsm + red_u4;
+    const u32 NS = (dyn_smem_bytes() / 16 - red_u4) / STAGE;           // >= 2 (launcher)
+    const u64 rowbytes = (u64)K * 2;
+
+    u32 i_tile = 0, i_round = 0, i_slot = 0, left = ntile * NR;
+    auto issue = [&](bool weights, bool xrows) {  // the next stage in walk order; one commit group
+        if (left) {
+            uint4* st = ring + i_slot * STAGE;
+            if (weights) {
+                const u32 row0 = (tb + i_tile * NB) * TR;
+#pragma unroll
+                for (u32 i = 0; i < CW; ++i) {
+                    const u32 L = tid + i * NT, sl = L / (TR * CH), r = L / CH % TR, cc = L % CH;
+                    const u32 u = i_round * KS + sl, ch = u * CH + cc;
+                    const bool ok = u < NU && ch < KCH;
+                    cp_async_stream(st + (sl * TR + r) * CH + (cc ^ ((r & 1) << 2)),
+                                    (const u8*)W + (u64)min(row0 + r, N - 1) * rowbytes + (ok ? ch : 0) * 16u, ok);
+                }
+            }
+            if (xrows) {
+#pragma unroll
+                for (u32 i = 0; i < CX; ++i) {
+                    const u32 L = tid + i * NT, sl = L / (XR * CH), r = L / CH % XR, cc = L % CH;
+                    const u32 u = i_round * KS + sl, ch = u * CH + cc;
+                    const bool ok = u < NU && ch < KCH && r < M;
+                    if (L < KS * XR * CH)
+                        cp_async_stream(st + SW + (sl * XG_ROWS + r) * CH + (cc ^ ((r & 1) << 2)),
+                                        x + (u64)(r < M ? r : 0) * xs + (ok ? ch : 0) * 8u, ok);
+                }
+            }
+        }
+    };
+    auto advance = [&]() {
+        if (left) {
+            --left;
+            if (++i_round == NR) { i_round = 0; ++i_tile; }
+            if (++i_slot == NS) i_slot = 0;
+        }
+    };
+
+    // The first NS - 1 stages' weights go out before the wait (no kernel of the step writes them), their x after;
+    // copy group 0 then holds all of those weights and stage 0's x, group p stage p's x.
+    {
+        const u32 s0 = i_tile, s1 = i_round, s2 = i_slot, s3 = left;
+        for (u32 p = 0; p + 1 < NS; ++p) { issue(true, false); advance(); }
+        i_tile = s0; i_round = s1; i_slot = s2; left = s3;
+        pdl_wait();
+        for (u32 p = 0; p + 1 < NS; ++p) { issue(false, true); advance(); cp_async_commit(); }
+    }
+
+    u32 cslot = 0;
+    for (u32 i = 0; i < ntile; ++i) {
+        const u32 row0 = (tb + i * NB) * TR + rg * 16;
+        float acc[MA][4] = {};
+        for (u32 j = 0; j < NR; ++j) {
+            cp_async_wait_n(NS - 2);   // this thread's copies of this stage have landed
+            __syncthreads();           // everyone's have, and everyone is done with the previous stage's slot
+            issue(true, true);
+            advance();
+            cp_async_commit();         // an empty group past the end keeps the wait count uniform
+            const u32 u = j * KS + ks, c0 = u * CH;
+            const uint4* sw = ring + cslot * STAGE + (ks * TR + rg * 16) * CH;
+            const uint4* sx = ring + cslot * STAGE + SW + ks * XG_ROWS * CH;
+            if (++cslot == NS) cslot = 0;
+            if (KS > 1 && u >= NU) continue;   // warp-uniform: this slice has no unit in the last round
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                if (c0 + 4 * s >= KCH) break;  // warp-uniform: the step lies past K
+                const u32 pc = (4 * s + t) ^ ((g & 1) << 2);  // rows g, g + 8 and x rows 8 jm + g: g's parity
+                const uint4 wv[2] = {sw[g * CH + pc], sw[(g + 8) * CH + pc]};
+                const u32 sc[2][2] = {};
+                uint4 xq[MA];
+#pragma unroll
+                for (u32 jm = 0; jm < MA; ++jm) xq[jm] = sx[(8 * jm + g) * CH + pc];
+                float tmp[MA][4] = {};         // a fresh accumulator per step, as in mma_stream
+#pragma unroll
+                for (int mi = 0; mi < 2; ++mi) {
+                    u32 a[4];
+                    frag_a<BF16>(wv, sc, mi, a);
+#pragma unroll
+                    for (u32 jm = 0; jm < MA; ++jm) {
+                        const u32 X[4] = {xq[jm].x, xq[jm].y, xq[jm].z, xq[jm].w};
+                        u32 b[2];
+                        frag_b<BF16>(X, mi, b);
+                        mma16816(tmp[jm], a, b);
+                    }
+                }
+#pragma unroll
+                for (u32 jm = 0; jm < MA; ++jm)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[jm][e] = fmaf(tmp[jm][e], 1.f, acc[jm][e]);
+            }
+        }
+        // C fragment element e of n-tile jm: x row 8 jm + 2t + (e & 1), weight row row0 + g + 8 (e >> 1)
+        if (KS > 1) {
+            if (ks > 0)
+#pragma unroll
+                for (u32 jm = 0; jm < MA; ++jm)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) red[(((ks - 1) * XG_RG + rg) * E + jm * 4 + e) * 32 + lane] = acc[jm][e];
+            __syncthreads();  // slice 0 reads them; the next writes come after the next tile's barriers
+        }
+        if (ks == 0) {
+#pragma unroll
+            for (u32 jm = 0; jm < MA; ++jm)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float v = acc[jm][e];
+#pragma unroll
+                    for (u32 sl = 1; sl < KS; ++sl) v += red[(((sl - 1) * XG_RG + rg) * E + jm * 4 + e) * 32 + lane];
+                    const u32 m = 8 * jm + 2 * t + (e & 1), n = row0 + g + 8 * (e >> 1);
+                    if (m < M && n < N) store_out(y, (u64)m * ys + n, v * 1.f, out_f32);
+                }
+        }
+    }
+}
+
+extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch64(
+    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
+{
+    pdl_trigger();
+    const u32 ma = M <= 16 ? 2 : M <= 32 ? 4 : 8;
+#define X64_CASE(KS_, MA_) if (blockDim.y == KS_ && ma == MA_) x64_body<KS_, MA_>(W, x, y, M, N, K, x_stride, y_stride, out_f32)
+    X64_CASE(1, 2); else X64_CASE(1, 4); else X64_CASE(1, 8);
+    else X64_CASE(2, 2); else X64_CASE(2, 4); else X64_CASE(2, 8);
+#undef X64_CASE
+}
+
 // e4m3 W [N, K], f32 scale [N]; 8 x rows a pass.
 extern "C" __global__ __launch_bounds__(512) void gemv_fp8w(
     const u8* W, const float* scale, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride,

@@ -125,8 +125,124 @@ def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
     assert np.array_equal(alone[0], got[13])
 
 
+def run_x64(dev, w, x, m, n, k, xs, ys, ks, out_dtype="f32"):
+    """dense_gemv_bf16_batch64 on m rows of x (padded to stride xs), y poisoned, stride ys."""
+    xp = np.zeros((m, xs), x.dtype)
+    xp[:, :k] = x[:m]
+    wb, xb, y = up(dev, w), up(dev, xp), out(dev, out_dtype, (m, ys))
+    ops.dense_gemv_bf16_batch64(dev, wb.ptr, xb.ptr, y.ptr, m, n, k, xs, ys, out_dtype, ks=ks)
+    return get(dev, y, out_dtype, (m, ys))
+
+
+def run_narrow_rows(dev, w, x, n, k, ks):
+    """Each x row alone through the 8-row kernel under Tune(ks, kb=1): what batch64's rows must equal."""
+    wb, rows = up(dev, w), []
+    for r in range(x.shape[0]):
+        xb, y = up(dev, x[r:r + 1]), out(dev, "f32", (1, n))
+        ops.dense_gemv_bf16_batchm(dev, wb.ptr, xb.ptr, y.ptr, 1, n, k, k, n, "f32", tune=Tune(ks=ks, kb=1))
+        rows.append(get(dev, y, "f32", (1, n))[0])
+    return np.stack(rows)
+
+
+@pytest.mark.parametrize("out_dtype", ["bf16", "f32"])
+@pytest.mark.parametrize("ks", [1, 2])
+@pytest.mark.parametrize("m", [1, 9, 17, 40, 64])
+def test_batch64_vs_float64(dev, rng, m, ks, out_dtype):
+    """x staged in shared memory: partial tiles (n not a multiple of 128), partial units and steps (k not a
+    multiple of 64), an odd last slice (ks = 2 over an odd unit count), partial n-tiles (m % 8), strides."""
+    n = int(rng.integers(1, 400)) * 2 + 1
+    k = int(rng.integers(1, 1100 // 8)) * 8
+    xs, ys = k + 8 * int(rng.integers(0, 3)), n + int(rng.integers(1, 3))
+    (w,), _, wd = make_weight(rng, "bf16", n, k)
+    x = bf16_bits(rng, (m, k), exp=126)
+    got = run_x64(dev, w, x, m, n, k, xs, ys, ks, out_dtype)
+    check(got, x.astype(np.float64) @ wd().T, out_dtype, n, f"batch64 m={m} n={n} k={k} ks={ks}")
+
+
+# (n, k, ks): the LM heads' k and slices (V3 / V4 / GLM-5 ks = 1, Qwen3-Next ks = 2) on fewer rows, and one
+# whole head; rows bit-identical to the 8-row kernel's, each row alone
+X64_REAL = [(4096, 7168, 1), (4096, 4096, 1), (3000, 6144, 1), (8192, 2048, 2), (129280, 7168, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, ks", X64_REAL, ids=str)
+def test_batch64_rows_equal_the_8_row_kernel_real_dims(rng, n, k, ks):
+    import mtp_cupy
+    dev = mtp_cupy.device("cuda")
+    (w,), _, wd = make_weight(rng, "bf16", n, k)
+    x = bf16_bits(rng, (64, k), exp=126)
+    for m in (64, 33, 9):
+        got = run_x64(dev, w, x, m, n, k, k, n, ks)
+        assert np.all(np.isfinite(got)), f"batch64 {n}x{k} m={m}: NaN / inf (the poison survived)"
+        pick = sorted({0, m // 2, m - 1})
+        alone = run_narrow_rows(dev, w, x[pick], n, k, ks)
+        assert np.array_equal(alone, got[pick]), f"batch64 {n}x{k} ks={ks} m={m}: rows differ from the 8-row kernel"
+    assert_close(got[:2].astype(np.float64), x[:2].astype(np.float64) @ wd().T, TOL["f32"], f"batch64 {n}x{k}")
+
+
+def test_batch64_rows_equal_the_8_row_kernel(dev, rng):
+    """The same, at a small shape on both devices (the twin is the same math either way)."""
+    n, k = int(rng.integers(130, 300)), int(rng.integers(9, 140)) * 8
+    (w,), _, _ = make_weight(rng, "bf16", n, k)
+    x = bf16_bits(rng, (23, k), exp=126)
+    for ks in (1, 2):
+        got = run_x64(dev, w, x, 23, n, k, k, n, ks)
+        assert np.array_equal(run_narrow_rows(dev, w, x[[0, 11, 22]], n, k, ks), got[[0, 11, 22]])
+
+
+@pytest.mark.gpu
+def test_dynamic_smem_opt_in_is_never_lowered_by_another_backend(rng):
+    """CuPy shares a compiled module's functions between backends: a second backend's smaller opt-in (ks = 1,
+    96 KB) must not lower what the first relies on (ks = 2, 224 KB; that launch then failed with CUresult 1)."""
+    from mtp_cupy.runtime.cupy_backend import CupyBackend
+    n, k = 300, 512
+    (w,), _, wd = make_weight(rng, "bf16", n, k)
+    x = bf16_bits(rng, (20, k), exp=126)
+    a, b = CupyBackend(), CupyBackend()
+    assert ops.plan_batch64(a, n, k, 2).smem > ops.plan_batch64(a, n, k, 1).smem > 48 * 1024
+    run_x64(a, w, x, 20, n, k, k, n, 2)
+    run_x64(b, w, x, 20, n, k, k, n, 1)
+    got = run_x64(a, w, x, 20, n, k, k, n, 2)
+    assert_close(got.astype(np.float64), x.astype(np.float64) @ wd().T, TOL["f32"], "ks=2 after a ks=1 backend")
+
+
+def test_linear_takes_batch64_where_it_matches(monkeypatch, rng):
+    """linear(invariant) sends 8 < m <= 64 bf16 rows to batch64 exactly when the 8-row plan is one block's
+    k-split of <= 2 slices (the heads), with that plan's ks; quantised formats, other plans and
+    non-invariant calls keep their kernels."""
+    import mtp_cupy
+    import mtp_cupy.ops.gemv as g
+    dev = mtp_cupy.device("ref")
+    calls = []
+    real = g.dense_gemv_bf16_batch64
+    monkeypatch.setattr(g, "dense_gemv_bf16_batch64", lambda *a, **kw: calls.append((a[4], kw["ks"])) or real(*a, **kw))
+    x = bf16_bits(rng, (70, 2048), exp=126)   # m = 70 is past INVARIANT_MAX_M: a prefill call, not invariant
+    for n, k, m, inv, want in [(151936, 2048, 20, True, [(20, 2)]), (151936, 2048, 8, True, []),
+                               (151936, 2048, 64, True, [(64, 2)]), (151936, 2048, 70, True, []), (151936, 2048, 20, False, []),
+                               (7168, 2048, 40, True, [])]:
+        p = ops.plan_gemv(dev, "dense_gemv_bf16_batchm", n, k)
+        assert (p.kb == 1 and p.ks <= 2) == (n == 151936), (n, k, p)
+        (w,), _, _ = make_weight(rng, "bf16", n, k)
+        calls.clear()
+        run_linear(dev, "bf16", n, k, m, (w,), 1.0, x[:m, :k], "f32", k, n, invariant=inv)
+        assert calls == want, (n, k, m, inv, calls)
+
+
+def test_batch64_refusals(rng):
+    import mtp_cupy
+    dev = mtp_cupy.device("ref")
+    w, x, y = up(dev, np.zeros((64, 64), np.uint16)), up(dev, np.zeros((65, 64), np.uint16)), out(dev, "f32", (65, 64))
+    for kw, what in [(dict(m=65), "m=65"), (dict(ks=3), "ks 3"), (dict(ks=0), "ks 0"), (dict(k=60, xs=64), "multiple of 8"),
+                     (dict(xs=60), "stride"), (dict(out_dtype="f16"), "out_dtype")]:
+        a = dict(m=3, n=64, k=64, xs=64, ys=64, ks=1, out_dtype="f32") | kw
+        with pytest.raises(KernelError, match=what):
+            ops.dense_gemv_bf16_batch64(dev, w.ptr, x.ptr, y.ptr, a["m"], a["n"], a["k"], a["xs"], a["ys"],
+                                        a["out_dtype"], ks=a["ks"])
+
+
 @pytest.mark.parametrize("name, m", [("dense_gemv_bf16", 3), ("dense_gemv_bf16_batchm", 8),
-                                     ("dense_gemv_bf16_batch32", 32), ("dense_gemm_bf16", 45),
+                                     ("dense_gemv_bf16_batch32", 32), ("dense_gemv_bf16_batch64", 64),
+                                     ("dense_gemm_bf16", 45),
                                      ("dense_gemm_bf16", 1), ("dense_gemv_bf16_regs", 2),
                                      ("dense_gemv_bf16_batchm_regs", 5)])
 def test_dense_kernels(dev, rng, name, m):

@@ -294,6 +294,7 @@ def _gemv(dev, mem):
     run(ops.dense_gemv_bf16, bf16, m=2)
     run(ops.dense_gemv_bf16_batchm, bf16, m=5)
     run(ops.dense_gemv_bf16_batch32, bf16, m=20)
+    run(ops.dense_gemv_bf16_batch64, bf16, m=20)
     run(ops.dense_gemm_bf16, bf16, m=40)
     run(ops.gemv_fp8w, fp8, mem(4 * n))
     run(ops.w8a16_gemv, fp8, blk)

@@ -30,6 +30,10 @@ MID_SHAPES = [("deepseek_v4", "wkv", "fp8_block_e8m0", 512, 4096),
               ("glm5", "q_b", "fp8_block", 16384, 2048), ("glm5", "o_proj", "fp8_block", 6144, 16384),
               ("qwen3_next", "k / v", "bf16", 512, 2048), ("qwen3_next", "o_proj", "bf16", 2048, 4096),
               ("qwen3_next", "q (+ gate)", "bf16", 8192, 2048)]
+# The LM heads (family, n, k) at decode batch widths (bench_kernels.py --heads)
+HEAD_SHAPES = [("deepseek_v3", 129280, 7168), ("glm5", 154880, 6144), ("deepseek_v4", 129280, 4096),
+               ("qwen3_next", 151936, 2048)]
+HEAD_M = [1, 8, 16, 32, 64]
 PREFILL = (7168, 2048, 512)  # n, k, m: the tiled GEMM path
 NAN = float("nan")
 
@@ -179,6 +183,39 @@ def bench_mid(gpu, timer, copy_gbs) -> list[dict]:
                          peer_us=t_peer, peer=kind))
         print(f"| {fam} | {label} | {fmt} | {n}x{k} | {mb:.1f} | {p.ks}, {p.kb}, {p.blocks} | {t_lin:.1f} | "
               f"{pct:.0f} | {t_str:.1f} | {t_kb1:.1f} | {p1.ks}, 1, {p1.blocks} | {t_peer:.1f} ({kind}) |", flush=True)
+    return rows
+
+
+def bench_heads(gpu, timer, copy_gbs) -> list[dict]:
+    """HEAD_SHAPES at HEAD_M rows, batch-invariant: ops.linear(invariant=True) (x staged per block,
+    dense_gemv_bf16_batch64, for m > 8), the 32-row streaming kernel under the same k-split (what linear ran
+    before), and cuBLAS bf16 on the same bytes. The floor is the weight bytes (+ x) at the copy bandwidth.
+    Prints a table; returns its rows."""
+    import cupy as cp
+    from .. import ops
+    from ..ops.gemv import Tune
+    print("| family | m x n x k | MB | floor µs | linear µs | % copy | batch32 µs | cuBLAS bf16 µs | "
+          "linear / cuBLAS |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for fam, n, k in HEAD_SHAPES:
+        W, keep = make_linear("bf16", n, k)
+        p = ops.plan_gemv(gpu, "dense_gemv_bf16_batchm", n, k)
+        for m in HEAD_M:
+            x, y = rand_bf16((m, k)), cp.empty((m, n), cp.float32)
+            t_lin = timer.us(lambda: ops.linear(gpu, ptr(x), W, ptr(y), m, out_dtype="f32", invariant=True))
+            t_32 = timer.us(raw_call(gpu, "dense_gemv_bf16_batch32", W, x, y, m, Tune(ks=p.ks, kb=p.kb))) \
+                if m > 8 else NAN
+            fn, kind = peer_matmul(keep[0], x)
+            t_peer = timer.us(fn)
+            mb = (W.weight_bytes + x.nbytes) / 1e6
+            floor = mb * 1e3 / copy_gbs
+            rows.append(dict(family=fam, m=m, n=n, k=k, mb=mb, floor_us=floor, linear_us=t_lin,
+                             pct_copy=100 * floor / t_lin, batch32_us=t_32, peer_us=t_peer, peer=kind))
+            print(f"| {fam} | {m}x{n}x{k} | {mb:.0f} | {floor:.1f} | {t_lin:.1f} | {100 * floor / t_lin:.0f} | "
+                  f"{t_32:.1f} | {t_peer:.1f} ({kind}) | {t_lin / t_peer:.2f} |", flush=True)
+        del W, keep
+        cp.get_default_memory_pool().free_all_blocks()
     return rows
 
 

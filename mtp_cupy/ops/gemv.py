@@ -22,12 +22,12 @@ from ..weights.linear import Linear
 from ..errors import KernelError
 from ._util import launch, need
 
-__all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32",
+__all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemv_bf16_batch64",
            "dense_gemm_bf16", "gemv_fp8w", "w8a16_gemv", "w8a16_gemv_e8m0", "w4a16_gemv", "w4a16_gemv_mx",
            "gemv_fp8w_batch32", "w8a16_gemv_batch32", "w8a16_gemv_e8m0_batch32", "w4a16_gemv_batch32",
            "w4a16_gemv_mx_batch32",
            "dense_gemv_bf16_regs", "dense_gemv_bf16_batchm_regs", "w8a16_gemv_regs", "w4a16_gemv_regs",
-           "Tune", "Plan", "plan_gemv"]
+           "Tune", "Plan", "plan_gemv", "plan_batch64"]
 
 WARPS = 8  # register-round kernels: warps per block
 QUANT_MAX_M = 8  # x rows a pass of the 8-row streaming kernels (32 for the _batch32 ones)
@@ -41,6 +41,9 @@ SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory per SM (1 KB of it reserved
 SMEM_PER_BLOCK = 227 * 1024
 REGS_PER_SM = 65536
 MAX_KB = 8                 # blocks per cluster: the portable limit
+X64_GROUPS = 8    # dense_gemv_bf16_batch64: 16-row weight groups a block (kernel XG_RG), sharing its staged x
+X64_ROWS = 64     # x rows it stages a pass (kernel XG_ROWS)
+X64_MAX_KS = 2    # k slices it takes (block (32, ks, 8) <= 512 threads)
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,7 @@ def _regs(gpu: Backend, name: str) -> int:
         try:
             _REGS[key] = int(gpu.kernel("gemv", name).fn.num_regs)
         except Exception:
-            _REGS[key] = _GEOM[name].regs
+            _REGS[key] = _GEOM[name].regs if name in _GEOM else 128
     return _REGS[key]
 
 
@@ -206,6 +209,34 @@ def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None,
     pr = _GEOM[name].pass_rows   # 0: the FMA kernel, one x row per grid row
     passes = -(-int(m) // pr) if pr else 1
     return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune(), _max_kb(gpu), passes)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_x64(n: int, k: int, ks: int, sms: int, regs: int) -> Plan:
+    stage = ks * (16 * X64_GROUPS + X64_ROWS) * 8 * 16        # W [ks][128 rows] + x [ks][64 rows] of 128 B
+    red = (ks - 1) * X64_GROUPS * 32 * 32 * 4                 # the k slices' partial sums (ks > 1)
+    threads = 32 * ks * X64_GROUPS
+    best = None
+    for s in (4, 3, 2):   # the depth that keeps the most weight bytes in flight per SM
+        smem = red + s * stage
+        per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 2048 // threads)
+        if smem <= SMEM_PER_BLOCK and per_sm >= 1 and (best is None or per_sm * (s - 1) > best[0]):
+            best = (per_sm * (s - 1), s, smem, per_sm)
+    need(best is not None, f"dense_gemv_bf16_batch64: no launch plan fits ks={ks}")
+    _, s, smem, per_sm = best
+    tiles = -(-n // (16 * X64_GROUPS))
+    nb = max(1, min(tiles, sms * per_sm))
+    per_block = -(-tiles // nb)
+    nb = -(-tiles // per_block)   # the fewest walkers with that many tiles each
+    return Plan(ks, nb, s, smem, tiles / (nb * per_block), 1)
+
+
+def plan_batch64(gpu: Backend, n: int, k: int, ks: int = 1) -> Plan:
+    """dense_gemv_bf16_batch64's launch plan for an n x k weight: ks k slices (the 8-row kernel's plan's, so a
+    row's sums match it), the ring depth that keeps the most bytes in flight, a persistent grid of whole-tile
+    walkers (kb is always 1)."""
+    need(isinstance(ks, int) and 1 <= ks <= X64_MAX_KS, f"dense_gemv_bf16_batch64: ks {ks!r} outside 1..{X64_MAX_KS}")
+    return _plan_x64(int(n), int(k), ks, _sms(gpu), _regs(gpu, "dense_gemv_bf16_batch64"))
 
 
 def _out_f32(out_dtype: str) -> int:
@@ -266,6 +297,19 @@ def dense_gemv_bf16_batch32(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype
     """m <= 32 x rows in one pass over W (tensor cores)."""
     _gemv(gpu, "dense_gemv_bf16_batch32", [("ptr", w)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream,
           tune)
+
+
+def dense_gemv_bf16_batch64(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1):
+    """m <= 64 x rows in one pass over W (tensor cores), x staged in shared memory once per block for its eight
+    16-row weight groups (block (32, ks, 8)). ks (1 or 2) splits each tile's k units as dense_gemv_bf16_batchm
+    does under Tune(ks=ks, kb=1): a row's result is then bit-identical to that kernel's."""
+    name = "dense_gemv_bf16_batch64"
+    f32 = _out_f32(out_dtype)
+    _check(name, 8, w, x, m, n, k, x_stride, y_stride, X64_ROWS)
+    p = plan_batch64(gpu, n, k, ks)
+    launch(gpu, "gemv", name).arg_ptr(w).arg_ptr(x).arg_ptr(y).arg_u32(m).arg_u32(n).arg_u32(k) \
+        .arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32).grid(p.blocks).block(32, ks, X64_GROUPS) \
+        .shared(p.smem).launch(stream)
 
 
 def gemv_fp8w(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
@@ -388,8 +432,9 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense).
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
-    INVARIANT_MAX_M rows: the format's streaming kernel (8 rows a pass, 32 for m > 8) with the k-split (ks and
-    kb of the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for
+    INVARIANT_MAX_M rows: the format's streaming kernel (8 rows a pass, 32 for m > 8; bf16 under a one-block
+    k-split of <= 2 slices, the LM heads, dense_gemv_bf16_batch64 for m > 8) with the k-split (ks and kb of
+    the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for
     bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M
     rows, their passes sharing each weight tile through L2 (W read from DRAM about once)."""
     xs = W.k if x_stride is None else int(x_stride)
@@ -411,10 +456,15 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         tune = None
     if tune is not None and not _fits(gpu, wide, W.n, W.k, tune):
         wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes only
+    # bf16 under a one-block k-split of at most two slices (the LM heads): x staged once per block, not per warp
+    x64 = W.fmt == "bf16" and tune is not None and tune.kb == 1 and tune.ks <= X64_MAX_KS
     ybytes = 4 if _out_f32(out_dtype) else 2
     for r0 in range(0, m, STREAM_MAX_M):     # each launch reads W from DRAM about once
         mm = min(STREAM_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
+        if x64 and mm > QUANT_MAX_M:
+            dense_gemv_bf16_batch64(gpu, W.weight, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream, ks=tune.ks)
+            continue
         _gemv(gpu, narrow if mm <= QUANT_MAX_M or not wide else wide, _lead(W), xr, yr, mm, W.n, W.k, xs, ys,
               out_dtype, stream, tune)
 

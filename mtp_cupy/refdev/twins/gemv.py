@@ -64,7 +64,8 @@ def _dense(dev, W, x, y, M, N, K, x_stride, y_stride, out_f32):
     _run(dev, _bf16_rows(dev, W, N, K), x, y, M, N, K, x_stride, y_stride, out_f32)
 
 
-for _name in ("dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemm_bf16",
+for _name in ("dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemv_bf16_batch64",
+              "dense_gemm_bf16",
               "dense_gemv_bf16_regs", "dense_gemv_bf16_batchm_regs"):  # register-round kernels: same math
     twin("gemv", _name)(_dense)
 
