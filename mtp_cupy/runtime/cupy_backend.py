@@ -22,6 +22,10 @@ from .ptr import DevicePtr
 # -default-device: unannotated functions (lambdas in kernels) are device code. No fast-math: the twins
 # assume IEEE expf / sincosf / division.
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
+# CUfunction handle -> dynamic shared bytes opted in. Process-wide: CuPy shares a compiled module's functions
+# between backends, so one backend's smaller opt-in must never lower what another one relies on.
+_SMEM_OPTIN: dict[int, int] = {}
+
 _SCALAR = {"ptr": np.uint64, "u32": np.uint32, "i32": np.int32, "u64": np.uint64, "i64": np.int64,
            "f32": np.float32}
 H2D, D2H, D2D = 1, 2, 3
@@ -57,7 +61,6 @@ class CupyBackend(Backend):
         self.device_id = device_id
         cupy.cuda.Device(device_id).use()
         self._modules: dict[str, object] = {}
-        self._smem_optin: dict[int, int] = {}   # id(RawKernel) -> dynamic shared bytes opted in
         self._pinned: list = []
         self._bounce = threading.local()   # per thread: a pinned landing area for small device-to-host reads
         self._narrow = None
@@ -100,10 +103,12 @@ class CupyBackend(Backend):
         return stream if stream is not None else self.cp.cuda.get_current_stream()
 
     def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1)) -> None:
-        if shared > 48 * 1024 and self._smem_optin.get(id(handle.fn), 0) < shared:
-            # more than 48 KiB of dynamic shared memory needs the per-kernel opt-in attribute
-            handle.fn.max_dynamic_shared_size_bytes = shared
-            self._smem_optin[id(handle.fn)] = shared
+        if shared > 48 * 1024:
+            # more than 48 KiB of dynamic shared memory needs the per-kernel opt-in attribute; only ever raised
+            key = int(handle.fn.kernel.ptr)
+            if _SMEM_OPTIN.get(key, 0) < shared:
+                handle.fn.max_dynamic_shared_size_bytes = shared
+                _SMEM_OPTIN[key] = shared
         try:
             ex = self.pdl
             if ex is None and cluster != (1, 1, 1):
