@@ -1,13 +1,18 @@
-// Paged decode attention: one query row per sequence over its paged KV rows, flash-decoding style.
-//
-// Pass 1 (`mla_decode_partial[_fp8]`, `gqa_decode_partial[_fp8]`): grid (splits, head blocks, sequences). A
-// block takes up to 32 query heads that share one KV head and a chunk of the sequence's attended positions,
-// walks the chunk in tiles of 32 cache rows (cp.async double buffering into shared memory, so every head of
-// the block reads each row once), and writes an unnormalised partial per (sequence, split, head):
-//     ws_o[s][c][h][0:dv]   = sum_j exp(s_j - m) v_j      (f32)
-//     ws_ml[s][c][h][0:2]   = (m, l = sum_j exp(s_j - m))  (m = -inf, l = 0 for an empty split)
-// Pass 2 (`attn_combine`) merges the splits in a fixed order (+ the optional attention sink), so the result
-// is deterministic. Both passes need the same `splits` and `min_chunk`; the launcher picks them.
+// Paged decode attention: one query row per sequence over its paged KV rows, flash-decoding style. A block
+// takes up to 32 query heads that share one KV head; a sequence's attended positions are cut into `splits`
+// chunks, each walked in tiles of 32 cache rows (cp.async double buffering into shared memory, so every head of
+// the block reads each row once) into an unnormalised partial per (sequence, split, head):
+//     O_c = vmul * sum_j exp(s_j - m) v_j,  (m, l = sum_j exp(s_j - m))   (m = -inf, l = 0: an empty split)
+// and the partials of a (sequence, head) are merged in split order (merge_ml / merge_o / merge_finish: an
+// online merge, the optional attention sink, 1 / L). Two modes, the same bits for the same `splits` and
+// `min_chunk` (the launcher picks both):
+//   split: `mla_decode_partial[_fp8]`, `gqa_decode_partial[_fp8]`, grid (splits, head blocks, sequences), one
+//     split a block, writing ws_o[s][c][h][0:dv] = O_c and ws_ml[s][c][h][0:2] = (m, l) (f32); then
+//     `attn_combine`, grid (heads, sequences), merges them into out.
+//   walk: `mla_decode_walk[_fp8]`, `gqa_decode_walk[_fp8]`, grid (1, head blocks, sequences): a block walks
+//     all the splits of its sequence in order with the same per-split code, merges each into a running
+//     (M, L, O) in registers and writes out itself. No workspace, and one set of fixed costs (Q fragments,
+//     pipeline fill, padding) per block instead of per split: for large batches.
 //
 // Chunking: a sequence attends n positions (dense: its last min(seq_len, window) rows, or all seq_len when
 // window == 0; DSA: the sel_stride entries of its `sel` row, -1 / out-of-range entries masked).
@@ -24,8 +29,8 @@
 // (cp.async and the fp8 conversion only ever write the real columns), and Q fragments past dk load as zeros,
 // so the dot products are exact and no extra byte is stored or read from global memory.
 //
-// KV formats: bf16 rows; fp8 e4m3 rows times a per-tensor kv_scale (`gqa_decode_partial_fp8`); and the
-// blocked fp8 row of `mla_decode_partial_fp8` (DeepSeek-V4's cache, kv_cache.cu): columns [0, nope) as e4m3 in
+// KV formats: bf16 rows; fp8 e4m3 rows times a per-tensor kv_scale (`gqa_decode_*_fp8`); and the
+// blocked fp8 row of `mla_decode_*_fp8` (DeepSeek-V4's cache, kv_cache.cu): columns [0, nope) as e4m3 in
 // blocks of 64 with a UE8M0 scale each, columns [nope, dk) bf16, converted exactly to bf16 in shared memory.
 #include "common.cuh"
 #include "meta.cuh"
@@ -88,7 +93,8 @@ struct AttnArgs {
     const u8* kc; const u8* vc;   // vc == nullptr: V is the first dv columns of the K row (MLA, V4)
     u64 row_bytes, col_bytes;     // cache row size; byte offset of this block's KV head inside a row
     const u8* meta; u32 meta_stride;
-    float* ws_o; float* ws_ml;
+    float* ws_o; float* ws_ml;    // split mode: the partials
+    const float* sink; __nv_bfloat16* out;   // walk mode: f32 [heads] or null; bf16 [num_seqs, heads, dv]
     u32 heads, h0, h_end, dk, dv;
     float smul, vmul;             // score multiplier (scale * kv_scale), value multiplier (kv_scale)
     u32 window; const i32* sel; u32 sel_stride, splits, min_chunk;
@@ -96,6 +102,42 @@ struct AttnArgs {
 };
 
 enum { KV_BF16 = 0, KV_FP8 = 1, KV_FP8_BLOCK = 2 };
+
+// The merge of a (sequence, head)'s split partials, shared by attn_combine and the walk kernels. Its arithmetic
+// is _rn intrinsics (never contracted into an fma) around fmaxf / expf, so the two round identically. From
+// (M, L, O) = (-inf, 0, 0), for each split c in order with m_c > -inf:
+//     M' = max(M, m_c), a = exp(M - M') (0 for M = -inf), b = exp(m_c - M'), L = L a + l_c b, O = O a + O_c b.
+struct MergeAB { float a, b; };
+
+__device__ __forceinline__ MergeAB merge_ml(float& M, float& L, float mc, float lc) {
+    const float Mn = fmaxf(M, mc);
+    MergeAB w;
+    w.a = M == -INFINITY ? 0.f : expf(__fsub_rn(M, Mn));
+    w.b = expf(__fsub_rn(mc, Mn));
+    L = __fmaf_rn(L, w.a, __fmul_rn(lc, w.b));
+    M = Mn;
+    return w;
+}
+
+__device__ __forceinline__ float merge_o(float O, MergeAB w, float Oc) { return __fmaf_rn(O, w.a, __fmul_rn(Oc, w.b)); }
+
+// The sink (exp(sink_h) joins the denominator: M' = max(M, sink_h), a = exp(M - M'), L = L a + exp(sink_h - M'),
+// O = O a) and the normalisation: returns (a, inv) for merge_out; inv = 0 where nothing was attended (L = 0).
+__device__ __forceinline__ float2 merge_finish(float M, float L, const float* sink, u32 h) {
+    float a = 1.f;
+    if (sink != nullptr) {
+        const float sk = sink[h], Mn = fmaxf(M, sk);
+        if (Mn != -INFINITY) {
+            a = M == -INFINITY ? 0.f : expf(__fsub_rn(M, Mn));
+            L = __fmaf_rn(L, a, expf(__fsub_rn(sk, Mn)));
+        }
+    }
+    return make_float2(a, L > 0.f ? __frcp_rn(L) : 0.f);
+}
+
+__device__ __forceinline__ __nv_bfloat16 merge_out(float O, float2 f) {
+    return f2bf(__fmul_rn(__fmul_rn(O, f.x), f.y));
+}
 
 __device__ __forceinline__ u32 pad64(u32 x) { return (x + 63) / 64 * 64; }
 
@@ -105,20 +147,27 @@ __device__ __forceinline__ u32 pad64(u32 x) { return (x + 63) / 64 * 64; }
 //   V   bf16 [NBF][32][dvp + 8]                only with a separate V cache
 //   stage u8 [2][32][stage_row]                fp8 only: raw rows landing from cp.async (dk (+ dv) bytes, or
 //                                              the blocked row's row_bytes)
-//   Phi, Plo bf16 [32][P_STRIDE]; alpha f32 [32]; rowok i32 [2][32]
+//   Phi, Plo bf16 [32][P_STRIDE]; alpha f32 [32]; rowok i32 [2][32]; ml f32 [32][2] (walk: a split's (m, l))
 // Columns [dk, dkp) of K and [dv, dvp) of V are zeroed once and never written again.
-template <int KVF>
-__device__ __forceinline__ void attend_split(const AttnArgs& a) {
+//
+// Split c covers positions [c*chunk, min(n, (c+1)*chunk)); chunk is a whole number of tiles, so a tile never
+// straddles two splits and the walk is the same tile sequence as the splits' one after another, the partial
+// (o, m_run, l_run) restarting from zero at each split's first tile. The double buffer runs across the
+// split boundaries.
+template <int KVF, bool WALK>
+__device__ __forceinline__ void attend(const AttnArgs& a) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-    const u32 s = blockIdx.z, c = blockIdx.x;
+    const u32 s = blockIdx.z;
     const SeqSpan sp = seq_span(a.meta, a.meta_stride, s, a.window, a.sel != nullptr, a.sel_stride);
     const u32 per = (u32)((sp.n + (i32)a.splits - 1) / (i32)a.splits);
     const u32 chunk = (max(per, a.min_chunk) + TILE - 1) / TILE * TILE;
-    const i32 p_begin = (i32)(c * chunk), p_end = min(sp.n, p_begin + (i32)chunk);
-    const u64 part = ((u64)s * a.splits + c) * a.heads;  // (s, c, head 0) partial index
+    // split mode: split blockIdx.x alone; walk: every split, i.e. all n positions
+    const i32 p_begin = WALK ? 0 : (i32)(blockIdx.x * chunk);
+    const i32 p_end = WALK ? sp.n : min(sp.n, p_begin + (i32)chunk);
+    const u64 part = ((u64)s * a.splits + blockIdx.x) * a.heads;  // split mode: (s, c, head 0) partial index
 
-    if (p_begin >= p_end) {  // empty split: the combine skips it
+    if (!WALK && p_begin >= p_end) {  // empty split: the combine skips it
         if (tid < HEADS && a.h0 + tid < a.h_end)
             *(float2*)(a.ws_ml + (part + a.h0 + tid) * 2) = make_float2(-INFINITY, 0.f);
         return;
@@ -137,6 +186,7 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
     __nv_bfloat16* Plo = Phi + HEADS * P_STRIDE;
     float* alpha_s = (float*)(Plo + HEADS * P_STRIDE);
     i32* rowok = (i32*)(alpha_s + HEADS);
+    float2* ml_s = (float2*)(rowok + 2 * TILE);
 
     // The tile padding: zero once; the loads and conversions below write only the real columns.
     const __nv_bfloat16 zero = f2bf(0.f);
@@ -196,16 +246,36 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
     for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
     float m_run = -INFINITY, l_run = 0.f;   // softmax thread (head tid/8): replicated over its 8 lanes
     const u32 sh = tid >> 3, sq = tid & 7;  // softmax thread -> head sh, rows 4*sq .. 4*sq+3
+    // walk: the running merge of heads hA (O[nt][0..1]) and hB (O[nt][2..3]), each thread its own copy of
+    // (M, L), all computed alike from the same (m_c, l_c)
+    float O[WALK ? MAX_NTILES : 1][4];
+    float MA = -INFINITY, LA = 0.f, MB = -INFINITY, LB = 0.f;
+    if constexpr (WALK) {
+#pragma unroll
+        for (u32 nt = 0; nt < MAX_NTILES; ++nt) O[nt][0] = O[nt][1] = O[nt][2] = O[nt][3] = 0.f;
+    }
 
     // ldmatrix lane offsets: K (non-trans, rows = cache rows), P (A operand), V (trans, rows = cache rows).
     const u32 k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
     const u32 x_row = (lane & 7) + ((lane >> 3) & 1) * 8, x_col = (lane >> 4) * 8;
 
-    const u32 ntiles = (u32)(p_end - p_begin + TILE - 1) / TILE;
-    load_tile(0, p_begin);
-    cp_commit();
+    const u32 ntiles = p_end > p_begin ? (u32)(p_end - p_begin + TILE - 1) / TILE : 0u;
+    if (ntiles > 0) {
+        load_tile(0, p_begin);
+        cp_commit();
+    }
     for (u32 t = 0; t < ntiles; ++t) {
         const u32 buf = t & 1, bb = RAW ? 0 : buf;
+        const i32 p0 = p_begin + (i32)(t * TILE);
+        const bool split_end = (u32)(p0 + TILE) % chunk == 0 || p0 + TILE >= p_end;
+        if constexpr (WALK) {
+            if ((u32)p0 % chunk == 0) {  // a split's first tile: its partial starts as the split pass's does
+#pragma unroll
+                for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+                m_run = -INFINITY;
+                l_run = 0.f;
+            }
+        }
         if (t + 1 < ntiles) {
             load_tile(buf ^ 1, p_begin + (i32)((t + 1) * TILE));
             cp_commit();
@@ -298,10 +368,11 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
             const float4 x0 = *(const float4*)sp0, x1 = *(const float4*)(sp0 + HEADS * SP_STRIDE),
                          x2 = *(const float4*)(sp0 + 2 * HEADS * SP_STRIDE),
                          x3 = *(const float4*)(sp0 + 3 * HEADS * SP_STRIDE);
-            sv[0] = (((x0.x + x1.x) + x2.x) + x3.x) * a.smul;
-            sv[1] = (((x0.y + x1.y) + x2.y) + x3.y) * a.smul;
-            sv[2] = (((x0.z + x1.z) + x2.z) + x3.z) * a.smul;
-            sv[3] = (((x0.w + x1.w) + x2.w) + x3.w) * a.smul;
+            // _rn intrinsics: nothing contracts into an fma, so split and walk kernels round alike
+            sv[0] = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(x0.x, x1.x), x2.x), x3.x), a.smul);
+            sv[1] = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(x0.y, x1.y), x2.y), x3.y), a.smul);
+            sv[2] = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(x0.z, x1.z), x2.z), x3.z), a.smul);
+            sv[3] = __fmul_rn(__fadd_rn(__fadd_rn(__fadd_rn(x0.w, x1.w), x2.w), x3.w), a.smul);
             float tmax = -INFINITY;
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -311,20 +382,23 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
 #pragma unroll
             for (int o_ = 1; o_ < 8; o_ <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xffffffffu, tmax, o_));
             const float m_new = fmaxf(m_run, tmax), mu = m_new == -INFINITY ? 0.f : m_new;
-            const float alpha = expf(m_run - mu);
+            const float alpha = expf(__fsub_rn(m_run, mu));
             float psum = 0.f, hi[4], lo[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const float p = expf(sv[i] - mu);
-                psum += p;
+                const float p = expf(__fsub_rn(sv[i], mu));
+                psum = __fadd_rn(psum, p);
                 hi[i] = bf2f(f2bf(p));
-                lo[i] = p - hi[i];
+                lo[i] = __fsub_rn(p, hi[i]);
             }
 #pragma unroll
-            for (int o_ = 1; o_ < 8; o_ <<= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o_);
-            l_run = l_run * alpha + psum;
+            for (int o_ = 1; o_ < 8; o_ <<= 1) psum = __fadd_rn(psum, __shfl_xor_sync(0xffffffffu, psum, o_));
+            l_run = __fmaf_rn(l_run, alpha, psum);
             m_run = m_new;
             if (sq == 0) alpha_s[sh] = alpha;
+            if constexpr (WALK) {
+                if (split_end && sq == 0) ml_s[sh] = make_float2(m_run, l_run);
+            }
             *(uint2*)(Phi + sh * P_STRIDE + 4 * sq) = make_uint2(pack_bf16(hi[0], hi[1]), pack_bf16(hi[2], hi[3]));
             *(uint2*)(Plo + sh * P_STRIDE + 4 * sq) = make_uint2(pack_bf16(lo[0], lo[1]), pack_bf16(lo[2], lo[3]));
         }
@@ -337,7 +411,8 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
             const float aA = alpha_s[hg * 16 + g], aB = alpha_s[hg * 16 + g + 8];
 #pragma unroll
             for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
-                o[nt][0] *= aA; o[nt][1] *= aA; o[nt][2] *= aB; o[nt][3] *= aB;
+                o[nt][0] = __fmul_rn(o[nt][0], aA); o[nt][1] = __fmul_rn(o[nt][1], aA);
+                o[nt][2] = __fmul_rn(o[nt][2], aB); o[nt][3] = __fmul_rn(o[nt][3], aB);
             }
 #pragma unroll
             for (u32 kk = 0; kk < 2; ++kk) {
@@ -358,42 +433,89 @@ __device__ __forceinline__ void attend_split(const AttnArgs& a) {
                 }
             }
         }
+        if constexpr (WALK) {
+            // the split's partial joins the running merge (ml_s was written before the last barrier); O_c is
+            // what the split pass stores, o * vmul
+            if (split_end) {
+                const float2 cA = ml_s[hg * 16 + g], cB = ml_s[hg * 16 + g + 8];
+                if (cA.x != -INFINITY) {
+                    const MergeAB w = merge_ml(MA, LA, cA.x, cA.y);
+#pragma unroll
+                    for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+                        O[nt][0] = merge_o(O[nt][0], w, __fmul_rn(o[nt][0], a.vmul));
+                        O[nt][1] = merge_o(O[nt][1], w, __fmul_rn(o[nt][1], a.vmul));
+                    }
+                }
+                if (cB.x != -INFINITY) {
+                    const MergeAB w = merge_ml(MB, LB, cB.x, cB.y);
+#pragma unroll
+                    for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+                        O[nt][2] = merge_o(O[nt][2], w, __fmul_rn(o[nt][2], a.vmul));
+                        O[nt][3] = merge_o(O[nt][3], w, __fmul_rn(o[nt][3], a.vmul));
+                    }
+                }
+            }
+        }
         __syncthreads();  // the next iteration's loads overwrite this tile's buffers
     }
 
+    if constexpr (WALK) {  // the sink and 1 / L, as attn_combine; bf16 out [s][h][0:dv]
+        const float2 fA = hA < a.h_end ? merge_finish(MA, LA, a.sink, hA) : make_float2(0.f, 0.f);
+        const float2 fB = hB < a.h_end ? merge_finish(MB, LB, a.sink, hB) : make_float2(0.f, 0.f);
 #pragma unroll
-    for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
-        const u32 col = qt * VW + nt * 8 + 2 * t4;
-        if (nt < NTV && col < a.dv) {   // the padded value columns are not stored
-            if (hA < a.h_end)
-                *(float2*)(a.ws_o + (part + hA) * a.dv + col) = make_float2(o[nt][0] * a.vmul, o[nt][1] * a.vmul);
-            if (hB < a.h_end)
-                *(float2*)(a.ws_o + (part + hB) * a.dv + col) = make_float2(o[nt][2] * a.vmul, o[nt][3] * a.vmul);
+        for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+            const u32 col = qt * VW + nt * 8 + 2 * t4;
+            if (nt < NTV && col < a.dv) {
+                if (hA < a.h_end) {
+                    __nv_bfloat16* d = a.out + ((u64)s * a.heads + hA) * a.dv + col;
+                    d[0] = merge_out(O[nt][0], fA);
+                    d[1] = merge_out(O[nt][1], fA);
+                }
+                if (hB < a.h_end) {
+                    __nv_bfloat16* d = a.out + ((u64)s * a.heads + hB) * a.dv + col;
+                    d[0] = merge_out(O[nt][2], fB);
+                    d[1] = merge_out(O[nt][3], fB);
+                }
+            }
         }
+    } else {
+#pragma unroll
+        for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+            const u32 col = qt * VW + nt * 8 + 2 * t4;
+            if (nt < NTV && col < a.dv) {   // the padded value columns are not stored
+                if (hA < a.h_end)
+                    *(float2*)(a.ws_o + (part + hA) * a.dv + col) =
+                        make_float2(__fmul_rn(o[nt][0], a.vmul), __fmul_rn(o[nt][1], a.vmul));
+                if (hB < a.h_end)
+                    *(float2*)(a.ws_o + (part + hB) * a.dv + col) =
+                        make_float2(__fmul_rn(o[nt][2], a.vmul), __fmul_rn(o[nt][3], a.vmul));
+            }
+        }
+        if (sq == 0 && a.h0 + sh < a.h_end)
+            *(float2*)(a.ws_ml + (part + a.h0 + sh) * 2) = make_float2(m_run, l_run);
     }
-    if (sq == 0 && a.h0 + sh < a.h_end)
-        *(float2*)(a.ws_ml + (part + a.h0 + sh) * 2) = make_float2(m_run, l_run);
 }
 
 // MLA / V4 / DSA: one KV head; V = the first v_width columns of each row. q bf16 [num_seqs, heads, row_width];
-// grid (splits, ceil(heads / 32), num_seqs). `mla_decode_partial`: rows of row_width bf16;
-// `mla_decode_partial_fp8`: blocked fp8 rows of kv_fp8_block_row_bytes(nope, row_width) bytes.
-template <int KVF>
+// grid (splits, ceil(heads / 32), num_seqs) for the partial kernels, (1, ceil(heads / 32), num_seqs) for the
+// walk kernels. `_partial` / `_walk`: rows of row_width bf16; `_fp8`: blocked fp8 rows of
+// kv_fp8_block_row_bytes(nope, row_width) bytes.
+template <int KVF, bool WALK>
 __device__ __forceinline__ void mla_entry(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride,
-                                          float* ws_o, float* ws_ml, u32 heads, u32 row_width, u32 v_width,
-                                          float scale, u32 window, const i32* sel, u32 sel_stride, u32 splits,
-                                          u32 min_chunk, u32 nope) {
+                                          float* ws_o, float* ws_ml, const float* sink, __nv_bfloat16* out,
+                                          u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
+                                          const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk, u32 nope) {
     AttnArgs a;
     a.q = q; a.q_seq_stride = (u64)heads * row_width; a.q_head_stride = row_width;
     a.kc = cache; a.vc = nullptr;
     a.row_bytes = KVF == KV_FP8_BLOCK ? (u64)kv_fp8_block_row_bytes(nope, row_width) : (u64)row_width * 2;
     a.col_bytes = 0;
-    a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml;
+    a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml; a.sink = sink; a.out = out;
     a.heads = heads; a.h0 = blockIdx.y * HEADS; a.h_end = min(heads, a.h0 + HEADS);
     a.dk = row_width; a.dv = v_width; a.smul = scale; a.vmul = 1.f;
     a.window = window; a.sel = sel; a.sel_stride = sel_stride; a.splits = splits; a.min_chunk = min_chunk;
     a.nope = nope;
-    attend_split<KVF>(a);
+    attend<KVF, WALK>(a);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void
@@ -401,8 +523,8 @@ mla_decode_partial(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 
                    float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
                    const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk) {
     pdl_entry();
-    mla_entry<KV_BF16>(q, cache, meta, meta_stride, ws_o, ws_ml, heads, row_width, v_width, scale, window, sel,
-                       sel_stride, splits, min_chunk, 0);
+    mla_entry<KV_BF16, false>(q, cache, meta, meta_stride, ws_o, ws_ml, nullptr, nullptr, heads, row_width, v_width,
+                              scale, window, sel, sel_stride, splits, min_chunk, 0);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void
@@ -410,17 +532,37 @@ mla_decode_partial_fp8(const __nv_bfloat16* q, const u8* cache, const u8* meta, 
                        float* ws_ml, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
                        const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk, u32 nope) {
     pdl_entry();
-    mla_entry<KV_FP8_BLOCK>(q, cache, meta, meta_stride, ws_o, ws_ml, heads, row_width, v_width, scale, window, sel,
-                            sel_stride, splits, min_chunk, nope);
+    mla_entry<KV_FP8_BLOCK, false>(q, cache, meta, meta_stride, ws_o, ws_ml, nullptr, nullptr, heads, row_width,
+                                   v_width, scale, window, sel, sel_stride, splits, min_chunk, nope);
+}
+
+// sink: f32 [heads] or null; out: bf16 [num_seqs, heads, v_width].
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+mla_decode_walk(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, const float* sink,
+                __nv_bfloat16* out, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale, u32 window,
+                const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk) {
+    pdl_entry();
+    mla_entry<KV_BF16, true>(q, cache, meta, meta_stride, nullptr, nullptr, sink, out, heads, row_width, v_width,
+                             scale, window, sel, sel_stride, splits, min_chunk, 0);
+}
+
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+mla_decode_walk_fp8(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride, const float* sink,
+                    __nv_bfloat16* out, u32 num_seqs, u32 heads, u32 row_width, u32 v_width, float scale,
+                    u32 window, const i32* sel, u32 sel_stride, u32 splits, u32 min_chunk, u32 nope) {
+    pdl_entry();
+    mla_entry<KV_FP8_BLOCK, true>(q, cache, meta, meta_stride, nullptr, nullptr, sink, out, heads, row_width,
+                                  v_width, scale, window, sel, sel_stride, splits, min_chunk, nope);
 }
 
 // Gated-GQA: K and V caches with rows of kv_heads * head_dim; q head h reads KV head h / (q_heads / kv_heads).
-// A block takes min(32, group) q heads of one KV head; grid (splits, q_heads / that, num_seqs).
-template <int KVF>
+// A block takes min(32, group) q heads of one KV head; grid (splits, q_heads / that, num_seqs) for the partial
+// kernels, (1, q_heads / that, num_seqs) for the walk kernels. No sink.
+template <int KVF, bool WALK>
 __device__ __forceinline__ void gqa_entry(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache,
                                           const u8* v_cache, const u8* meta, u32 meta_stride, float* ws_o,
-                                          float* ws_ml, u32 q_heads, u32 kv_heads, u32 head_dim, float scale,
-                                          float kv_scale, u32 splits, u32 min_chunk) {
+                                          float* ws_ml, __nv_bfloat16* out, u32 q_heads, u32 kv_heads,
+                                          u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
     const u32 group = q_heads / kv_heads, hpb = min(group, (u32)HEADS), esz = KVF == KV_FP8 ? 1 : 2;
     AttnArgs a;
     a.q = q; a.q_seq_stride = q_row_stride; a.q_head_stride = head_dim;
@@ -428,10 +570,10 @@ __device__ __forceinline__ void gqa_entry(const __nv_bfloat16* q, u32 q_row_stri
     a.row_bytes = (u64)kv_heads * head_dim * esz;
     a.h0 = blockIdx.y * hpb; a.h_end = a.h0 + hpb;
     a.col_bytes = (u64)(a.h0 / group) * head_dim * esz;
-    a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml;
+    a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml; a.sink = nullptr; a.out = out;
     a.heads = q_heads; a.dk = head_dim; a.dv = head_dim; a.smul = scale * kv_scale; a.vmul = kv_scale;
     a.window = 0; a.sel = nullptr; a.sel_stride = 0; a.splits = splits; a.min_chunk = min_chunk; a.nope = 0;
-    attend_split<KVF>(a);
+    attend<KVF, WALK>(a);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void
@@ -439,8 +581,8 @@ gqa_decode_partial(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, 
                    const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
                    u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
     pdl_entry();
-    gqa_entry<KV_BF16>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
-                       head_dim, scale, kv_scale, splits, min_chunk);
+    gqa_entry<KV_BF16, false>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, nullptr, q_heads,
+                              kv_heads, head_dim, scale, kv_scale, splits, min_chunk);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void
@@ -448,61 +590,79 @@ gqa_decode_partial_fp8(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cac
                        const u8* meta, u32 meta_stride, float* ws_o, float* ws_ml, u32 num_seqs, u32 q_heads,
                        u32 kv_heads, u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
     pdl_entry();
-    gqa_entry<KV_FP8>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, q_heads, kv_heads,
-                      head_dim, scale, kv_scale, splits, min_chunk);
+    gqa_entry<KV_FP8, false>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, ws_o, ws_ml, nullptr, q_heads,
+                             kv_heads, head_dim, scale, kv_scale, splits, min_chunk);
 }
 
-// out[s, h, :dv] = sum_c w_c O_c / (sum_c w_c l_c + exp(sink_h - M)), w_c = exp(m_c - M), M = max(m_c, sink_h).
-// Splits with w_c == 0 (empty, or underflowed) are skipped, so their O is never read. Nothing attended -> 0.
-// grid (heads, num_seqs), 128 threads.
+// out: bf16 [num_seqs, q_heads, head_dim].
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+gqa_decode_walk(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache, const u8* meta,
+                u32 meta_stride, __nv_bfloat16* out, u32 num_seqs, u32 q_heads, u32 kv_heads, u32 head_dim,
+                float scale, float kv_scale, u32 splits, u32 min_chunk) {
+    pdl_entry();
+    gqa_entry<KV_BF16, true>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, nullptr, nullptr, out, q_heads,
+                             kv_heads, head_dim, scale, kv_scale, splits, min_chunk);
+}
+
+extern "C" __global__ __launch_bounds__(THREADS, 1) void
+gqa_decode_walk_fp8(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache, const u8* v_cache,
+                    const u8* meta, u32 meta_stride, __nv_bfloat16* out, u32 num_seqs, u32 q_heads, u32 kv_heads,
+                    u32 head_dim, float scale, float kv_scale, u32 splits, u32 min_chunk) {
+    pdl_entry();
+    gqa_entry<KV_FP8, true>(q, q_row_stride, k_cache, v_cache, meta, meta_stride, nullptr, nullptr, out, q_heads,
+                            kv_heads, head_dim, scale, kv_scale, splits, min_chunk);
+}
+
+// out[s, h, :dv] = the merge of the splits' partials in split order (merge_ml / merge_o), then the sink and
+// 1 / L (merge_finish): the walk kernels' arithmetic exactly. Splits with m_c == -inf (empty, or nothing in
+// them attended) are skipped, so their O is never read. Nothing attended -> 0. grid (heads, num_seqs), 128
+// threads: thread 0 runs the (M, L) recurrence once into shared memory, then each thread merges 4 columns.
 extern "C" __global__ __launch_bounds__(128) void
 attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bfloat16* out, u32 num_seqs,
              u32 heads, u32 dv, u32 splits) {
     pdl_entry();
-    __shared__ float w[MAX_SPLITS];
-    __shared__ float inv_l;
+    __shared__ float2 ml[MAX_SPLITS];   // (m_c, l_c), then (a, b) of the splits merged
+    __shared__ bool live[MAX_SPLITS];
+    __shared__ float2 fin;
     const u32 h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
     const u64 base = (u64)s * splits * heads + h;  // partial index of split 0; split c adds c * heads
-    if (tid < 32) {
-        float m[2], l[2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const u32 c = tid + 32 * k;
-            const float2 v = c < splits ? *(const float2*)(ws_ml + (base + (u64)c * heads) * 2)
-                                        : make_float2(-INFINITY, 0.f);
-            m[k] = v.x; l[k] = v.y;
+    for (u32 c = tid; c < splits; c += blockDim.x) ml[c] = *(const float2*)(ws_ml + (base + (u64)c * heads) * 2);
+    __syncthreads();
+    if (tid == 0) {
+        float M = -INFINITY, L = 0.f;
+        for (u32 c = 0; c < splits; ++c) {
+            const float2 v = ml[c];
+            live[c] = v.x != -INFINITY;
+            if (live[c]) {
+                const MergeAB w = merge_ml(M, L, v.x, v.y);
+                ml[c] = make_float2(w.a, w.b);
+            }
         }
-        float M = warp_max(fmaxf(m[0], m[1]));
-        if (sink) M = fmaxf(M, sink[h]);
-        float L = 0.f;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-            const float wk = m[k] == -INFINITY ? 0.f : expf(m[k] - M);
-            w[tid + 32 * k] = wk;
-            L += wk == 0.f ? 0.f : wk * l[k];
-        }
-        L = warp_sum(L);
-        if (sink) L += expf(sink[h] - M);
-        if (tid == 0) inv_l = L > 0.f ? 1.f / L : 0.f;
+        fin = merge_finish(M, L, sink, h);
     }
     __syncthreads();
+    const float2 f = fin;
     for (u32 d = 4 * tid; d < dv; d += 4 * blockDim.x) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (u32 c0 = 0; c0 < splits; c0 += 8) {  // 8 loads in flight, summed in split order
+        for (u32 c0 = 0; c0 < splits; c0 += 8) {  // 8 loads in flight, merged in split order
             float4 v[8];
 #pragma unroll
             for (u32 k = 0; k < 8; ++k) {
                 const u32 c = c0 + k;
-                v[k] = c < splits && w[c] != 0.f ? *(const float4*)(ws_o + (base + (u64)c * heads) * dv + d)
-                                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+                v[k] = c < splits && live[c] ? *(const float4*)(ws_o + (base + (u64)c * heads) * dv + d)
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
             for (u32 k = 0; k < 8; ++k) {
-                const float wc = c0 + k < splits ? w[c0 + k] : 0.f;
-                acc.x += wc * v[k].x; acc.y += wc * v[k].y; acc.z += wc * v[k].z; acc.w += wc * v[k].w;
+                const u32 c = c0 + k;
+                if (c < splits && live[c]) {
+                    const MergeAB w = {ml[c].x, ml[c].y};
+                    acc.x = merge_o(acc.x, w, v[k].x); acc.y = merge_o(acc.y, w, v[k].y);
+                    acc.z = merge_o(acc.z, w, v[k].z); acc.w = merge_o(acc.w, w, v[k].w);
+                }
             }
         }
         __nv_bfloat16* o = out + ((u64)s * heads + h) * dv + d;
-        o[0] = f2bf(acc.x * inv_l); o[1] = f2bf(acc.y * inv_l); o[2] = f2bf(acc.z * inv_l); o[3] = f2bf(acc.w * inv_l);
+        o[0] = merge_out(acc.x, f); o[1] = merge_out(acc.y, f); o[2] = merge_out(acc.z, f); o[3] = merge_out(acc.w, f);
     }
 }

@@ -348,14 +348,17 @@ def _slabs(mem, seq_lens, stride):
 @exercise
 def _paged_attention(dev, mem):
     meta = _slabs(mem, [3, 9], 768)
-    ops.mla_decode(dev, mem(2 * 2 * 3 * 128), mem(2 * 16 * 128), meta, 768, mem(2 * 2 * 3 * 64), 2, 3, 128, 64,
-                   0.125, window=5, sink=mem(4 * 3), sel=mem.put(np.array([[0, 1, -1, 2]] * 2, np.int32)),
-                   sel_stride=4)
-    ops.mla_decode(dev, mem(2 * 2 * 3 * 80), mem(16 * ops.fp8_block_layout(80, 64)[2]), meta, 768,
-                   mem(2 * 2 * 3 * 80), 2, 3, 80, 80, 0.125, window=5, sink=mem(4 * 3), kv_dtype="fp8", nope=64)
-    for kv_dtype in ("bf16", "fp8"):
-        ops.gqa_decode(dev, mem(2 * 2 * 4 * 64 + 64), 4 * 64 + 32, mem(2 * 16 * 2 * 64), mem(2 * 16 * 2 * 64), meta,
-                       768, mem(2 * 2 * 4 * 64), 2, 4, 2, 64, 0.125, kv_dtype=kv_dtype, kv_scale=0.5)
+    for walk in (False, True):   # split mode (partial + combine) and walk mode
+        ops.mla_decode(dev, mem(2 * 2 * 3 * 128), mem(2 * 16 * 128), meta, 768, mem(2 * 2 * 3 * 64), 2, 3, 128, 64,
+                       0.125, window=5, sink=mem(4 * 3), sel=mem.put(np.array([[0, 1, -1, 2]] * 2, np.int32)),
+                       sel_stride=4, walk=walk)
+        ops.mla_decode(dev, mem(2 * 2 * 3 * 80), mem(16 * ops.fp8_block_layout(80, 64)[2]), meta, 768,
+                       mem(2 * 2 * 3 * 80), 2, 3, 80, 80, 0.125, window=5, sink=mem(4 * 3), kv_dtype="fp8", nope=64,
+                       walk=walk)
+        for kv_dtype in ("bf16", "fp8"):
+            ops.gqa_decode(dev, mem(2 * 2 * 4 * 64 + 64), 4 * 64 + 32, mem(2 * 16 * 2 * 64), mem(2 * 16 * 2 * 64),
+                           meta, 768, mem(2 * 2 * 4 * 64), 2, 4, 2, 64, 0.125, kv_dtype=kv_dtype, kv_scale=0.5,
+                           walk=walk)
 
 
 @exercise
@@ -485,7 +488,7 @@ def test_the_launch_check_catches_swapped_and_missing_arguments(monkeypatch):
 
 # -- docs/kernels.md ------------------------------------------------------------------------------------------
 
-DOC_OPTIONAL = {"stream", "workspace", "tune", "threads", "invariant"}
+DOC_OPTIONAL = {"stream", "workspace", "tune", "threads", "invariant", "walk"}
 
 
 def doc_signatures() -> list[tuple[str, list[str]]]:

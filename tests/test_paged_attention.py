@@ -1,12 +1,16 @@
-"""Paged decode attention (mla_decode, gqa_decode) against dense float64 softmax built from the block tables."""
+"""Paged decode attention (mla_decode, gqa_decode) against dense float64 softmax built from the block tables;
+walk mode against split mode bit for bit."""
+import copy
+
 import numpy as np
 import pytest
 
 from mtp_cupy import KernelError, ops
+from mtp_cupy.ops import paged_attention as pa
 from mtp_cupy.runtime.arena import pack_mtp_attn_meta
-from mtp_cupy.runtime.dtypes import to_fp8
+from mtp_cupy.runtime.dtypes import BF16, to_fp8
 from mtp_cupy.refdev.registry import names_in
-from mtp_cupy.runtime.backend import cuda_kernel_names
+from mtp_cupy.runtime.backend import KernelLaunch, cuda_kernel_names
 from mtp_cupy.runtime.ptr import NULL
 from helpers import assert_close, f32, get, out, rand_bf16, run_on_both, up
 
@@ -30,13 +34,19 @@ class Paged:
     def meta(self):
         slabs = bytearray()
         for n, t in zip(self.seq_lens, self.tables):
-            slab = pack_mtp_attn_meta(n - 1, 0, n, t, META_STRIDE)
+            slab = pack_mtp_attn_meta(max(n - 1, 0), 0, n, t, META_STRIDE)
             slabs += slab + bytes(META_STRIDE - len(slab))
         return np.frombuffer(bytes(slabs), np.uint8)
 
+    def take(self, idx):
+        """The sequences idx (in that order) over the same pool."""
+        sub = copy.copy(self)
+        sub.seq_lens, sub.tables = [self.seq_lens[i] for i in idx], [self.tables[i] for i in idx]
+        return sub
+
     def rows(self, s, rows):
         """float64 pool rows of logical rows `rows` of sequence s."""
-        t = np.asarray(self.tables[s])
+        t = np.asarray(self.tables[s], dtype=np.int64)
         r = np.asarray(rows, dtype=np.int64)
         return self.pool[t[r // 16] * 16 + r % 16].astype(np.float64)
 
@@ -52,18 +62,23 @@ def softmax_attend(q, k, v, scale, sink=None):
     return (e @ v) / den[:, None]
 
 
-def run_mla(dev, pg, q, heads, row_width, v_width, scale, window=0, sink=None, sel=None, poison_ws=False):
+def run_mla(dev, pg, q, heads, row_width, v_width, scale, window=0, sink=None, sel=None, poison_ws=False, *,
+            kv_dtype="bf16", nope=0, invariant=False, walk=None, bits=False):
+    """float32 of the bf16 output, or (bits) its raw uint16 bits. pg.pool is uploaded as is (the blocked fp8
+    rows' bytes for kv_dtype "fp8")."""
     n = len(pg.seq_lens)
     qb, cb, mb = up(dev, q), up(dev, pg.pool), up(dev, pg.meta())
     sk = up(dev, np.asarray(sink, np.float32)) if sink is not None else None
     sb = up(dev, np.asarray(sel, np.int32)) if sel is not None else None
     ob = out(dev, "bf16", (n, heads, v_width))
-    ws_bytes = ops.attention_workspace_bytes(n, heads, v_width, -(-heads // 32))
+    ws_bytes = ops.attention_workspace_bytes(n, heads, v_width, -(-heads // 32), invariant)
     ws = out(dev, "u8", ws_bytes) if poison_ws else None  # NaN in unused partials must never leak into the output
     ops.mla_decode(dev, qb.ptr, cb.ptr, mb.ptr, META_STRIDE, ob.ptr, n, heads, row_width, v_width, scale,
                    window=window, sink=sk.ptr if sk else NULL, sel=sb.ptr if sb else NULL,
-                   sel_stride=sel.shape[1] if sel is not None else 0, workspace=ws.ptr if ws else None)
-    return f32(get(dev, ob, "bf16", (n, heads, v_width)))
+                   sel_stride=sel.shape[1] if sel is not None else 0, kv_dtype=kv_dtype, nope=nope,
+                   workspace=ws.ptr if ws else None, invariant=invariant, walk=walk)
+    got = get(dev, ob, "bf16", (n, heads, v_width))
+    return np.asarray(got).view(np.uint16) if bits else f32(got)
 
 
 def mla_ref(pg, q, v_width, scale, window=0, sink=None, sel=None):
@@ -123,14 +138,19 @@ def test_mla_selection(dev, rng):
     assert np.all(got[0] == 0)
 
 
-def run_gqa(dev, kc, vc, q, q_row_stride, q_heads, kv_heads, hd, scale, kv_dtype, kv_scale):
+def run_gqa(dev, kc, vc, q, q_row_stride, q_heads, kv_heads, hd, scale, kv_dtype, kv_scale, *, invariant=False,
+            walk=None, bits=False, poison_ws=False):
     n = len(kc.seq_lens)
     qb, kb, vb = up(dev, q), up(dev, kc.pool), up(dev, vc.pool)
     mb = up(dev, kc.meta())
     ob = out(dev, "bf16", (n, q_heads, hd))
+    blocks = q_heads // min(q_heads // kv_heads, 32)
+    ws = out(dev, "u8", ops.attention_workspace_bytes(n, q_heads, hd, blocks, invariant)) if poison_ws else None
     ops.gqa_decode(dev, qb.ptr, q_row_stride, kb.ptr, vb.ptr, mb.ptr, META_STRIDE, ob.ptr, n, q_heads, kv_heads,
-                   hd, scale, kv_dtype=kv_dtype, kv_scale=kv_scale)
-    return f32(get(dev, ob, "bf16", (n, q_heads, hd)))
+                   hd, scale, kv_dtype=kv_dtype, kv_scale=kv_scale, workspace=ws.ptr if ws else None,
+                   invariant=invariant, walk=walk)
+    got = get(dev, ob, "bf16", (n, q_heads, hd))
+    return np.asarray(got).view(np.uint16) if bits else f32(got)
 
 
 def gqa_ref(kc, vc, q, q_heads, kv_heads, hd, scale, kv_scale):
@@ -192,17 +212,20 @@ def _real_mla(rng, seqs, heads, rw, dv, window=0, with_sink=False, sel_of=None):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["v3", "glm_dsa", "v4_window_sink", "batch32"])
+@pytest.mark.parametrize("case", ["v3", "glm_dsa", "v4_window_sink", "batch32", "batch32_invariant"])
 def test_mla_cuda_vs_twin_real_dims(rng, case):
+    """batch32_invariant: invariant=True, which walks at that batch (128 blocks)."""
     heads, rw, dv, window, with_sink, sel_of, seqs = {
         "v3": (128, 576, 512, 0, False, None, [2048]),
         "glm_dsa": (64, 576, 512, 0, False, 2048, [3000]),
         "v4_window_sink": (64, 512, 512, 128, True, None, [2048]),
         "batch32": (128, 576, 512, 0, False, None, list(rng.integers(1, 700, 32))),
+        "batch32_invariant": (128, 576, 512, 0, False, None, list(rng.integers(1, 2100, 32))),
     }[case]
     pg, q, sink, sel = _real_mla(rng, seqs, heads, rw, dv, window, with_sink, sel_of)
     scale = 0.13523378 if heads == 128 else 0.0625
-    a, b = run_on_both(lambda d: run_mla(d, pg, q, heads, rw, dv, scale, window, sink, sel))
+    inv = case == "batch32_invariant"
+    a, b = run_on_both(lambda d: run_mla(d, pg, q, heads, rw, dv, scale, window, sink, sel, invariant=inv))
     check(b, a.astype(np.float64))
     check(a, mla_ref(pg, q, dv, scale, window, sink, sel))
 
@@ -215,5 +238,223 @@ def test_gqa_cuda_vs_twin_qwen_dims(rng, kv_dtype):
     vc = Paged(rng, seqs, kvh * hd, kv_dtype)
     vc.tables = kc.tables
     q = rand_bf16(rng, (len(seqs), qh * hd))
-    a, b = run_on_both(lambda d: run_gqa(d, kc, vc, q, qh * hd, qh, kvh, hd, hd ** -0.5, kv_dtype, 0.5))
-    check(b, a.astype(np.float64))
+    for walk in (False, True):
+        a, b = run_on_both(lambda d: run_gqa(d, kc, vc, q, qh * hd, qh, kvh, hd, hd ** -0.5, kv_dtype, 0.5,
+                                             walk=walk))
+        check(b, a.astype(np.float64))
+
+
+# -- walk mode: split mode's bits --------------------------------------------------------------------------
+# With invariant=True the split count is fixed per head-block count (33 splits for 4 head blocks, 64 for 2,
+# chunks of at least 64 rows), so these lengths leave empty splits (all but 2100), a sequence of one row and
+# one of none.
+RAGGED = [0, 1, 31, 33, 65, 300, 2100]
+
+
+def _batches(rng):
+    """Sub-batches (1, 3, then all sequences, in a fresh order) of RAGGED."""
+    perm = rng.permutation(len(RAGGED))
+    return [perm[:1], perm[:3], perm]
+
+
+def fp8_block_rows(rng, rows, width, nope):
+    """(uint8 [rows, row_bytes], float64 [rows, width]): random blocked fp8 rows in the documented layout
+    (`ops.fp8_block_layout`: e4m3 codes of [0, nope), bf16 columns [nope, width) at rope_off, one UE8M0 byte a
+    64-block at scale_off) and what they decode to."""
+    rope_off, scale_off, row_bytes = ops.fp8_block_layout(width, nope)
+    nb = -(-nope // 64)
+    codes = to_fp8(rng.standard_normal((rows, nope)) * 2)
+    rope = rand_bf16(rng, (rows, width - nope))
+    e = rng.integers(-3, 3, (rows, nb))
+    raw = np.zeros((rows, row_bytes), np.uint8)
+    raw[:, :nope] = codes.view(np.uint8)
+    raw[:, rope_off:scale_off] = rope.view(np.uint8).reshape(rows, -1)
+    raw[:, scale_off:scale_off + nb] = e + 127
+    dec = np.empty((rows, width))
+    dec[:, :nope] = codes.astype(np.float64) * np.exp2(np.repeat(e, 64, axis=1)[:, :nope])
+    dec[:, nope:] = rope.astype(np.float64)
+    return raw, dec
+
+
+def _dsa_sel(rng, seqs, width):
+    """Selections of width entries: real rows among -1 padding, rows past seq_len and negative ones, and a
+    stretch of -1 covering whole chunks (splits that are not empty but attend nothing)."""
+    sel = np.full((len(seqs), width), -1, np.int32)
+    for s, n in enumerate(seqs):
+        k = min(n, width - 40)
+        at = rng.choice(width, k + 40, replace=False)
+        sel[s, at[:k]] = rng.choice(n, k, replace=False)
+        sel[s, at[k:k + 20]] = n + rng.integers(0, 1000, 20)      # out of range
+        sel[s, at[k + 20:]] = -rng.integers(2, 50, 20)             # negative, not -1
+        sel[s, 64:192] = -1
+    return sel
+
+
+WALK_MLA = {  # heads, row_width, v_width, window, sink, DSA selection width, fp8 nope
+    "deepseek_v3": (128, 576, 512, 0, False, None, None),
+    "glm5_dsa": (64, 576, 512, 0, False, 2048, None),
+    "v4_window_sink": (64, 512, 512, 700, True, None, None),
+    "v4_fp8_window_sink": (64, 512, 512, 128, True, None, 448),
+}
+
+
+def _mla_walk_inputs(rng, case, seqs):
+    """(pg uploaded, pg of float64 rows for the reference, q, sink, sel, kwargs of run_mla)."""
+    heads, rw, dv, window, with_sink, sel_w, nope = WALK_MLA[case]
+    pg = Paged(rng, seqs, rw)
+    ref_pg, kv_dtype = pg, "bf16"
+    if nope is not None:
+        raw, dec = fp8_block_rows(rng, pg.pool.shape[0], rw, nope)
+        ref_pg, kv_dtype = copy.copy(pg), "fp8"
+        pg.pool, ref_pg.pool = raw, dec
+    q = rand_bf16(rng, (len(seqs), heads, rw))
+    sink = rng.standard_normal(heads).astype(np.float32) * 2 if with_sink else None
+    sel = _dsa_sel(rng, seqs, sel_w) if sel_w else None
+    kw = dict(heads=heads, row_width=rw, v_width=dv, scale=rw ** -0.5, window=window, kv_dtype=kv_dtype,
+              nope=nope or 0)
+    return pg, ref_pg, q, sink, sel, kw
+
+
+def _mla_modes(dev, pg, q, sink, sel, kw, idx):
+    """(split, walk) raw bf16 bits of the sequences idx, invariant, split mode over a poisoned workspace."""
+    def run(walk):
+        return run_mla(dev, pg.take(idx), q[idx], sink=sink, sel=None if sel is None else sel[idx],
+                       poison_ws=not walk, invariant=True, walk=walk, bits=True, **kw)
+    return run(False), run(True)
+
+
+def _gqa_walk_inputs(rng, kv_dtype, seqs):
+    qh, kvh, hd = 16, 2, 256       # Qwen3-Next's gated attention
+    kc, vc = Paged(rng, seqs, kvh * hd, kv_dtype), Paged(rng, seqs, kvh * hd, kv_dtype)
+    vc.tables = kc.tables
+    stride = qh * hd + 64
+    return kc, vc, rand_bf16(rng, (len(seqs), stride)), (stride, qh, kvh, hd, hd ** -0.5, kv_dtype)
+
+
+def _gqa_modes(dev, kc, vc, q, args, kv_scale, idx):
+    def run(walk):
+        return run_gqa(dev, kc.take(idx), vc.take(idx), q[idx], *args, kv_scale, invariant=True, walk=walk,
+                       bits=True, poison_ws=not walk)
+    return run(False), run(True)
+
+
+def _same(split, walk, what):
+    assert np.array_equal(walk, split), \
+        f"{what}: walk != split on {np.count_nonzero(walk != split)} of {walk.size} elements"
+
+
+@pytest.mark.parametrize("case", sorted(WALK_MLA))
+def test_mla_walk_is_split_bit_for_bit(dev, rng, case):
+    """For every sub-batch: walk == split (raw bf16 bits, split mode over a poisoned workspace), a sequence's
+    bits the same in every sub-batch (batch invariance across the two modes), both near the float64 reference."""
+    pg, ref_pg, q, sink, sel, kw = _mla_walk_inputs(rng, case, RAGGED)
+    seen = {}
+    for idx in _batches(rng):
+        split, walk = _mla_modes(dev, pg, q, sink, sel, kw, idx)
+        _same(split, walk, f"{case}, batch {idx.tolist()}")
+        for j, s in enumerate(idx):
+            assert np.array_equal(seen.setdefault(s, walk[j]), walk[j]), f"sequence {s} differs between batches"
+    got = f32(np.stack([seen[s] for s in range(len(RAGGED))]).view(BF16))
+    check(got, mla_ref(ref_pg, q, kw["v_width"], kw["scale"], kw["window"], sink, sel))
+    assert np.all(got[RAGGED.index(0)] == 0)   # nothing attended -> zeros
+
+
+@pytest.mark.parametrize("kv_dtype,kv_scale", [("bf16", 1.0), ("fp8", 0.37)])
+def test_gqa_walk_is_split_bit_for_bit(dev, rng, kv_dtype, kv_scale):
+    """Qwen3-Next's gated attention (16 q heads, 2 KV heads, head_dim 256), as the MLA test."""
+    kc, vc, q, args = _gqa_walk_inputs(rng, kv_dtype, RAGGED)
+    seen = {}
+    for idx in _batches(rng):
+        split, walk = _gqa_modes(dev, kc, vc, q, args, kv_scale, idx)
+        _same(split, walk, f"batch {idx.tolist()}")
+        for j, s in enumerate(idx):
+            assert np.array_equal(seen.setdefault(s, walk[j]), walk[j]), f"sequence {s} differs between batches"
+    got = f32(np.stack([seen[s] for s in range(len(RAGGED))]).view(BF16))
+    check(got, gqa_ref(kc, vc, q, *args[1:4], args[4], kv_scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(WALK_MLA) + ["qwen3_next_bf16", "qwen3_next_fp8"])
+def test_walk_is_split_bit_for_bit_at_batch64(cuda, rng, case):
+    """64 sequences of 0 .. 3000 rows: millions of outputs, so that even a rare rounding difference between the
+    modes shows (one f32 ulp moves a bf16 output about once in 2^16)."""
+    seqs = [0, 1, 65] + rng.integers(0, 3000, 61).tolist()
+    idx = np.arange(len(seqs))
+    if case.startswith("qwen3_next"):
+        kv_dtype = case.rsplit("_", 1)[1]
+        kc, vc, q, args = _gqa_walk_inputs(rng, kv_dtype, seqs)
+        split, walk = _gqa_modes(cuda, kc, vc, q, args, 0.37 if kv_dtype == "fp8" else 1.0, idx)
+    else:
+        pg, _, q, sink, sel, kw = _mla_walk_inputs(rng, case, seqs)
+        split, walk = _mla_modes(cuda, pg, q, sink, sel, kw, idx)
+    _same(split, walk, case)
+    assert np.all(np.isfinite(f32(walk.view(BF16))))
+
+
+@pytest.mark.parametrize("walk", [False, True])
+def test_walk_and_split_near_the_reference_off_tile(dev, rng, walk):
+    """Both modes, not invariant (the batch's own split count), at widths off the 64-column tile."""
+    heads, rw, dv, seqs = 33, 200, 136, [0, 1, 15, 140, 700]
+    pg = Paged(rng, seqs, rw)
+    q = rand_bf16(rng, (len(seqs), heads, rw))
+    sink = rng.standard_normal(heads).astype(np.float32)
+    check(run_mla(dev, pg, q, heads, rw, dv, 0.09, 100, sink, walk=walk), mla_ref(pg, q, dv, 0.09, 100, sink))
+
+
+def _launched(monkeypatch):
+    """Names of the kernels launched from here on."""
+    names, orig = [], KernelLaunch.launch
+
+    def launch(self, stream=None):
+        names.append(self.h.name)
+        return orig(self, stream)
+    monkeypatch.setattr(KernelLaunch, "launch", launch)
+    return names
+
+
+def test_walk_is_chosen_for_large_invariant_batches(ref, rng, monkeypatch):
+    """walk=None: invariant calls split at one sequence and walk at 64 (V3's 4 head blocks, GLM-5's selection,
+    V4's window, Qwen's GQA), walk sooner when a window leaves most splits empty; non-invariant calls never walk
+    (their split count shrinks with the batch instead). Not monotone in between: a walk block takes all of a
+    sequence's splits, so a second, part-filled wave of them costs a whole walk. The launcher runs the kernels
+    of the mode chosen."""
+    choose = [(hb, bound, [pa._walks("t", None, True, n, hb, bound) for n in range(1, 65)])
+              for hb, bound in [(4, 0), (2, 2048), (2, 128), (2, 0)]]
+    for hb, bound, w in choose:
+        assert not w[0] and w[-1], (hb, bound, w)
+        assert not any(pa._walks("t", None, False, n, hb, bound) for n in range(1, 65))
+    assert choose[2][2].index(True) < choose[1][2].index(True)     # V4's window walks sooner than GLM-5
+    names = _launched(monkeypatch)
+    heads, rw = 40, 64                      # 2 head blocks
+    w = [pa._walks("t", None, True, n, 2, 0) for n in range(1, 65)]
+    at = w.index(True) + 1                  # the smallest batch that walks
+    split, walk = ["mla_decode_partial", "attn_combine"], ["mla_decode_walk"]
+    for n, invariant, want in [(at, True, walk), (at - 1, True, split), (at, False, split)]:
+        pg = Paged(rng, rng.integers(0, 40, n), rw)
+        q = rand_bf16(rng, (n, heads, rw))
+        del names[:]
+        run_mla(ref, pg, q, heads, rw, rw, 0.1, invariant=invariant)
+        assert names == want, (n, invariant, names)
+    # GQA: 8 q heads over 2 KV heads -> 2 head blocks of 4
+    for n, invariant, want in [(at, True, ["gqa_decode_walk_fp8"]), (at, False, ["gqa_decode_partial_fp8",
+                                                                                 "attn_combine"])]:
+        kc = Paged(rng, rng.integers(0, 40, n), 2 * 32, "fp8")
+        vc = copy.copy(kc)
+        q = rand_bf16(rng, (n, 8 * 32))
+        del names[:]
+        run_gqa(ref, kc, vc, q, 8 * 32, 8, 2, 32, 0.2, "fp8", 0.5, invariant=invariant)
+        assert names == want, (n, invariant, names)
+    del names[:]                            # an explicit walk wins, either way
+    pg = Paged(rng, [5, 9], rw)
+    run_mla(ref, pg, rand_bf16(rng, (2, heads, rw)), heads, rw, rw, 0.1, invariant=False, walk=True)
+    run_mla(ref, pg, rand_bf16(rng, (2, heads, rw)), heads, rw, rw, 0.1, invariant=True, walk=False)
+    assert names == walk + split
+
+
+@pytest.mark.parametrize("walk", ["auto", 1, 0, "yes"])
+@pytest.mark.parametrize("num_seqs", [0, 1])
+def test_walk_must_be_none_or_a_bool(ref, walk, num_seqs):
+    with pytest.raises(KernelError, match="walk"):
+        ops.mla_decode(ref, 256, 256, 256, META_STRIDE, 256, num_seqs, 4, 128, 128, 0.1, walk=walk)
+    with pytest.raises(KernelError, match="walk"):
+        ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, num_seqs, 8, 2, 64, 0.1, walk=walk)

@@ -1,9 +1,13 @@
-"""Launchers for cuda_src/paged_attention.cu: a flash-decoding partial pass over row chunks, then a combine.
+"""Launchers for cuda_src/paged_attention.cu: flash-decoding over `splits` row chunks per sequence, merged in
+split order. Two modes with the same bits for the same splits: split mode runs one block per (split, head
+block, sequence) writing f32 partials, then `attn_combine`; walk mode runs one block per (head block, sequence)
+that walks its splits in order and merges them itself (no workspace, fewer blocks: for large batches).
 
-Workspace: the partial pass writes f32 partials (`attention_workspace_bytes`). Pass `workspace=` (a device
-pointer of at least that many bytes) or let the launcher use one it allocates on the first call and keeps per
-(device, power-of-two size class). Nothing is allocated afterwards, so a stream capture after one warm-up call
-with the same shapes is safe. Launches on several streams at once need their own `workspace`."""
+Workspace (split mode only): the partial pass writes f32 partials (`attention_workspace_bytes`). Pass
+`workspace=` (a device pointer of at least that many bytes) or let the launcher use one it allocates on the
+first call and keeps per (device, power-of-two size class). Nothing is allocated afterwards, so a stream capture
+after one warm-up call with the same shapes is safe. Launches on several streams at once need their own
+`workspace`."""
 from __future__ import annotations
 
 import math
@@ -22,6 +26,11 @@ _MAX_SPLITS = 64       # kernel MAX_SPLITS
 _MIN_CHUNK = 64        # positions per split at least: below this the partials cost more than they save
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
 _COMBINE_THREADS = 128
+# walk=None's cost model, in units of one split block (scripts/bench_attention.py, H200, ctx 2048: a wave of
+# split blocks of ~2 tiles each 7-13 µs; a walk block 0.6 (V3) to 0.8 (Qwen) of that per split it walks; an
+# empty split block ~0.15 of a block's slot)
+_WALK_SPLIT_COST = 0.7
+_EMPTY_SPLIT_COST = 0.15
 MAX_ROW_WIDTH = 576    # dk: nine 16-wide k-steps per head-dim quarter (kernel MAX_KSTEPS)
 MAX_HEAD_DIM = 512     # dv (and GQA head_dim): sixteen 8-wide n-tiles per quarter (kernel MAX_NTILES)
 
@@ -41,7 +50,7 @@ def _smem_bytes(dk: int, dv: int, sep_v: bool, fp8: bool, stage_row: int | None 
         b += nbf * 32 * (_pad64(dv) + 8) * 2
     if fp8:
         b += 2 * 32 * (stage_row if stage_row is not None else dk + (dv if sep_v else 0))
-    return b + 2 * 32 * 40 * 2 + 32 * 4 + 2 * 32 * 4
+    return b + 2 * 32 * 40 * 2 + 32 * 4 + 2 * 32 * 4 + 32 * 2 * 4
 
 
 def _splits(num_seqs: int, head_blocks: int, invariant: bool = False) -> int:
@@ -52,9 +61,28 @@ def _splits(num_seqs: int, head_blocks: int, invariant: bool = False) -> int:
 
 
 def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: int, invariant: bool = False) -> int:
-    """Partials of `num_seqs` sequences: f32 [seqs, splits, heads, dv] + (m, l) [seqs, splits, heads, 2].
-    head_blocks: ceil(heads / 32) for mla_decode, q_heads / min(32, q_heads // kv_heads) for gqa_decode."""
+    """Split mode's partials of `num_seqs` sequences: f32 [seqs, splits, heads, dv] + (m, l) [seqs, splits,
+    heads, 2]. head_blocks: ceil(heads / 32) for mla_decode, q_heads / min(32, q_heads // kv_heads) for
+    gqa_decode. Walk mode uses none (a `workspace=` passed to a call that walks is left untouched)."""
     return 4 * num_seqs * _splits(num_seqs, head_blocks, invariant) * heads * (dv + 2)
+
+
+def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bound: int = 0) -> bool:
+    """The mode: `walk` if given, else (batch-invariant calls only: the non-invariant split count already shrinks
+    as the batch grows) whichever the cost model says is faster. Split mode: waves of the blocks with rows, plus
+    the empty ones; walk mode: waves of (head block, sequence) blocks, each walking every split with rows.
+    `bound` > 0: no sequence attends more positions than that (the window, or DSA's selection), so the splits
+    past ceil(bound / _MIN_CHUNK) are empty (V4's 128-row window: 2 of 66)."""
+    need(walk is None or isinstance(walk, bool), f"{name}: walk {walk!r} must be None, True or False")
+    if walk is not None:
+        return walk
+    if not invariant or num_seqs == 0:
+        return False
+    splits = _splits(num_seqs, head_blocks, True)
+    used = min(splits, -(-bound // _MIN_CHUNK)) if bound > 0 else splits
+    blocks = num_seqs * head_blocks
+    split_waves = math.ceil((blocks * used + _EMPTY_SPLIT_COST * blocks * (splits - used)) / _TARGET_BLOCKS)
+    return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_waves
 
 
 def _workspace(gpu, nbytes: int) -> DevicePtr:
@@ -76,6 +104,13 @@ def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: in
     return k, ws, ws.offset(4 * num_seqs * splits * heads * dv), splits
 
 
+def _prepare_walk(gpu, name: str, num_seqs: int, head_blocks: int, smem: int, invariant: bool):
+    """The walk launch with its geometry set, and the split count it walks (split mode's)."""
+    k = launch(gpu, "paged_attention", name)
+    k.grid(1, head_blocks, num_seqs).block(_THREADS).shared(smem)
+    return k, _splits(num_seqs, head_blocks, invariant)
+
+
 def _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, dv, splits, stream):
     launch(gpu, "paged_attention", "attn_combine").grid(heads, num_seqs).block(_COMBINE_THREADS) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_ptr(sink).arg_ptr(out).arg_u32(num_seqs).arg_u32(heads).arg_u32(dv) \
@@ -91,11 +126,22 @@ def _check_common(name: str, meta, meta_stride: int, num_seqs: int, scale: float
 
 
 def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, num_seqs, q_heads, kv_heads,
-               head_dim, scale, kv_dtype="bf16", kv_scale=1.0, stream=None, *, workspace=None, invariant=False):
-    """Decode attention for num_seqs sequences, one query row each: q bf16 at `q + s*q_row_stride + h*head_dim`
-    (elements); q head h reads KV head h // (q_heads // kv_heads) of the k/v caches (rows of kv_heads*head_dim,
-    bf16, or fp8 e4m3 times kv_scale), over all seq_len rows of the sequence's slab (meta + s*meta_stride).
-    out bf16 [num_seqs, q_heads, head_dim]."""
+               head_dim, scale, kv_dtype="bf16", kv_scale=1.0, stream=None, *, workspace=None, invariant=False,
+               walk=None):
+    """Decode attention for num_seqs sequences, one query row each.
+
+    Parameters
+    ----------
+    q, q_row_stride : bf16 query rows, head h of sequence s at `q + s*q_row_stride + h*head_dim` (elements).
+    k_cache, v_cache : rows of kv_heads*head_dim, bf16 or (kv_dtype "fp8") e4m3 times kv_scale; q head h reads
+        KV head h // (q_heads // kv_heads), over all seq_len rows of the sequence's slab (meta + s*meta_stride).
+    out : bf16 [num_seqs, q_heads, head_dim].
+    workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
+    invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 48 Qwen3-Next sequences
+        up), True (one block per (head block, sequence) walks the splits; no workspace) or False (split mode).
+        The same bits either way.
+    """
     name = "gqa_decode_partial" + ("_fp8" if kv_dtype == "fp8" else "")
     _check_common(name, meta, meta_stride, num_seqs, scale)
     need(kv_dtype in ("bf16", "fp8"), f"{name}: kv_dtype {kv_dtype!r} is not bf16/fp8")
@@ -109,11 +155,18 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
          f"{name}: head_dim {head_dim} must be a multiple of {step} in [{step}, {MAX_HEAD_DIM}]")
     need(q_row_stride % 2 == 0 and int(q) % 4 == 0, f"{name}: q rows must be 4-byte aligned (stride {q_row_stride})")
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
+    blocks = q_heads // hpb
+    walks = _walks(name, walk, invariant, num_seqs, blocks)
     if num_seqs == 0:
         return
-    blocks = q_heads // hpb
-    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks,
-                                    _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8"), workspace, invariant)
+    smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8")
+    if walks:
+        k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
+        k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
+            .arg_ptr(out).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim).arg_f32(scale) \
+            .arg_f32(kv_scale).arg_u32(splits).arg_u32(_MIN_CHUNK).launch(stream)
+        return
+    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, invariant)
     k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim) \
         .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(_MIN_CHUNK).launch(stream)
@@ -122,15 +175,27 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
 
 def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width, v_width, scale, window=0,
                sink=NULL, sel=NULL, sel_stride=0, kv_dtype="bf16", nope=0, stream=None, *, workspace=None,
-               invariant=False):
-    """Single-KV-head decode attention (MLA latent 576 / V4 512): q bf16 [num_seqs, heads, row_width] against
-    cache rows of row_width columns; value = the first v_width columns of each row. kv_dtype "bf16": rows of
-    row_width bf16; "fp8": DeepSeek-V4's blocked rows (`ops.kv_cache.fp8_block_layout(row_width, nope)`:
-    columns [0, nope) e4m3 in 64-blocks with UE8M0 scales, the rest bf16). window > 0: only the last `window`
-    rows; sink f32 [heads]: exp(sink_h) joins the denominator; sel i32 [num_seqs, sel_stride]: only those
-    logical rows (-1 or rows outside [0, seq_len) / the window are skipped). out bf16 [num_seqs, heads,
-    v_width]; a sequence that attends nothing gets zeros. Widths need not be multiples of the kernel's
-    64-column tile (multiples of 8)."""
+               invariant=False, walk=None):
+    """Single-KV-head decode attention (MLA latent 576 / V4 512).
+
+    Parameters
+    ----------
+    q : bf16 [num_seqs, heads, row_width], against cache rows of row_width columns; value = the first v_width
+        columns of each row. Widths need not be multiples of the kernel's 64-column tile (multiples of 8).
+    kv_dtype : "bf16": rows of row_width bf16; "fp8": DeepSeek-V4's blocked rows
+        (`ops.kv_cache.fp8_block_layout(row_width, nope)`: columns [0, nope) e4m3 in 64-blocks with UE8M0
+        scales, the rest bf16).
+    window : > 0: only the last `window` rows.
+    sink : f32 [heads] or NULL: exp(sink_h) joins the denominator.
+    sel, sel_stride : i32 [num_seqs, sel_stride] or NULL: only those logical rows (-1 or rows outside
+        [0, seq_len) / the window are skipped).
+    out : bf16 [num_seqs, heads, v_width]; a sequence that attends nothing gets zeros.
+    workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
+    invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from about 32 DeepSeek-V3
+        sequences, 48 GLM-5 ones and 8 windowed V4 ones up), True (one block per (head block, sequence) walks
+        the splits; no workspace) or False (split mode). The same bits either way.
+    """
     fp8 = kv_dtype == "fp8"
     name = "mla_decode_partial" + ("_fp8" if fp8 else "")
     _check_common(name, meta, meta_stride, num_seqs, scale)
@@ -144,12 +209,23 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     need(window >= 0, f"{name}: window {window} < 0")
     need(not sel or sel_stride >= 1, f"{name}: sel needs sel_stride >= 1")
     need(int(q) % 4 == 0 and int(cache) % 16 == 0, f"{name}: q must be 4-byte and the cache 16-byte aligned")
+    blocks = -(-heads // _HEADS)
+    bound = min(b for b in (window, sel_stride if sel else 0, 1 << 30) if b > 0)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, bound if bound < 1 << 30 else 0)
     if num_seqs == 0:
         return
-    blocks = -(-heads // _HEADS)
     stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
-    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks,
-                                    _smem_bytes(row_width, v_width, False, fp8, stage), workspace, invariant)
+    smem = _smem_bytes(row_width, v_width, False, fp8, stage)
+    if walks:
+        k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
+        k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(sink).arg_ptr(out) \
+            .arg_u32(num_seqs).arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window) \
+            .arg_ptr(sel).arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(_MIN_CHUNK)
+        if fp8:
+            k.arg_u32(nope)
+        k.launch(stream)
+        return
+    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, invariant)
     k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs) \
         .arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window).arg_ptr(sel) \
         .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(_MIN_CHUNK)

@@ -1,0 +1,137 @@
+"""Decode attention on one CUDA GPU: split mode (partials + attn_combine) against walk mode (one block walks a
+sequence's chunks and merges them itself), batch-invariant, per family shape and batch width, cold L2.
+
+    python scripts/bench_attention.py [--batches 1,2,4,8,16,32,64] [--ctx 2048] [--iters N] [--json PATH]
+
+Shapes (each family's decode attention at its real dims): DeepSeek-V3 MLA (128 heads, 576 / 512 bf16 latent
+rows), GLM-5 (64 heads, the same rows, DSA selecting every row), DeepSeek-V4 (64 heads, 512-wide blocked fp8
+rows, a 128-row window and a sink), Qwen3-Next gated GQA (16 q heads over 2 KV heads of 256, bf16). Every
+sequence holds --ctx rows in a randomly permuted block pool. The floor is the KV bytes every sequence reads
+(+ q and the output) at the measured copy bandwidth; the peer is torch (bf16 matmul, softmax, matmul on dense
+copies of the same rows, batched over the sequences), in the same process when torch sees the GPU."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+import mtp_cupy
+from mtp_cupy import ops
+from mtp_cupy.bench import EventTimer, copy_bandwidth, device_name
+from mtp_cupy.bench.cli import Parser, int_list, positive_int, run_main
+from mtp_cupy.ops.paged_attention import _HEADS
+from mtp_cupy.runtime.arena import pack_mtp_attn_meta
+from mtp_cupy.runtime.ptr import NULL, DevicePtr
+
+META_STRIDE = 1024
+# family, kind, q heads, kv heads, row width (dk), v width, kv dtype, nope, window, sink, dsa
+SHAPES = [("deepseek_v3", "mla", 128, 1, 576, 512, "bf16", 0, 0, False, False),
+          ("glm5", "mla", 64, 1, 576, 512, "bf16", 0, 0, False, True),
+          ("deepseek_v4", "mla", 64, 1, 512, 512, "fp8", 448, 128, True, False),
+          ("qwen3_next", "gqa", 16, 2, 256, 256, "bf16", 0, 0, False, False)]
+
+
+def _ptr(a) -> DevicePtr:
+    return DevicePtr(a.data.ptr)
+
+
+def _case(gpu, shape, b: int, ctx: int):
+    """(run(walk), bytes read, torch peer or None) for b sequences of ctx rows."""
+    import cupy as cp
+    fam, kind, hq, hkv, dk, dv, kvd, nope, window, sink, dsa = shape
+    rng = np.random.default_rng(0)
+    blocks = -(-ctx // 16)
+    ids = rng.permutation(b * blocks + 3)
+    meta = bytearray()
+    for s in range(b):
+        slab = pack_mtp_attn_meta(ctx - 1, 0, ctx, ids[s * blocks:(s + 1) * blocks].tolist(), META_STRIDE)
+        meta += slab + bytes(META_STRIDE - len(slab))
+    meta = cp.asarray(np.frombuffer(bytes(meta), np.uint8))
+    rows = (b * blocks + 3) * 16
+    q = (cp.random.standard_normal((b, hq, dk), cp.float32) * 0.1).astype(cp.float16).view(cp.uint16)
+    out = cp.empty((b, hq, dv), cp.uint16)
+    if kind == "gqa":
+        kc = cp.random.randint(0, 1 << 16, (rows, hkv * dk), dtype=cp.int32).astype(cp.uint16) & 0x3FFF
+        vc = kc.copy()
+        kv_bytes = 2 * b * ctx * hkv * dk * 2
+
+        def run(walk):
+            ops.gqa_decode(gpu, _ptr(q), hq * dk, _ptr(kc), _ptr(vc), _ptr(meta), META_STRIDE, _ptr(out), b, hq,
+                           hkv, dk, dk ** -0.5, invariant=True, walk=walk)
+    else:
+        if kvd == "fp8":
+            row_bytes = ops.fp8_block_layout(dk, nope)[2]
+            cache = cp.random.randint(0, 0x7E, (rows, row_bytes), dtype=cp.int32).astype(cp.uint8)
+        else:
+            row_bytes = 2 * dk
+            cache = cp.random.randint(0, 1 << 16, (rows, dk), dtype=cp.int32).astype(cp.uint16) & 0x3FFF
+        attended = min(ctx, window) if window else ctx
+        kv_bytes = b * attended * row_bytes
+        sk = cp.zeros(hq, cp.float32) if sink else None
+        sel = cp.asarray(np.tile(np.arange(ctx, dtype=np.int32), (b, 1))) if dsa else None
+
+        def run(walk):
+            ops.mla_decode(gpu, _ptr(q), _ptr(cache), _ptr(meta), META_STRIDE, _ptr(out), b, hq, dk, dv,
+                           dk ** -0.5, window=window, sink=_ptr(sk) if sk is not None else NULL,
+                           sel=_ptr(sel) if sel is not None else NULL, sel_stride=ctx if dsa else 0, kv_dtype=kvd,
+                           nope=nope, invariant=True, walk=walk)
+    total = kv_bytes + q.nbytes + out.nbytes
+    return run, total, _torch_peer(b, hq, hkv, dk, dv, min(ctx, window) if window else ctx)
+
+
+def _torch_peer(b, hq, hkv, dk, dv, n):
+    """softmax(q k^T) v in bf16 torch over dense [b, hkv, n, dk] rows (the heads of a KV head batched)."""
+    try:
+        import torch
+        if not torch.cuda.is_available():
+            return None
+    except ImportError:
+        return None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, hkv, hq // hkv, dk, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(b, hkv, n, dk, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = k[..., :dv] if dv < dk else torch.randn(b, hkv, n, dv, device="cuda", dtype=torch.bfloat16, generator=g)
+    scale = dk ** -0.5
+    return lambda: torch.softmax((q @ k.transpose(-1, -2)).float() * scale, -1).to(torch.bfloat16) @ v
+
+
+def main() -> None:
+    ap = Parser(__doc__)
+    ap.add_argument("--batches", type=int_list, default=[1, 2, 4, 8, 16, 32, 64], help="batch widths")
+    ap.add_argument("--ctx", type=positive_int, default=2048, help="rows per sequence")
+    ap.add_argument("--iters", type=positive_int, default=20, help="timed calls per point")
+    ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: none)")
+    a = ap.parse_args()
+    import cupy as cp
+    gpu = mtp_cupy.device("cuda")
+    timer = EventTimer.cupy(iters=a.iters, warmup=3, sync_flush=False)
+    copy_gbs = copy_bandwidth(gpu) / 1e9
+    print(f"# Decode attention on {device_name(gpu)}: ctx {a.ctx}, batch-invariant, D2D copy {copy_gbs:.0f} GB/s, "
+          f"cold L2, median of {timer.iters}\n")
+    print("| family | B | head blocks | MB read | floor µs | split µs | walk µs | auto | best, % of copy | "
+          "torch µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    res = []
+    for shape in SHAPES:
+        hq, hkv = shape[2], shape[3]
+        hb = -(-hq // _HEADS) if shape[1] == "mla" else hq // min(hq // hkv, _HEADS)
+        for b in a.batches:
+            run, nbytes, peer = _case(gpu, shape, b, a.ctx)
+            t_split, t_walk = timer.us(lambda: run(False)), timer.us(lambda: run(True))
+            t_auto = timer.us(lambda: run(None))
+            t_peer = timer.us(peer) if peer else float("nan")
+            floor = nbytes / copy_gbs / 1e3
+            best = min(t_split, t_walk)
+            res.append(dict(family=shape[0], batch=b, head_blocks=hb, mb=nbytes / 1e6, floor_us=floor,
+                            split_us=t_split, walk_us=t_walk, auto_us=t_auto, torch_us=t_peer))
+            print(f"| {shape[0]} | {b} | {hb} | {nbytes / 1e6:.1f} | {floor:.1f} | {t_split:.1f} | {t_walk:.1f} | "
+                  f"{t_auto:.1f} | {'walk' if t_walk < t_split else 'split'}, {100 * floor / best:.0f}% | "
+                  f"{t_peer:.1f} |", flush=True)
+            cp.get_default_memory_pool().free_all_blocks()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(gpu=device_name(gpu), copy_gbs=copy_gbs, ctx=a.ctx, rows=res), f, indent=1)
+
+
+if __name__ == "__main__":
+    run_main(main)
