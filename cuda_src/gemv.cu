@@ -588,51 +588,47 @@ __device__ __forceinline__ void x64_body(const u16* W, const u16* x, void* y, u3
     const u32 NS = (dyn_smem_bytes() / 16 - red_u4) / STAGE;           // >= 2 (launcher)
     const u64 rowbytes = (u64)K * 2;
 
-    u32 i_tile = 0, i_round = 0, i_slot = 0, left = ntile * NR;
-    auto issue = [&](bool weights, bool xrows) {  // the next stage in walk order; one commit group
-        if (left) {
-            uint4* st = ring + i_slot * STAGE;
-            if (weights) {
-                const u32 row0 = (tb + i_tile * NB) * TR;
+    u32 i_tile = 0, i_round = 0, i_slot = 0, left = ntile * NR;   // the next stage to issue, in walk order
+    auto issue_w = [&]() {
+        if (!left) return;
+        uint4* st = ring + i_slot * STAGE;
+        const u32 row0 = (tb + i_tile * NB) * TR;
 #pragma unroll
-                for (u32 i = 0; i < CW; ++i) {
-                    const u32 L = tid + i * NT, sl = L / (TR * CH), r = L / CH % TR, cc = L % CH;
-                    const u32 u = i_round * KS + sl, ch = u * CH + cc;
-                    const bool ok = u < NU && ch < KCH;
-                    cp_async_stream(st + (sl * TR + r) * CH + (cc ^ ((r & 1) << 2)),
-                                    (const u8*)W + (u64)min(row0 + r, N - 1) * rowbytes + (ok ? ch : 0) * 16u, ok);
-                }
-            }
-            if (xrows) {
-#pragma unroll
-                for (u32 i = 0; i < CX; ++i) {
-                    const u32 L = tid + i * NT, sl = L / (XR * CH), r = L / CH % XR, cc = L % CH;
-                    const u32 u = i_round * KS + sl, ch = u * CH + cc;
-                    const bool ok = u < NU && ch < KCH && r < M;
-                    if (L < KS * XR * CH)
-                        cp_async_stream(st + SW + (sl * XG_ROWS + r) * CH + (cc ^ ((r & 1) << 2)),
-                                        x + (u64)(r < M ? r : 0) * xs + (ok ? ch : 0) * 8u, ok);
-                }
-            }
+        for (u32 i = 0; i < CW; ++i) {
+            const u32 L = tid + i * NT, sl = L / (TR * CH), r = L / CH % TR, cc = L % CH;
+            const u32 u = i_round * KS + sl, ch = u * CH + cc;
+            const bool ok = u < NU && ch < KCH;
+            cp_async_stream(st + (sl * TR + r) * CH + (cc ^ ((r & 1) << 2)),
+                            (const u8*)W + (u64)min(row0 + r, N - 1) * rowbytes + (ok ? ch : 0) * 16u, ok);
         }
     };
     auto advance = [&]() {
-        if (left) {
-            --left;
-            if (++i_round == NR) { i_round = 0; ++i_tile; }
-            if (++i_slot == NS) i_slot = 0;
-        }
+        if (!left) return;
+        --left;
+        if (++i_round == NR) { i_round = 0; ++i_tile; }
+        if (++i_slot == NS) i_slot = 0;
     };
 
     // The first NS - 1 stages' weights go out before the wait (no kernel of the step writes them), their x after;
     // copy group 0 then holds all of those weights and stage 0's x, group p stage p's x.
-    {
-        const u32 s0 = i_tile, s1 = i_round, s2 = i_slot, s3 = left;
-        for (u32 p = 0; p + 1 < NS; ++p) { issue(true, false); advance(); }
-        i_tile = s0; i_round = s1; i_slot = s2; left = s3;
-        pdl_wait();
-        for (u32 p = 0; p + 1 < NS; ++p) { issue(false, true); advance(); cp_async_commit(); }
-    }
+    const u32 s0 = i_tile, s1 = i_round, s2 = i_slot, s3 = left;
+    for (u32 p = 0; p + 1 < NS; ++p) { issue_w(); advance(); }
+    i_tile = s0; i_round = s1; i_slot = s2; left = s3;
+    pdl_wait();
+    auto issue_x = [&]() {
+        if (!left) return;
+        uint4* st = ring + i_slot * STAGE + SW;
+#pragma unroll
+        for (u32 i = 0; i < CX; ++i) {
+            const u32 L = tid + i * NT, sl = L / (XR * CH), r = L / CH % XR, cc = L % CH;
+            const u32 u = i_round * KS + sl, ch = u * CH + cc;
+            const bool ok = u < NU && ch < KCH && r < M;
+            if (L < KS * XR * CH)
+                cp_async_stream(st + (sl * XG_ROWS + r) * CH + (cc ^ ((r & 1) << 2)),
+                                x + (u64)(r < M ? r : 0) * xs + (ok ? ch : 0) * 8u, ok);
+        }
+    };
+    for (u32 p = 0; p + 1 < NS; ++p) { issue_x(); advance(); cp_async_commit(); }
 
     u32 cslot = 0;
     for (u32 i = 0; i < ntile; ++i) {
@@ -641,7 +637,8 @@ __device__ __forceinline__ void x64_body(const u16* W, const u16* x, void* y, u3
         for (u32 j = 0; j < NR; ++j) {
             cp_async_wait_n(NS - 2);   // this thread's copies of this stage have landed
             __syncthreads();           // everyone's have, and everyone is done with the previous stage's slot
-            issue(true, true);
+            issue_w();
+            issue_x();
             advance();
             cp_async_commit();         // an empty group past the end keeps the wait count uniform
             const u32 u = j * KS + ks, c0 = u * CH;

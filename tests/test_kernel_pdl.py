@@ -18,7 +18,7 @@ from mtp_cupy.runtime.backend import CUDA_SRC, cuda_modules
 from mtp_cupy.runtime.cuda_text import close_paren, expand_kernel_macros, strip_comments
 from test_kernel_signatures import _KERNEL
 
-LATE_WAIT = {"mma_stream"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
+LATE_WAIT = {"mma_stream", "x64_body"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
 
 
 def _body(code: str, paren: int, name: str) -> str:
