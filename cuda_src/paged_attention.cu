@@ -109,12 +109,20 @@ enum { KV_BF16 = 0, KV_FP8 = 1, KV_FP8_BLOCK = 2 };
 //     M' = max(M, m_c), a = exp(M - M') (0 for M = -inf), b = exp(m_c - M'), L = L a + l_c b, O = O a + O_c b.
 struct MergeAB { float a, b; };
 
-__device__ __forceinline__ MergeAB merge_ml(float& M, float& L, float mc, float lc) {
-    const float Mn = fmaxf(M, mc);
+// (a, b) of a split with max mc, given M before it and Mn = max(M, mc)
+__device__ __forceinline__ MergeAB merge_ab(float M, float Mn, float mc) {
     MergeAB w;
     w.a = M == -INFINITY ? 0.f : expf(__fsub_rn(M, Mn));
     w.b = expf(__fsub_rn(mc, Mn));
-    L = __fmaf_rn(L, w.a, __fmul_rn(lc, w.b));
+    return w;
+}
+
+__device__ __forceinline__ float merge_l(float L, MergeAB w, float lc) { return __fmaf_rn(L, w.a, __fmul_rn(lc, w.b)); }
+
+__device__ __forceinline__ MergeAB merge_ml(float& M, float& L, float mc, float lc) {
+    const float Mn = fmaxf(M, mc);
+    const MergeAB w = merge_ab(M, Mn, mc);
+    L = merge_l(L, w, lc);
     M = Mn;
     return w;
 }
@@ -621,24 +629,46 @@ extern "C" __global__ __launch_bounds__(128) void
 attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bfloat16* out, u32 num_seqs,
              u32 heads, u32 dv, u32 splits) {
     pdl_entry();
-    __shared__ float2 ml[MAX_SPLITS];   // (m_c, l_c), then (a, b) of the splits merged
+    __shared__ float2 ml[MAX_SPLITS];   // (m_c, l_c)
+    __shared__ MergeAB ab[MAX_SPLITS];  // merge_ml's (a, b) of each live split
     __shared__ bool live[MAX_SPLITS];
     __shared__ float2 fin;
     const u32 h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
     const u64 base = (u64)s * splits * heads + h;  // partial index of split 0; split c adds c * heads
     for (u32 c = tid; c < splits; c += blockDim.x) ml[c] = *(const float2*)(ws_ml + (base + (u64)c * heads) * 2);
     __syncthreads();
-    if (tid == 0) {
-        float M = -INFINITY, L = 0.f;
-        for (u32 c = 0; c < splits; ++c) {
-            const float2 v = ml[c];
-            live[c] = v.x != -INFINITY;
-            if (live[c]) {
-                const MergeAB w = merge_ml(M, L, v.x, v.y);
-                ml[c] = make_float2(w.a, w.b);
+    // merge_ml's M before split c is the max of the earlier m (empty splits are -inf, so they may join): a
+    // prefix max over the warp (splits c = lane, lane + 32) gives every (a, b) at once, with merge_ml's bits;
+    // only L's chain of fmas stays serial
+    if (tid < 32) {
+        const float m0 = tid < splits ? ml[tid].x : -INFINITY, m1 = tid + 32 < splits ? ml[tid + 32].x : -INFINITY;
+        float i0 = m0, i1 = m1;   // inclusive prefix maxima
+#pragma unroll
+        for (u32 o = 1; o < 32; o <<= 1) {
+            const float u0 = __shfl_up_sync(0xffffffffu, i0, o), u1 = __shfl_up_sync(0xffffffffu, i1, o);
+            if (tid >= o) { i0 = fmaxf(i0, u0); i1 = fmaxf(i1, u1); }
+        }
+        const float tot0 = __shfl_sync(0xffffffffu, i0, 31);
+        i1 = fmaxf(i1, tot0);
+        float e0 = __shfl_up_sync(0xffffffffu, i0, 1), e1 = __shfl_up_sync(0xffffffffu, i1, 1);
+        if (tid == 0) { e0 = -INFINITY; e1 = tot0; }
+        const float mc[2] = {m0, m1}, ex[2] = {e0, e1}, in[2] = {i0, i1};
+#pragma unroll
+        for (u32 k = 0; k < 2; ++k) {
+            const u32 c = tid + 32 * k;
+            if (c < splits) {
+                live[c] = mc[k] != -INFINITY;
+                ab[c] = merge_ab(ex[k], in[k], mc[k]);
             }
         }
-        fin = merge_finish(M, L, sink, h);
+        const float M = __shfl_sync(0xffffffffu, i1, 31);
+        __syncwarp();
+        if (tid == 0) {
+            float L = 0.f;
+            for (u32 c = 0; c < splits; ++c)
+                if (live[c]) L = merge_l(L, ab[c], ml[c].y);
+            fin = merge_finish(M, L, sink, h);
+        }
     }
     __syncthreads();
     const float2 f = fin;
@@ -656,7 +686,7 @@ attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bflo
             for (u32 k = 0; k < 8; ++k) {
                 const u32 c = c0 + k;
                 if (c < splits && live[c]) {
-                    const MergeAB w = {ml[c].x, ml[c].y};
+                    const MergeAB w = ab[c];
                     acc.x = merge_o(acc.x, w, v[k].x); acc.y = merge_o(acc.y, w, v[k].y);
                     acc.z = merge_o(acc.z, w, v[k].z); acc.w = merge_o(acc.w, w, v[k].w);
                 }
