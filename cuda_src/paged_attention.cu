@@ -631,6 +631,7 @@ attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bflo
     pdl_entry();
     __shared__ float2 ml[MAX_SPLITS];   // (m_c, l_c)
     __shared__ MergeAB ab[MAX_SPLITS];  // merge_ml's (a, b) of each live split
+    __shared__ float2 ad[MAX_SPLITS];   // L's step: (a, l_c b) of a live split, (1, 0) of an empty one
     __shared__ bool live[MAX_SPLITS];
     __shared__ float2 fin;
     const u32 h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
@@ -659,14 +660,15 @@ attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bflo
             if (c < splits) {
                 live[c] = mc[k] != -INFINITY;
                 ab[c] = merge_ab(ex[k], in[k], mc[k]);
+                ad[c] = live[c] ? make_float2(ab[c].a, __fmul_rn(ml[c].y, ab[c].b)) : make_float2(1.f, 0.f);
             }
         }
         const float M = __shfl_sync(0xffffffffu, i1, 31);
         __syncwarp();
-        if (tid == 0) {
+        if (tid == 0) {  // merge_l's chain; an empty split's (1, 0) leaves L exactly as it is (L >= 0)
             float L = 0.f;
-            for (u32 c = 0; c < splits; ++c)
-                if (live[c]) L = merge_l(L, ab[c], ml[c].y);
+#pragma unroll 8
+            for (u32 c = 0; c < splits; ++c) L = __fmaf_rn(L, ad[c].x, ad[c].y);
             fin = merge_finish(M, L, sink, h);
         }
     }
