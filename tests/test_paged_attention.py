@@ -343,18 +343,24 @@ def _same(split, walk, what):
         f"{what}: walk != split on {np.count_nonzero(walk != split)} of {walk.size} elements"
 
 
+def _modes_agree(rng, modes, what):
+    """modes(idx) -> (split bits, walk bits) of the sequences idx, for every sub-batch: walk == split and each
+    sequence's bits the same in every sub-batch. Returns f32 of every sequence's output, in order."""
+    seen = {}
+    for idx in _batches(rng):
+        split, walk = modes(idx)
+        _same(split, walk, f"{what}batch {idx.tolist()}")
+        for j, s in enumerate(idx):
+            assert np.array_equal(seen.setdefault(s, walk[j]), walk[j]), f"sequence {s} differs between batches"
+    return f32(np.stack([seen[s] for s in range(len(RAGGED))]).view(BF16))
+
+
 @pytest.mark.parametrize("case", sorted(WALK_MLA))
 def test_mla_walk_is_split_bit_for_bit(dev, rng, case):
     """For every sub-batch: walk == split (raw bf16 bits, split mode over a poisoned workspace), a sequence's
     bits the same in every sub-batch (batch invariance across the two modes), both near the float64 reference."""
     pg, ref_pg, q, sink, sel, kw = _mla_walk_inputs(rng, case, RAGGED)
-    seen = {}
-    for idx in _batches(rng):
-        split, walk = _mla_modes(dev, pg, q, sink, sel, kw, idx)
-        _same(split, walk, f"{case}, batch {idx.tolist()}")
-        for j, s in enumerate(idx):
-            assert np.array_equal(seen.setdefault(s, walk[j]), walk[j]), f"sequence {s} differs between batches"
-    got = f32(np.stack([seen[s] for s in range(len(RAGGED))]).view(BF16))
+    got = _modes_agree(rng, lambda idx: _mla_modes(dev, pg, q, sink, sel, kw, idx), f"{case}, ")
     check(got, mla_ref(ref_pg, q, kw["v_width"], kw["scale"], kw["window"], sink, sel))
     assert np.all(got[RAGGED.index(0)] == 0)   # nothing attended -> zeros
 
@@ -363,13 +369,7 @@ def test_mla_walk_is_split_bit_for_bit(dev, rng, case):
 def test_gqa_walk_is_split_bit_for_bit(dev, rng, kv_dtype, kv_scale):
     """Qwen3-Next's gated attention (16 q heads, 2 KV heads, head_dim 256), as the MLA test."""
     kc, vc, q, args = _gqa_walk_inputs(rng, kv_dtype, RAGGED)
-    seen = {}
-    for idx in _batches(rng):
-        split, walk = _gqa_modes(dev, kc, vc, q, args, kv_scale, idx)
-        _same(split, walk, f"batch {idx.tolist()}")
-        for j, s in enumerate(idx):
-            assert np.array_equal(seen.setdefault(s, walk[j]), walk[j]), f"sequence {s} differs between batches"
-    got = f32(np.stack([seen[s] for s in range(len(RAGGED))]).view(BF16))
+    got = _modes_agree(rng, lambda idx: _gqa_modes(dev, kc, vc, q, args, kv_scale, idx), "")
     check(got, gqa_ref(kc, vc, q, *args[1:4], args[4], kv_scale))
 
 

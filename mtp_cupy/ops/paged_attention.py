@@ -138,7 +138,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     out : bf16 [num_seqs, q_heads, head_dim].
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 48 Qwen3-Next sequences
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 46 Qwen3-Next sequences
         up), True (one block per (head block, sequence) walks the splits; no workspace) or False (split mode).
         The same bits either way.
     """
@@ -192,8 +192,8 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     out : bf16 [num_seqs, heads, v_width]; a sequence that attends nothing gets zeros.
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from about 32 DeepSeek-V3
-        sequences, 48 GLM-5 ones and 8 windowed V4 ones up), True (one block per (head block, sequence) walks
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 24 DeepSeek-V3 sequences
+        (split again at 34-46), 40 GLM-5 ones and 6 windowed V4 ones up), True (one block per (head block, sequence) walks
         the splits; no workspace) or False (split mode). The same bits either way.
     """
     fp8 = kv_dtype == "fp8"
