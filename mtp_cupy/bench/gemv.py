@@ -214,7 +214,7 @@ def bench_heads(gpu, timer, copy_gbs) -> list[dict]:
                              pct_copy=100 * floor / t_lin, batch32_us=t_32, peer_us=t_peer, peer=kind))
             print(f"| {fam} | {m}x{n}x{k} | {mb:.0f} | {floor:.1f} | {t_lin:.1f} | {100 * floor / t_lin:.0f} | "
                   f"{t_32:.1f} | {t_peer:.1f} ({kind}) | {t_lin / t_peer:.2f} |", flush=True)
-        del W, keep
+        W = keep = None   # this head's arrays go before the next one is made
         cp.get_default_memory_pool().free_all_blocks()
     return rows
 
