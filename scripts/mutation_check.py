@@ -191,6 +191,14 @@ MUTATIONS = [
     M("mla-uv-table-row0", "MLA's W_UV table starts each head at its W_UK rows (row0 0, not qk_nope)",
       "mtp_cupy/layers/mla.py", "ops.upload_group_table(gpu, w.kv_b, H, dv, dn, dn + dv)",
       "ops.upload_group_table(gpu, w.kv_b, H, dv, 0, dn + dv)", "tests/test_deepseek_v3.py", "tests/test_glm_mtp.py"),
+    M("batch64-any-ks", "linear sends 8-16-slice k-splits to batch64 too (it would refuse them: its block is (32, ks, 8))",
+      "mtp_cupy/ops/gemv.py", "tune.kb == 1 and tune.ks <= X64_MAX_KS", "tune.kb == 1", "tests/test_gemv.py"),
+    M("attn-merge-no-rescale", "the merge twin adds a split's output without rescaling the running one by a",
+      "mtp_cupy/refdev/twins/paged_attention.py", "O[on] = _fma32(O[on], a[on, None],",
+      "O[on] = _fma32(O[on], np.float32(1),", "tests/test_paged_attention.py"),
+    M("walk-window-bound-ignored", "the mode choice ignores a window's empty splits (V4 would split at every batch)",
+      "mtp_cupy/ops/paged_attention.py", "used = min(splits, -(-bound // _MIN_CHUNK)) if bound > 0 else splits",
+      "used = splits", "tests/test_paged_attention.py"),
 ]
 
 
