@@ -102,8 +102,8 @@ def main() -> None:
     ap.add_argument("--iters", type=positive_int, default=20, help="timed calls per point")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: none)")
     a = ap.parse_args()
+    gpu = mtp_cupy.device("cuda")   # a one-line ConfigError without CUDA, before cupy is imported
     import cupy as cp
-    gpu = mtp_cupy.device("cuda")
     timer = EventTimer.cupy(iters=a.iters, warmup=3, sync_flush=False)
     copy_gbs = copy_bandwidth(gpu) / 1e9
     print(f"# Decode attention on {device_name(gpu)}: ctx {a.ctx}, batch-invariant, D2D copy {copy_gbs:.0f} GB/s, "

@@ -44,6 +44,7 @@ MAX_KB = 8                 # blocks per cluster: the portable limit
 X64_GROUPS = 8    # dense_gemv_bf16_batch64: 16-row weight groups a block (kernel XG_RG), sharing its staged x
 X64_ROWS = 64     # x rows it stages a pass (kernel XG_ROWS)
 X64_MAX_KS = 2    # k slices it takes (block (32, ks, 8) <= 512 threads)
+X64_REGS = 128    # its registers a thread (ptxas, sm_90a) where the backend cannot say
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _regs(gpu: Backend, name: str) -> int:
         try:
             _REGS[key] = int(gpu.kernel("gemv", name).fn.num_regs)
         except Exception:
-            _REGS[key] = _GEOM[name].regs if name in _GEOM else 128
+            _REGS[key] = _GEOM[name].regs if name in _GEOM else X64_REGS
     return _REGS[key]
 
 

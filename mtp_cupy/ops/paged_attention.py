@@ -210,8 +210,8 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     need(not sel or sel_stride >= 1, f"{name}: sel needs sel_stride >= 1")
     need(int(q) % 4 == 0 and int(cache) % 16 == 0, f"{name}: q must be 4-byte and the cache 16-byte aligned")
     blocks = -(-heads // _HEADS)
-    bound = min(b for b in (window, sel_stride if sel else 0, 1 << 30) if b > 0)
-    walks = _walks(name, walk, invariant, num_seqs, blocks, bound if bound < 1 << 30 else 0)
+    bound = min((b for b in (window, sel_stride if sel else 0) if b > 0), default=0)   # positions attended, at most
+    walks = _walks(name, walk, invariant, num_seqs, blocks, bound)
     if num_seqs == 0:
         return
     stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
