@@ -17,8 +17,12 @@ MTP_META_OFFSET = 65536
 META_TABLE_OFFSET = TABLE_OFFSET  # alias kept for callers that predate runtime.slab
 DEFAULT_SCRATCH = MTP_META_OFFSET + 64 * 1024  # room for a 16,320-entry block table (261k tokens)
 ALIGN = 256
-# the slab fields as indices into int32 / int64 views of a slab (the stager writes through those)
-_POS32, _SEQ_LEN32, _TABLE32, _SLOT64 = POS_OFFSET // 4, SEQ_LEN_OFFSET // 4, TABLE_OFFSET // 4, SLOT_OFFSET // 8
+# the slab fields as indices into int32 / int64 views of a slab (the stager writes through those). pos (u32) and
+# seq_len (i32) are each followed by 4 bytes no field uses, so the stager writes each as one int64 word (the
+# value, then 4 zero bytes): a field per store, whatever the batch
+_TABLE32 = TABLE_OFFSET // 4
+_POS64, _SLOT64, _SEQ_LEN64 = POS_OFFSET // 8, SLOT_OFFSET // 8, SEQ_LEN_OFFSET // 8
+assert POS_OFFSET % 8 == 0 and SEQ_LEN_OFFSET % 8 == 0 and len({_POS64, _SLOT64, _SEQ_LEN64}) == 3
 
 
 def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity: int) -> bytes:
@@ -66,14 +70,16 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
             tab[s, :len(t)] = t
         tables = tab
     step = np.arange(k)[:, None]
-    rows = np.asarray(rows0, dtype=np.int64)[None, :] + step                     # [k, B]
+    rows = np.asarray(rows0, dtype=np.int64) + step                              # [k, B]
     v = stage[:k, :B * slab]
     v32, v64 = v.view(np.int32).reshape(k, B, slab // 4), v.view(np.int64).reshape(k, B, slab // 8)
-    v32[:, :, _POS32] = np.asarray(positions, dtype=np.int64)[None, :] + step
+    np.add(np.asarray(positions, dtype=np.int64), step, out=v64[:, :, _POS64])
+    np.add(rows, 1, out=v64[:, :, _SEQ_LEN64])
     blk, off = np.divmod(rows, bs)
     blk += np.arange(0, B * tables.shape[1], tables.shape[1])                   # flat index of each entry
-    v64[:, :, _SLOT64] = tables.ravel().take(blk) * np.int64(bs) + off
-    v32[:, :, _SEQ_LEN32] = rows + 1
+    slot = v64[:, :, _SLOT64]
+    np.multiply(tables.ravel().take(blk), bs, out=slot)
+    slot += off
     v32[:, :, _TABLE32:_TABLE32 + most] = tables[None, :, :most]
 
 
@@ -82,7 +88,7 @@ def _stage_one(stage: np.ndarray, k: int, position: int, rows0: int, table, bs: 
     s32[:k, _TABLE32:_TABLE32 + len(table)] = table
     for i in range(k):
         row = rows0 + i
-        s32[i, _POS32], s32[i, _SEQ_LEN32] = position + i, row + 1
+        s64[i, _POS64], s64[i, _SEQ_LEN64] = position + i, row + 1
         s64[i, _SLOT64] = table[row // bs] * bs + row % bs
 
 
