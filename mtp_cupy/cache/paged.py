@@ -61,12 +61,16 @@ class PagedKvCache:
         self.bufs = {s.name: gpu.alloc(s.row_bytes * s.num_layers * num_blocks * block_size) for s in specs}
         self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
         self._used = bytearray(num_blocks)   # 1 = handed out (a bytearray: per-call paths index it one at a time)
+        self._used_np = np.frombuffer(self._used, np.uint8)   # the same bytes, for the batch calls' array stores
         # every live SeqBlocks' table mirrored in one int32 row of `_tables` (rows and width grown by doubling:
         # width is the longest table yet, not the pool), so a batch's tables stage as one gather (`tables_of`)
         # instead of converting B Python lists on every call
         self._tables = np.zeros((0, 16), np.int32)
         self._cols = np.zeros((0, SEQ_COLUMNS), np.int64)
         self._rows_free: list[int] = []
+        # bumped whenever a mirror row changes hands (taken or given back): a batch's mirror rows remembered at
+        # one epoch are still its states' rows at the same epoch (speculative.batch_inputs.BatchMemo)
+        self.row_epoch = 0
 
     @staticmethod
     def blocks_for(rows: int, block_size: int = BLOCK_SIZE) -> int:
@@ -111,6 +115,7 @@ class PagedKvCache:
             self._rows_free = list(range(n + grow - 1, n - 1, -1))
         row = self._rows_free.pop()
         self._cols[row] = 0
+        self.row_epoch += 1
         return row
 
     def _widen(self, width: int) -> None:
@@ -122,6 +127,7 @@ class PagedKvCache:
 
     def _give_row(self, row: int) -> None:
         self._rows_free.append(row)
+        self.row_epoch += 1
 
     def tables_of(self, seqs: list["SeqBlocks"]) -> tuple[np.ndarray, list[int]]:
         """(int32 [B, L], lens): row s holds seqs[s]'s block table in its first lens[s] entries (L = max lens)."""
@@ -134,9 +140,9 @@ class PagedKvCache:
         n, m = len(rows), len(self._free)
         if n > m:
             raise CapacityError(f"KV pool exhausted: {n} blocks asked, {m} of {self.num_blocks} free")
-        new = self._free[m - n:][::-1]   # pop() order
+        new = np.fromiter(reversed(self._free[m - n:]), np.int32, n)   # pop() order
         del self._free[m - n:]
-        np.frombuffer(self._used, np.uint8)[new] = 1
+        self._used_np[new] = 1
         self._widen(int(nblocks.max()) + 1)
         self._tables[rows, nblocks] = new
         self._cols[rows, NBLOCKS] = nblocks + 1
@@ -145,7 +151,7 @@ class PagedKvCache:
         """Give back the last block of each of the sequences at mirror rows `rows` (tables of `nblocks` >= 1
         blocks), in the order one-at-a-time truncates would. Row counts are the caller's."""
         last = self._tables[rows, nblocks - 1]
-        used = np.frombuffer(self._used, np.uint8)
+        used = self._used_np
         if not used[last].all():
             raise InputError(f"block {int(last[used[last] == 0][0])} is not allocated")
         used[last] = 0

@@ -55,7 +55,7 @@ from ..runtime.arena import ForwardBuffers, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
-from .batch_inputs import ARRAY_MIN_BATCH, batch_masks, check_sequences, mirror_rows, state_list
+from .batch_inputs import ARRAY_MIN_BATCH, BatchMemo, batch_masks, check_sequences, mirror_rows, state_list
 from .inputs import check_position, check_token, host_ints, is_device_pointer, stage_hidden, take_hidden
 from .options import ProposerOptions
 from .proposer import DRAFTED, OFF, RUN0, DraftResult, ProposerState, mtp_rows_to_trim, mtp_rows_to_trim_batch
@@ -152,6 +152,7 @@ class MtpProposerBase:
         self._chain_done = None   # the one event object _stage_done records (made on first use)
         self._graphs: dict = {}
         self._warm: set = set()
+        self._memo = BatchMemo()   # the last wide batch's checked states and mirror rows (a serving loop repeats it)
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
                  self.sequences_that_fit(), self.max_seq_len)
 
@@ -234,11 +235,16 @@ class MtpProposerBase:
         room, ones = self.kv.block_size, None
         if c is not None:   # rows0 + k <= max_seq_len: every position checked is at least its row count
             rows0 = c[:, ROWS].copy()   # c's own column is updated when the call finishes
-            need = (rows0 + (k + room - 1)) // room - c[:, NBLOCKS]
-            if not need.any():
+            need = (rows0 + (k + room - 1)) // room - c[:, NBLOCKS]   # >= 0: a table holds its rows' blocks
+            most = int(need.max())
+            if most <= 0:
                 return rows0
-            ones, todo = np.flatnonzero(need == 1), np.flatnonzero(need > 1).tolist()
-            if ones.size:
+            ones = np.flatnonzero(need == 1)
+            todo = np.flatnonzero(need > 1).tolist() if most > 1 else []
+            if ones.size == len(need):   # every sequence crosses into a new block (one per draft's block size)
+                self.kv.grow_one(idx, c[:, NBLOCKS])
+                c[:, NBLOCKS] += 1
+            elif ones.size:
                 self.kv.grow_one(idx[ones], c[ones, NBLOCKS])
                 c[ones, NBLOCKS] += 1
         else:
@@ -398,11 +404,14 @@ class MtpProposerBase:
 
         Raises InputError (bad ids, shapes, dtypes, devices, a hole in a sequence's rows, ...) or CapacityError
         (KV pool, max_seq_len); no sequence changes on failure."""
-        return self._propose(state_list(states, "propose_batch"), tokens, hiddens, positions, num_drafts,
-                             grammar_bitmasks, return_logits, min_logprob, stream, device_results, single=False)
+        idx = self._memo.rows(states, self.kv)
+        if idx is None:
+            states = state_list(states, "propose_batch")
+        return self._propose(states, tokens, hiddens, positions, num_drafts, grammar_bitmasks, return_logits,
+                             min_logprob, stream, device_results, single=False, idx=idx)
 
     def _propose(self, states, tokens, hiddens, positions, num_drafts, grammar_bitmasks, return_logits,
-                 min_logprob, stream, device_results, single: bool) -> list[DraftResult]:
+                 min_logprob, stream, device_results, single: bool, idx=None) -> list[DraftResult]:
         k, gpu = int(num_drafts), self.gpu
         with self._ordered(stream):
             toks = host_ints(tokens, gpu, "token" if single else "tokens", self.stream, as_array=not single)
@@ -415,7 +424,10 @@ class MtpProposerBase:
             if min_logprob is not None and device_results:
                 raise InputError("min_logprob stops on log-probs read on the host; it cannot be combined with "
                                  "device_results")
-            toks, poss, idx, cols = check_sequences(self, states, toks, poss, k)
+            known = idx is not None
+            toks, poss, idx, cols = check_sequences(self, states, toks, poss, k, idx)
+            if idx is not None and not known:
+                self._memo.keep(states, idx, self.kv)
             B = len(states)
             graphed = self.cuda_graphs and self.graph_safe
             W = self.bucket(B) if graphed else B
@@ -512,10 +524,13 @@ class MtpProposerBase:
                 low = np.flatnonzero(lps[:, s] < min_logprob)
                 done[s] = int(low[0]) + 1 if low.size else k
         if idx is not None:
-            new_run = (positions != c[:, OFF] + rows0) | (rows0 == 0)   # a later position, or a first row
-            c[:, ROWS], c[:, DRAFTED] = rows0 + k, done
+            if self.drafter_context:   # checked: every position is its sequence's next one, so only a first row
+                new_run = None if rows0.all() else rows0 == 0   # starts a run
+            else:
+                new_run = (positions != c[:, OFF] + rows0) | (rows0 == 0)   # a later position, or a first row
+            c[:, ROWS], c[:, DRAFTED] = rows0 + k, k if lps is None else done
             self.kv._cols[idx] = c
-            if new_run.any():
+            if new_run is not None and new_run.any():
                 for s in np.flatnonzero(new_run).tolist():
                     states[s]._extend(int(rows0[s]), int(positions[s]))
         else:
@@ -539,8 +554,7 @@ class MtpProposerBase:
         if flags is None and logits is None and lps is None:   # the plain case: drafts only
             for st, toks in zip(states, cols_out):
                 st.last_drafts = toks
-                res.append(DraftResult(toks))
-            return res
+            return list(map(DraftResult, cols_out))
         for s, (st, p, d) in enumerate(zip(states, positions, done)):
             toks = st.last_drafts = cols_out[s] if d == k else cols_out[s][:d]
             if flags is not None:
@@ -687,17 +701,25 @@ class MtpProposerBase:
     def after_verify_batch(self, states: list[ProposerState], num_accepted) -> None:
         """`after_verify` for every sequence of a batch in one call (states and accepted counts in order); every
         count is checked before any sequence changes (InputError naming the sequence)."""
-        states = state_list(states, "after_verify_batch")
-        acc = host_ints(num_accepted, self.gpu, "num_accepted", as_array=len(states) >= ARRAY_MIN_BATCH)
+        idx = self._memo.rows(states, self.kv)
+        if idx is None:
+            states = state_list(states, "after_verify_batch")
         B = len(states)
+        acc = host_ints(num_accepted, self.gpu, "num_accepted", as_array=B >= ARRAY_MIN_BATCH)
         if len(acc) != B:
             raise InputError(f"{B} states but {len(acc)} accepted counts")
-        idx = mirror_rows(states) if B >= ARRAY_MIN_BATCH else None
+        if idx is None and B >= ARRAY_MIN_BATCH:
+            idx = mirror_rows(states)
+            if idx is not None:
+                if len(set(idx.tolist())) != B:
+                    idx = None
+                else:
+                    self._memo.keep(states, idx, self.kv)
         if idx is not None:
             a = np.asarray(acc, dtype=np.int64)
             c = self.kv._cols[idx]
             d = c[:, DRAFTED]
-            if bool(((a < 0) | (a > d)).any()) or len(set(idx.tolist())) != B:
+            if bool((a.view(np.uint64) > d.view(np.uint64)).any()):   # as uint64 a negative count is huge
                 idx = None   # the loop below names the first bad sequence
         if idx is None:
             for s, (st, n) in enumerate(zip(states, acc)):
@@ -716,10 +738,14 @@ class MtpProposerBase:
         drop, cut = nb - (rows + bs - 1) // bs, rows <= c[:, RUN0]   # blocks emptied; the last run of positions gone
         c[:, ROWS], c[:, DRAFTED] = rows, 0
         self.kv._cols[idx] = c
-        if drop.any():
+        most = int(drop.max())
+        if most > 0:
             ones = np.flatnonzero(drop == 1)
-            self.kv.shrink_one(idx[ones], nb[ones])
-            for s in np.flatnonzero(drop > 1).tolist():
+            if ones.size == B:
+                self.kv.shrink_one(idx, nb)
+            else:
+                self.kv.shrink_one(idx[ones], nb[ones])
+            for s in (np.flatnonzero(drop > 1).tolist() if most > 1 else ()):
                 states[s].blocks.truncate(int(rows[s]))
         if cut.any():
             for s in np.flatnonzero(cut).tolist():

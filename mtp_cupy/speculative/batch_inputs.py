@@ -35,13 +35,38 @@ def mirror_rows(states) -> np.ndarray | None:
 _MIRROR_ROW = operator.attrgetter("blocks.row")
 
 
-def check_sequences(prop, states, tokens, positions, k: int):
+class BatchMemo:
+    """The last wide batch whose states passed the per-state checks (ProposerStates, live, distinct), with their
+    mirror rows: while the same states come back in the same order (list equality, identity first) and no
+    mirror row of the cache changed hands since (`PagedKvCache.row_epoch`: a state allocated or freed), a batch
+    call reuses those rows instead of checking and gathering B states again."""
+    __slots__ = ("states", "idx", "epoch")
+
+    def __init__(self):
+        self.states, self.idx, self.epoch = None, None, -1
+
+    def rows(self, states, kv) -> np.ndarray | None:
+        """The remembered mirror rows when `states` (a list) is the remembered batch at the cache's epoch."""
+        if kv.row_epoch != self.epoch or type(states) is not list:
+            return None
+        try:
+            return self.idx if states == self.states else None
+        except Exception:   # an element whose __eq__ raises (an array, say): not the remembered batch
+            return None
+
+    def keep(self, states: list, idx: np.ndarray, kv) -> None:
+        """Remember `states` (checked) and their mirror rows `idx` at the cache's current epoch."""
+        self.states, self.idx, self.epoch = list(states), idx, kv.row_epoch
+
+
+def check_sequences(prop, states, tokens, positions, k: int, idx=None):
     """(tokens, positions, mirror rows, counters) after checking B, k, every state and the no-hole rule.
 
     From ARRAY_MIN_BATCH sequences the checks are array passes over the batch: tokens and positions come back as
     int64 arrays, with the states' mirror rows and a copy of their counters (int64 [B, SEQ_COLUMNS]) that the
-    call updates and scatters back. The per-sequence loop runs to name the first bad sequence, and for smaller
-    batches, where it is faster (mirror rows and counters None)."""
+    call updates and scatters back. `idx`: the batch's mirror rows when its states are known to be live and
+    distinct (BatchMemo). The per-sequence loop runs to name the first bad sequence, and for smaller batches,
+    where it is faster (mirror rows and counters None)."""
     B = len(states)
     if not 1 <= B <= prop.max_batch:
         raise InputError(f"{B} sequences; this proposer batches 1 to {prop.max_batch} (max_batch at load)")
@@ -49,20 +74,23 @@ def check_sequences(prop, states, tokens, positions, k: int):
         raise InputError(f"{B} states but {len(tokens)} tokens and {len(positions)} positions")
     if not 1 <= k <= prop.max_drafts:
         raise InputError(f"num_drafts {k} outside [1, {prop.max_drafts}] (raise max_drafts at load)")
-    idx = mirror_rows(states) if B >= ARRAY_MIN_BATCH else None
+    if idx is None and B >= ARRAY_MIN_BATCH:
+        idx = mirror_rows(states)
+        if idx is not None and len(set(idx.tolist())) != B:
+            idx = None
     if idx is not None:
         try:
             t, p = np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
             t = None
-        if t is not None and t.shape == p.shape == (B,) and len(set(idx.tolist())) == B:
+        if t is not None and t.shape == p.shape == (B,):
             c = prop.kv._cols[idx]
-            nxt = c[:, OFF] + c[:, ROWS]                         # next_position of each sequence
-            ok = (t.min() >= 0) & (t.max() < prop.vocab_size) & (p.min() >= 0) & (p.max() + k <= prop.max_seq_len)
-            ok &= bool((p == nxt).all() if prop.drafter_context else (p >= nxt).all())
-            if ok:
+            nxt = c[:, OFF] + c[:, ROWS]                         # next_position of each sequence (>= 0)
+            # as uint64 a negative id is huge: one max checks both ends; p >= nxt >= 0 needs no lower bound
+            ok = int(t.view(np.uint64).max()) < prop.vocab_size and int(p.max()) + k <= prop.max_seq_len
+            if ok and bool((p == nxt).all() if prop.drafter_context else (p >= nxt).all()):
                 return t, p, idx, c
-    elif len({id(s) for s in states}) != B:
+    elif B < ARRAY_MIN_BATCH and len({id(s) for s in states}) != B:
         raise InputError("the same proposer state appears twice in one batch")
     toks, poss = [], []
     for s, (st, t, p) in enumerate(zip(states, tokens, positions)):
@@ -80,9 +108,9 @@ def check_sequences(prop, states, tokens, positions, k: int):
             raise InputError(f"sequence {s}: position {p} would leave a hole in its drafter KV ({held}); "
                              f"prefill positions {newest + 1}..{p - 1} first (or load with drafter_context=False)")
         poss.append(p)
-    if idx is not None and len(set(idx.tolist())) != B:
+    if B >= ARRAY_MIN_BATCH and len({id(s) for s in states}) != B:
         raise InputError("the same proposer state appears twice in one batch")
-    return toks, poss, idx, None if idx is None else prop.kv._cols[idx]
+    return toks, poss, None, None
 
 
 def sequence_masks(bitmask, vocab: int, k: int) -> np.ndarray | None:

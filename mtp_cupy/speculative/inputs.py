@@ -118,6 +118,13 @@ def host_ints(x, gpu: Backend | None, what: str, stream=None, as_array: bool = F
     """Integer ids or positions as host ints: an int, a sequence of ints, a NumPy array or a DLPack tensor (a
     CUDA one is read to the host: a wait on `stream`, never on the whole device). `as_array`: as a 1-D integer
     array instead of a list (what the batch calls check and stage with)."""
+    if as_array and type(x) is list:   # a batch call's plain list of ints: one conversion (anything else below)
+        try:
+            a = np.array(x)
+        except (TypeError, ValueError, OverflowError):
+            a = None
+        if a is not None and a.ndim == 1 and a.dtype.kind in "iu":
+            return a
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return np.array([int(x)], np.int64) if as_array else [int(x)]
     if is_cuda_tensor(x):

@@ -12,7 +12,7 @@ import numpy as np
 from ..cache.paged import OWNER
 
 
-@dataclass
+@dataclass(slots=True)   # slots: a wide batch makes B of them per call
 class DraftResult:
     """One sequence's drafts. Host results (the default): `tokens` and, when asked, `logits`.
 
