@@ -150,9 +150,9 @@ class PagedKvCache:
     def shrink_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
         """Give back the last block of each of the sequences at mirror rows `rows` (tables of `nblocks` >= 1
         blocks), in the order one-at-a-time truncates would. Row counts are the caller's."""
-        last = self._tables[rows, nblocks - 1]
+        last = self._tables.ravel().take(rows * self._tables.shape[1] + (nblocks - 1))
         used = self._used_np
-        if not used[last].all():
+        if np.count_nonzero(used.take(last)) != len(last):
             raise InputError(f"block {int(last[used[last] == 0][0])} is not allocated")
         used[last] = 0
         self._cols[rows, NBLOCKS] = nblocks - 1
@@ -161,7 +161,9 @@ class PagedKvCache:
     def tables_at(self, rows: np.ndarray, nblocks: np.ndarray) -> np.ndarray:
         """int32 [B, max(nblocks)]: the block tables of the mirror rows `rows` (entries past a row's own
         nblocks are stale: no reader looks there)."""
-        return self._tables[rows, :max(int(nblocks.max()), 1)]
+        t, w = self._tables, max(int(nblocks.max()), 1)
+        # take copies whole mirror rows, a few times faster than fancy indexing while the rows are not much wider
+        return t.take(rows, axis=0)[:, :w] if t.shape[1] <= 2 * w else t[rows, :w]
 
     # -- addressing ------------------------------------------------------------------------------
     def base(self, cache: str, layer: int = 0) -> DevicePtr:

@@ -23,6 +23,7 @@ ALIGN = 256
 _TABLE32 = TABLE_OFFSET // 4
 _POS64, _SLOT64, _SEQ_LEN64 = POS_OFFSET // 8, SLOT_OFFSET // 8, SEQ_LEN_OFFSET // 8
 assert POS_OFFSET % 8 == 0 and SEQ_LEN_OFFSET % 8 == 0 and len({_POS64, _SLOT64, _SEQ_LEN64}) == 3
+_STEPS = np.arange(16, dtype=np.int64)[:, None]   # the draft steps 0..k-1 as a column, for k up to 16
 
 
 def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity: int) -> bytes:
@@ -69,18 +70,20 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
         for s, t in enumerate(tables):
             tab[s, :len(t)] = t
         tables = tab
-    step = np.arange(k)[:, None]
-    rows = np.asarray(rows0, dtype=np.int64) + step                              # [k, B]
+    # each field is computed into a contiguous [k, B] array, then stored into the strided slabs (ufuncs writing
+    # straight into a strided view, and operator broadcasts, are slower at these sizes)
+    step = _STEPS[:k] if k <= len(_STEPS) else np.arange(k)[:, None]
+    rows = np.add(np.asarray(rows0, dtype=np.int64), step)                      # [k, B]
     v = stage[:k, :B * slab]
-    v32, v64 = v.view(np.int32).reshape(k, B, slab // 4), v.view(np.int64).reshape(k, B, slab // 8)
-    np.add(np.asarray(positions, dtype=np.int64), step, out=v64[:, :, _POS64])
-    np.add(rows, 1, out=v64[:, :, _SEQ_LEN64])
+    v64 = v.view(np.int64).reshape(k, B, slab // 8)
+    v64[:, :, _POS64] = np.add(np.asarray(positions, dtype=np.int64), step)
+    v64[:, :, _SEQ_LEN64] = np.add(rows, 1)
     blk, off = np.divmod(rows, bs)
     blk += np.arange(0, B * tables.shape[1], tables.shape[1])                   # flat index of each entry
-    slot = v64[:, :, _SLOT64]
-    np.multiply(tables.ravel().take(blk), bs, out=slot)
-    slot += off
-    v32[:, :, _TABLE32:_TABLE32 + most] = tables[None, :, :most]
+    np.multiply(tables.ravel().take(blk), bs, out=blk)
+    blk += off
+    v64[:, :, _SLOT64] = blk
+    v.view(np.int32).reshape(k, B, slab // 4)[:, :, _TABLE32:_TABLE32 + most] = tables[:, :most]
 
 
 def _stage_one(stage: np.ndarray, k: int, position: int, rows0: int, table, bs: int) -> None:

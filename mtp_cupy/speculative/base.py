@@ -236,17 +236,19 @@ class MtpProposerBase:
         if c is not None:   # rows0 + k <= max_seq_len: every position checked is at least its row count
             rows0 = c[:, ROWS].copy()   # c's own column is updated when the call finishes
             need = (rows0 + (k + room - 1)) // room - c[:, NBLOCKS]   # >= 0: a table holds its rows' blocks
-            most = int(need.max())
-            if most <= 0:
+            n = np.count_nonzero(need)
+            if not n:
                 return rows0
-            ones = np.flatnonzero(need == 1)
+            most = int(need.max())
             todo = np.flatnonzero(need > 1).tolist() if most > 1 else []
-            if ones.size == len(need):   # every sequence crosses into a new block (one per draft's block size)
+            if n == len(need) and most == 1:   # every sequence crosses into a new block (and todo is empty)
                 self.kv.grow_one(idx, c[:, NBLOCKS])
                 c[:, NBLOCKS] += 1
-            elif ones.size:
-                self.kv.grow_one(idx[ones], c[ones, NBLOCKS])
-                c[ones, NBLOCKS] += 1
+            else:
+                ones = np.flatnonzero(need == 1)
+                if ones.size:
+                    self.kv.grow_one(idx[ones], c[ones, NBLOCKS])
+                    c[ones, NBLOCKS] += 1
         else:
             rows0, todo = [], []
             for st in states:   # a plain loop: the common B = 1 case pays no comprehension frame
@@ -525,12 +527,12 @@ class MtpProposerBase:
                 done[s] = int(low[0]) + 1 if low.size else k
         if idx is not None:
             if self.drafter_context:   # checked: every position is its sequence's next one, so only a first row
-                new_run = None if rows0.all() else rows0 == 0   # starts a run
+                new_run = None if np.count_nonzero(rows0) == len(rows0) else rows0 == 0   # starts a run
             else:
                 new_run = (positions != c[:, OFF] + rows0) | (rows0 == 0)   # a later position, or a first row
             c[:, ROWS], c[:, DRAFTED] = rows0 + k, k if lps is None else done
             self.kv._cols[idx] = c
-            if new_run is not None and new_run.any():
+            if new_run is not None and np.count_nonzero(new_run):
                 for s in np.flatnonzero(new_run).tolist():
                     states[s]._extend(int(rows0[s]), int(positions[s]))
         else:
@@ -717,9 +719,9 @@ class MtpProposerBase:
                     self._memo.keep(states, idx, self.kv)
         if idx is not None:
             a = np.asarray(acc, dtype=np.int64)
-            c = self.kv._cols[idx]
+            c = self.kv._cols.take(idx, axis=0)
             d = c[:, DRAFTED]
-            if bool((a.view(np.uint64) > d.view(np.uint64)).any()):   # as uint64 a negative count is huge
+            if np.count_nonzero(a.view(np.uint64) > d.view(np.uint64)):   # as uint64 a negative count is huge
                 idx = None   # the loop below names the first bad sequence
         if idx is None:
             for s, (st, n) in enumerate(zip(states, acc)):
@@ -738,16 +740,17 @@ class MtpProposerBase:
         drop, cut = nb - (rows + bs - 1) // bs, rows <= c[:, RUN0]   # blocks emptied; the last run of positions gone
         c[:, ROWS], c[:, DRAFTED] = rows, 0
         self.kv._cols[idx] = c
-        most = int(drop.max())
-        if most > 0:
-            ones = np.flatnonzero(drop == 1)
-            if ones.size == B:
+        n = np.count_nonzero(drop)
+        if n:
+            most = int(drop.max())
+            if n == B and most == 1:   # every sequence gives back one block
                 self.kv.shrink_one(idx, nb)
             else:
+                ones = np.flatnonzero(drop == 1)
                 self.kv.shrink_one(idx[ones], nb[ones])
             for s in (np.flatnonzero(drop > 1).tolist() if most > 1 else ()):
                 states[s].blocks.truncate(int(rows[s]))
-        if cut.any():
+        if np.count_nonzero(cut):
             for s in np.flatnonzero(cut).tolist():
                 states[s]._cut(int(rows[s]))
 
