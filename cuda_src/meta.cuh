@@ -46,7 +46,11 @@ __device__ __forceinline__ const int* slab_table(const unsigned char* slab) {
     return reinterpret_cast<const int*>(slab + SLAB_TABLE_OFFSET);
 }
 
-// Cache slot of logical row r (0 <= r < seq_len) through the sequence's block table.
+// Cache slot of logical row r (0 <= r < seq_len) given its block-table entry table[r >> KV_BLOCK_SHIFT]
+// (kernels that read the entry a pipeline stage before they use it), or through the table itself.
+__device__ __forceinline__ unsigned long long kv_slot_at(int entry, int r) {
+    return (unsigned long long)entry * KV_BLOCK_SIZE + (unsigned int)(r & KV_BLOCK_MASK);
+}
 __device__ __forceinline__ unsigned long long kv_slot(const int* table, int r) {
-    return (unsigned long long)table[r >> KV_BLOCK_SHIFT] * KV_BLOCK_SIZE + (unsigned int)(r & KV_BLOCK_MASK);
+    return kv_slot_at(table[r >> KV_BLOCK_SHIFT], r);
 }

@@ -1,6 +1,6 @@
 // Paged decode attention: one query row per sequence over its paged KV rows, flash-decoding style. A block
 // takes up to 32 query heads that share one KV head; a sequence's attended positions are cut into `splits`
-// chunks, each walked in tiles of 32 cache rows (cp.async double buffering into shared memory, so every head of
+// chunks, each walked in tiles of 32 cache rows (a three-buffer cp.async ring in shared memory, so every head of
 // the block reads each row once) into an unnormalised partial per (sequence, split, head):
 //     O_c = vmul * sum_j exp(s_j - m) v_j,  (m, l = sum_j exp(s_j - m))   (m = -inf, l = 0: an empty split)
 // and the partials of a (sequence, head) are merged in split order (merge_ml / merge_o / merge_finish: an
@@ -151,18 +151,22 @@ __device__ __forceinline__ u32 pad64(u32 x) { return (x + 63) / 64 * 64; }
 
 // Shared memory (bytes; the launcher's _smem_bytes mirrors this), with dkp / dvp = dk / dv rounded up to 64:
 //   Sp  f32 [4][32][SP_STRIDE]                 S partials of the four head-dim quarters
-//   K   bf16 [NBF][32][dkp + 8]                NBF = 2 (bf16 caches, double buffered) or 1 (fp8: converted)
+//   K   bf16 [NBF][32][dkp + 8]                NBF = 3 (bf16 caches: the copy ring) or 1 (fp8: converted)
 //   V   bf16 [NBF][32][dvp + 8]                only with a separate V cache
-//   stage u8 [2][32][stage_row]                fp8 only: raw rows landing from cp.async (dk (+ dv) bytes, or
+//   stage u8 [3][32][stage_row]                fp8 only: raw rows landing from cp.async (dk (+ dv) bytes, or
 //                                              the blocked row's row_bytes)
-//   Phi, Plo bf16 [32][P_STRIDE]; alpha f32 [32]; rowok i32 [2][32]; ml f32 [32][2] (walk: a split's (m, l))
+//   Phi, Plo bf16 [32][P_STRIDE]; alpha f32 [32]; rowok i32 [3][32]; ml f32 [32][2] (walk: a split's (m, l))
+//   Qsm bf16 [32][dkp + 8]                     the walk kernels at fixed widths only (attend's QS)
 // Columns [dk, dkp) of K and [dv, dvp) of V are zeroed once and never written again.
 //
 // Split c covers positions [c*chunk, min(n, (c+1)*chunk)); chunk is a whole number of tiles, so a tile never
 // straddles two splits and the walk is the same tile sequence as the splits' one after another, the partial
-// (o, m_run, l_run) restarting from zero at each split's first tile. The double buffer runs across the
+// (o, m_run, l_run) restarting from zero at each split's first tile. The copy ring runs across the
 // split boundaries.
-template <int KVF, bool WALK>
+// SEPV: a separate V cache (GQA; MLA's V is the first dv columns of K and vmul is 1). DK, DV > 0: the widths
+// as compile-time constants (the families' real ones), so every shared-memory address is a base plus an
+// immediate and the copy loops unroll; 0: dk / dv at run time. Same arithmetic, same bits either way.
+template <int KVF, bool WALK, bool SEPV, int DK, int DV>
 __device__ __forceinline__ void attend(const AttnArgs& a) {
     extern __shared__ __align__(16) u8 smem[];
     const u32 tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
@@ -182,52 +186,69 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     }
 
     constexpr bool RAW = KVF != KV_BF16;   // rows land raw in `stage` and are converted into K / V
-    const bool sep_v = a.vc != nullptr;
-    const u32 dkp = pad64(a.dk), dvp = pad64(a.dv);
-    const u32 NBF = RAW ? 1 : 2, ks_ = dkp + 8, vs_ = dvp + 8, esz = KVF == KV_BF16 ? 2 : 1;
+    auto vscale = [&](float x) { return SEPV ? __fmul_rn(x, a.vmul) : x; };   // O_c = o * vmul
+    constexpr bool sep_v = SEPV;
+    const u32 dk = DK > 0 ? (u32)DK : a.dk, dv = DV > 0 ? (u32)DV : a.dv;
+    const u32 dkp = pad64(dk), dvp = pad64(dv);
+    const u32 NBF = RAW ? 1 : 3, ks_ = dkp + 8, vs_ = dvp + 8, esz = KVF == KV_BF16 ? 2 : 1;
     float* Sp = (float*)smem;
     __nv_bfloat16* Kt = (__nv_bfloat16*)(smem + 4 * HEADS * SP_STRIDE * 4);
     __nv_bfloat16* Vt = Kt + NBF * TILE * ks_;
     u8* stage = (u8*)(Vt + (sep_v ? NBF * TILE * vs_ : 0));
-    const u32 stage_row = KVF == KV_FP8_BLOCK ? (u32)a.row_bytes : a.dk + (sep_v ? a.dv : 0);
-    __nv_bfloat16* Phi = (__nv_bfloat16*)(stage + (RAW ? 2 * TILE * stage_row : 0));
+    const u32 stage_row = KVF == KV_FP8_BLOCK ? (u32)a.row_bytes : dk + (sep_v ? dv : 0);
+    __nv_bfloat16* Phi = (__nv_bfloat16*)(stage + (RAW ? 3 * TILE * stage_row : 0));
     __nv_bfloat16* Plo = Phi + HEADS * P_STRIDE;
     float* alpha_s = (float*)(Plo + HEADS * P_STRIDE);
     i32* rowok = (i32*)(alpha_s + HEADS);
-    float2* ml_s = (float2*)(rowok + 2 * TILE);
+    float2* ml_s = (float2*)(rowok + 3 * TILE);
+    // the walk at fixed widths keeps Q in shared memory (a budget of 255 registers leaves no room for its
+    // fragments beside o, O and the unrolled copies): Qsm bf16 [32 heads][dkp + 8], zero past dk / h_end
+    constexpr bool QS = WALK && DK > 0;
+    __nv_bfloat16* Qsm = (__nv_bfloat16*)(ml_s + HEADS);
 
     // The tile padding: zero once; the loads and conversions below write only the real columns.
     const __nv_bfloat16 zero = f2bf(0.f);
-    if (dkp > a.dk)
-        for (u32 i = tid; i < NBF * TILE * (dkp - a.dk); i += THREADS)
-            Kt[(i / (dkp - a.dk)) * ks_ + a.dk + i % (dkp - a.dk)] = zero;
-    if (sep_v && dvp > a.dv)
-        for (u32 i = tid; i < NBF * TILE * (dvp - a.dv); i += THREADS)
-            Vt[(i / (dvp - a.dv)) * vs_ + a.dv + i % (dvp - a.dv)] = zero;
+    if (dkp > dk)
+        for (u32 i = tid; i < NBF * TILE * (dkp - dk); i += THREADS)
+            Kt[(i / (dkp - dk)) * ks_ + dk + i % (dkp - dk)] = zero;
+    if (sep_v && dvp > dv)
+        for (u32 i = tid; i < NBF * TILE * (dvp - dv); i += THREADS)
+            Vt[(i / (dvp - dv)) * vs_ + dv + i % (dvp - dv)] = zero;
 
     // Tile loader: thread -> (row = tid / 8, 16-byte chunks tid % 8, +8, ...) so 8 lanes copy 128 contiguous bytes.
-    auto load_tile = [&](u32 buf, i32 p0) {
-        const u32 row = tid >> 3, sub = tid & 7;
-        const i32 p = p0 + (i32)row;
-        i32 r = -1;
-        if (p < p_end) {
-            r = a.sel ? a.sel[(u64)s * a.sel_stride + p] : sp.lo + p;
-            if (r < sp.lo || r >= sp.seq_len) r = -1;
-        }
-        if (sub == 0) rowok[buf * TILE + row] = r >= 0;
+    // Its global reads are pipelined in registers so no copy waits on them: a tile's logical rows (DSA: its sel
+    // entries) are read two tiles before its copies are issued, their block-table entries one tile before.
+    const u32 lrow = tid >> 3, lsub = tid & 7;
+    auto row_of = [&](u32 tt) -> i32 {   // position p_begin + tt*TILE + lrow -> its row, or -1 (masked)
+        const i32 p = p_begin + (i32)(tt * TILE + lrow);
+        if (p >= p_end) return -1;
+        return a.sel ? a.sel[(u64)s * a.sel_stride + p] : sp.lo + p;
+    };
+    auto entry_of = [&](i32& r) -> i32 {  // masks an out-of-range row; its block-table entry (0 if masked)
+        if (r < sp.lo || r >= sp.seq_len) r = -1;
+        return r >= 0 ? sp.table[r >> KV_BLOCK_SHIFT] : 0;
+    };
+    auto load_tile = [&](u32 buf, i32 r, i32 entry) {
+        if (lsub == 0) rowok[buf * TILE + lrow] = r >= 0;
         u64 off = 0;
-        if (r >= 0) off = kv_slot(sp.table, r) * a.row_bytes + a.col_bytes;
+        if (r >= 0) off = kv_slot_at(entry, r) * a.row_bytes + a.col_bytes;
         const u32 nb = r >= 0 ? 16 : 0;
-        const u32 kch = KVF == KV_FP8_BLOCK ? stage_row / 16 : a.dk * esz / 16, vch = a.dv * esz / 16;
-        for (u32 i = sub; i < kch; i += 8) {
-            const u32 dst = RAW ? smem_addr(stage + (buf * TILE + row) * stage_row + 16 * i)
-                                : smem_addr(Kt + (buf * TILE + row) * ks_ + 8 * i);
+        const u32 kch = KVF == KV_FP8_BLOCK ? stage_row / 16 : dk * esz / 16, vch = dv * esz / 16;
+#pragma unroll
+        for (u32 j = 0; j < (kch + 7) / 8; ++j) {
+            const u32 i = lsub + 8 * j;
+            if (i >= kch) break;
+            const u32 dst = RAW ? smem_addr(stage + (buf * TILE + lrow) * stage_row + 16 * i)
+                                : smem_addr(Kt + (buf * TILE + lrow) * ks_ + 8 * i);
             cp_async16(dst, a.kc + off + 16 * i, nb);
         }
         if (sep_v)
-            for (u32 i = sub; i < vch; i += 8) {
-                const u32 dst = RAW ? smem_addr(stage + (buf * TILE + row) * stage_row + a.dk + 16 * i)
-                                    : smem_addr(Vt + (buf * TILE + row) * vs_ + 8 * i);
+#pragma unroll
+            for (u32 j = 0; j < (vch + 7) / 8; ++j) {
+                const u32 i = lsub + 8 * j;
+                if (i >= vch) break;
+                const u32 dst = RAW ? smem_addr(stage + (buf * TILE + lrow) * stage_row + dk + 16 * i)
+                                    : smem_addr(Vt + (buf * TILE + lrow) * vs_ + 8 * i);
                 cp_async16(dst, a.vc + off + 16 * i, nb);
             }
     };
@@ -237,15 +258,31 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     const u32 hg = warp >> 2, qt = warp & 3, KS = dkp / 64;
     const u32 hA = a.h0 + hg * 16 + g, hB = hA + 8;
     const __nv_bfloat16* qs = a.q + (u64)s * a.q_seq_stride;
-    u32 qf[MAX_KSTEPS][4];
+    u32 qf[QS ? 1 : MAX_KSTEPS][4];
+    if constexpr (QS) {   // all loads in flight at once; the first tile's barrier orders the stores before any read
+        constexpr u32 W = (DK + 63) / 64 * 32, N = HEADS * W / THREADS;   // words per padded row, per thread
+        static_assert(HEADS * W % THREADS == 0, "Qsm fill: whole rounds");
+        u32 v[N];
 #pragma unroll
-    for (u32 ks = 0; ks < MAX_KSTEPS; ++ks) {
-        const u32 d = (qt * KS + ks) * 16 + 2 * t4;
-        const bool lo = ks < KS && d < a.dk, hi = ks < KS && d + 8 < a.dk;
-        qf[ks][0] = lo && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d) : 0u;
-        qf[ks][1] = lo && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d) : 0u;
-        qf[ks][2] = hi && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d + 8) : 0u;
-        qf[ks][3] = hi && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d + 8) : 0u;
+        for (u32 j = 0; j < N; ++j) {
+            const u32 i = tid + j * THREADS, hh = i / W, d = 2 * (i % W), h = a.h0 + hh;
+            v[j] = h < a.h_end && d < dk ? *(const u32*)(qs + h * a.q_head_stride + d) : 0u;
+        }
+#pragma unroll
+        for (u32 j = 0; j < N; ++j) {
+            const u32 i = tid + j * THREADS;
+            *(u32*)(Qsm + (i / W) * ks_ + 2 * (i % W)) = v[j];
+        }
+    } else {
+#pragma unroll
+        for (u32 ks = 0; ks < MAX_KSTEPS; ++ks) {
+            const u32 d = (qt * KS + ks) * 16 + 2 * t4;
+            const bool lo = ks < KS && d < dk, hi = ks < KS && d + 8 < dk;
+            qf[ks][0] = lo && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d) : 0u;
+            qf[ks][1] = lo && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d) : 0u;
+            qf[ks][2] = hi && hA < a.h_end ? *(const u32*)(qs + hA * a.q_head_stride + d + 8) : 0u;
+            qf[ks][3] = hi && hB < a.h_end ? *(const u32*)(qs + hB * a.q_head_stride + d + 8) : 0u;
+        }
     }
 
     const u32 VW = dvp / 4, NTV = VW / 8;  // this warp's value columns [qt*VW, qt*VW + VW)
@@ -267,31 +304,33 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     const u32 k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
     const u32 x_row = (lane & 7) + ((lane >> 3) & 1) * 8, x_col = (lane >> 4) * 8;
 
+    // Three buffers, copies two tiles ahead: tile t + 2's copies are issued after tile t's first barrier, when
+    // every thread is done with tile t - 1 (the buffer they overwrite), so a tile needs no closing barrier. One
+    // commit group per tile (empty past the end), so wait_group 1 always means "tile t has landed".
     const u32 ntiles = p_end > p_begin ? (u32)(p_end - p_begin + TILE - 1) / TILE : 0u;
-    if (ntiles > 0) {
-        load_tile(0, p_begin);
+    {
+        i32 r0 = row_of(0), r1 = row_of(1);
+        const i32 e0 = entry_of(r0), e1 = entry_of(r1);
+        if (ntiles > 0) load_tile(0, r0, e0);
+        cp_commit();
+        if (ntiles > 1) load_tile(1, r1, e1);
         cp_commit();
     }
+    i32 r_next = row_of(2), r_later = row_of(3);   // tile t + 2's row (entry read below), tile t + 3's
+    i32 e_next = entry_of(r_next);
+    const u32 split_tiles = chunk / TILE;
+    u32 tin = 0;   // tile t's index inside its split (p_begin is a split's first position)
     for (u32 t = 0; t < ntiles; ++t) {
-        const u32 buf = t & 1, bb = RAW ? 0 : buf;
-        const i32 p0 = p_begin + (i32)(t * TILE);
-        const bool split_end = (u32)(p0 + TILE) % chunk == 0 || p0 + TILE >= p_end;
-        if constexpr (WALK) {
-            if ((u32)p0 % chunk == 0) {  // a split's first tile: its partial starts as the split pass's does
-#pragma unroll
-                for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-                m_run = -INFINITY;
-                l_run = 0.f;
-            }
-        }
-        if (t + 1 < ntiles) {
-            load_tile(buf ^ 1, p_begin + (i32)((t + 1) * TILE));
-            cp_commit();
-            cp_wait<1>();
-        } else {
-            cp_wait<0>();
-        }
+        const u32 buf = t % 3, bb = RAW ? 0 : buf;
+        const bool split_end = tin + 1 == split_tiles || t + 1 == ntiles;
+        tin = split_end ? 0 : tin + 1;
+        cp_wait<1>();
         __syncthreads();
+        if (t + 2 < ntiles) load_tile((t + 2) % 3, r_next, e_next);
+        cp_commit();
+        r_next = r_later;
+        e_next = entry_of(r_next);
+        r_later = row_of(t + 4);
         if (KVF == KV_FP8) {  // e4m3 -> bf16 is exact; kv_scale is applied through smul / vmul
             const u32 per_row = stage_row / 16;
             for (u32 i = tid; i < TILE * per_row; i += THREADS) {
@@ -304,15 +343,15 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
                     const u32 word = src[e >> 1] >> (16 * (e & 1));
                     w[e] = pack_bf16(fp8_to_f((u8)(word & 0xFF)), fp8_to_f((u8)(word >> 8)));
                 }
-                __nv_bfloat16* dst = col < a.dk ? Kt + row * ks_ + col : Vt + row * vs_ + (col - a.dk);
+                __nv_bfloat16* dst = col < dk ? Kt + row * ks_ + col : Vt + row * vs_ + (col - dk);
                 *(uint4*)dst = make_uint4(w[0], w[1], w[2], w[3]);
                 *(uint4*)(dst + 8) = make_uint4(w[4], w[5], w[6], w[7]);
             }
             __syncthreads();
         }
         if (KVF == KV_FP8_BLOCK) {  // e4m3 x 2^k and the bf16 RoPE columns -> bf16, both exact
-            const u32 cpr = a.dk / 8, rope_off = kv_fp8_block_rope_off(a.nope);
-            const u32 scale_off = kv_fp8_block_scale_off(a.nope, a.dk);
+            const u32 cpr = dk / 8, rope_off = kv_fp8_block_rope_off(a.nope);
+            const u32 scale_off = kv_fp8_block_scale_off(a.nope, dk);
             for (u32 i = tid; i < TILE * cpr; i += THREADS) {
                 const u32 row = i / cpr, c0 = (i % cpr) * 8;
                 const u8* sr = stage + (buf * TILE + row) * stage_row;
@@ -351,12 +390,16 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
             for (u32 ks = 0; ks < MAX_KSTEPS; ++ks) {
                 if (ks < KS) {
                     const u32 col = (qt * KS + ks) * 16 + k_col;
+                    u32 qa[4];
+                    if constexpr (QS)
+                        ldsm_x4(qa, smem_addr(Qsm + (hg * 16 + x_row) * ks_ + (qt * KS + ks) * 16 + x_col));
+                    const u32 (&qv)[4] = QS ? qa : qf[QS ? 0 : ks];
 #pragma unroll
                     for (u32 np = 0; np < 2; ++np) {
                         u32 b[4];
                         ldsm_x4(b, smem_addr(kt + (np * 16 + k_row) * ks_ + col));
-                        mma_bf16(sacc[2 * np], qf[ks], b[0], b[1]);
-                        mma_bf16(sacc[2 * np + 1], qf[ks], b[2], b[3]);
+                        mma_bf16(sacc[2 * np], qv, b[0], b[1]);
+                        mma_bf16(sacc[2 * np + 1], qv, b[2], b[3]);
                     }
                 }
             }
@@ -417,10 +460,13 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
             const __nv_bfloat16* vt = sep_v ? Vt + bb * TILE * vs_ : Kt + bb * TILE * ks_;
             const u32 vstride = sep_v ? vs_ : ks_;
             const float aA = alpha_s[hg * 16 + g], aB = alpha_s[hg * 16 + g + 8];
+            // once the running max settles, alpha is 1 for every head of the warp: o * 1 == o, so skip it
+            if (!__all_sync(0xffffffffu, aA == 1.f && aB == 1.f)) {
 #pragma unroll
-            for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
-                o[nt][0] = __fmul_rn(o[nt][0], aA); o[nt][1] = __fmul_rn(o[nt][1], aA);
-                o[nt][2] = __fmul_rn(o[nt][2], aB); o[nt][3] = __fmul_rn(o[nt][3], aB);
+                for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+                    o[nt][0] = __fmul_rn(o[nt][0], aA); o[nt][1] = __fmul_rn(o[nt][1], aA);
+                    o[nt][2] = __fmul_rn(o[nt][2], aB); o[nt][3] = __fmul_rn(o[nt][3], aB);
+                }
             }
 #pragma unroll
             for (u32 kk = 0; kk < 2; ++kk) {
@@ -450,21 +496,25 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
                     const MergeAB w = merge_ml(MA, LA, cA.x, cA.y);
 #pragma unroll
                     for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
-                        O[nt][0] = merge_o(O[nt][0], w, __fmul_rn(o[nt][0], a.vmul));
-                        O[nt][1] = merge_o(O[nt][1], w, __fmul_rn(o[nt][1], a.vmul));
+                        O[nt][0] = merge_o(O[nt][0], w, vscale(o[nt][0]));
+                        O[nt][1] = merge_o(O[nt][1], w, vscale(o[nt][1]));
                     }
                 }
                 if (cB.x != -INFINITY) {
                     const MergeAB w = merge_ml(MB, LB, cB.x, cB.y);
 #pragma unroll
                     for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
-                        O[nt][2] = merge_o(O[nt][2], w, __fmul_rn(o[nt][2], a.vmul));
-                        O[nt][3] = merge_o(O[nt][3], w, __fmul_rn(o[nt][3], a.vmul));
+                        O[nt][2] = merge_o(O[nt][2], w, vscale(o[nt][2]));
+                        O[nt][3] = merge_o(O[nt][3], w, vscale(o[nt][3]));
                     }
                 }
+                // the next split's partial starts as the split pass's does
+#pragma unroll
+                for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+                m_run = -INFINITY;
+                l_run = 0.f;
             }
         }
-        __syncthreads();  // the next iteration's loads overwrite this tile's buffers
     }
 
     if constexpr (WALK) {  // the sink and 1 / L, as attn_combine; bf16 out [s][h][0:dv]
@@ -473,14 +523,14 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
 #pragma unroll
         for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
             const u32 col = qt * VW + nt * 8 + 2 * t4;
-            if (nt < NTV && col < a.dv) {
+            if (nt < NTV && col < dv) {
                 if (hA < a.h_end) {
-                    __nv_bfloat16* d = a.out + ((u64)s * a.heads + hA) * a.dv + col;
+                    __nv_bfloat16* d = a.out + ((u64)s * a.heads + hA) * dv + col;
                     d[0] = merge_out(O[nt][0], fA);
                     d[1] = merge_out(O[nt][1], fA);
                 }
                 if (hB < a.h_end) {
-                    __nv_bfloat16* d = a.out + ((u64)s * a.heads + hB) * a.dv + col;
+                    __nv_bfloat16* d = a.out + ((u64)s * a.heads + hB) * dv + col;
                     d[0] = merge_out(O[nt][2], fB);
                     d[1] = merge_out(O[nt][3], fB);
                 }
@@ -490,13 +540,13 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
 #pragma unroll
         for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
             const u32 col = qt * VW + nt * 8 + 2 * t4;
-            if (nt < NTV && col < a.dv) {   // the padded value columns are not stored
+            if (nt < NTV && col < dv) {   // the padded value columns are not stored
                 if (hA < a.h_end)
-                    *(float2*)(a.ws_o + (part + hA) * a.dv + col) =
-                        make_float2(__fmul_rn(o[nt][0], a.vmul), __fmul_rn(o[nt][1], a.vmul));
+                    *(float2*)(a.ws_o + (part + hA) * dv + col) =
+                        make_float2(vscale(o[nt][0]), vscale(o[nt][1]));
                 if (hB < a.h_end)
-                    *(float2*)(a.ws_o + (part + hB) * a.dv + col) =
-                        make_float2(__fmul_rn(o[nt][2], a.vmul), __fmul_rn(o[nt][3], a.vmul));
+                    *(float2*)(a.ws_o + (part + hB) * dv + col) =
+                        make_float2(vscale(o[nt][2]), vscale(o[nt][3]));
             }
         }
         if (sq == 0 && a.h0 + sh < a.h_end)
@@ -523,7 +573,10 @@ __device__ __forceinline__ void mla_entry(const __nv_bfloat16* q, const u8* cach
     a.dk = row_width; a.dv = v_width; a.smul = scale; a.vmul = 1.f;
     a.window = window; a.sel = sel; a.sel_stride = sel_stride; a.splits = splits; a.min_chunk = min_chunk;
     a.nope = nope;
-    attend<KVF, WALK>(a);
+    // the families' widths compiled as constants: V3 / GLM-5's 576 / 512 bf16 rows, V4's 512 / 512 fp8 rows
+    constexpr int RW = KVF == KV_FP8_BLOCK ? 512 : 576;
+    if (row_width == RW && v_width == 512) attend<KVF, WALK, false, RW, 512>(a);
+    else attend<KVF, WALK, false, 0, 0>(a);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void
@@ -581,7 +634,8 @@ __device__ __forceinline__ void gqa_entry(const __nv_bfloat16* q, u32 q_row_stri
     a.meta = meta; a.meta_stride = meta_stride; a.ws_o = ws_o; a.ws_ml = ws_ml; a.sink = nullptr; a.out = out;
     a.heads = q_heads; a.dk = head_dim; a.dv = head_dim; a.smul = scale * kv_scale; a.vmul = kv_scale;
     a.window = 0; a.sel = nullptr; a.sel_stride = 0; a.splits = splits; a.min_chunk = min_chunk; a.nope = 0;
-    attend<KVF, WALK>(a);
+    if (head_dim == 256) attend<KVF, WALK, true, 256, 256>(a);   // Qwen3-Next's heads, compiled as constants
+    else attend<KVF, WALK, true, 0, 0>(a);
 }
 
 extern "C" __global__ __launch_bounds__(THREADS, 1) void

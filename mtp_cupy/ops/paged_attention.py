@@ -27,9 +27,9 @@ _MIN_CHUNK = 64        # positions per split at least: below this the partials c
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
 _COMBINE_THREADS = 128
 # walk=None's cost model, in units of one split block (scripts/bench_attention.py, H200, ctx 2048: a wave of
-# split blocks of ~2 tiles each 7-13 µs; a walk block 0.6 (V3) to 0.8 (Qwen) of that per split it walks; an
+# split blocks of ~2 tiles each 6-11 µs; a walk block 0.45 (V3) to 0.57 (Qwen) of that per split it walks; an
 # empty split block ~0.15 of a block's slot)
-_WALK_SPLIT_COST = 0.7
+_WALK_SPLIT_COST = 0.5
 _EMPTY_SPLIT_COST = 0.15
 MAX_ROW_WIDTH = 576    # dk: nine 16-wide k-steps per head-dim quarter (kernel MAX_KSTEPS)
 MAX_HEAD_DIM = 512     # dv (and GQA head_dim): sixteen 8-wide n-tiles per quarter (kernel MAX_NTILES)
@@ -41,16 +41,24 @@ def _pad64(x: int) -> int:
     return -(-x // 64) * 64
 
 
-def _smem_bytes(dk: int, dv: int, sep_v: bool, fp8: bool, stage_row: int | None = None) -> int:
-    """Mirrors the shared-memory map above attend_split in paged_attention.cu (tiles padded to 64 columns;
-    `stage_row`: the raw bytes per staged fp8 row, default dk (+ dv))."""
-    nbf = 1 if fp8 else 2
+# The widths the kernels compile as constants (mla_entry / gqa_entry): (dk, dv) per (GQA?, fp8?). The walk
+# kernels keep Q in shared memory at those widths.
+_FIXED = {(False, False): (576, 512), (False, True): (512, 512), (True, False): (256, 256), (True, True): (256, 256)}
+
+
+def _smem_bytes(dk: int, dv: int, sep_v: bool, fp8: bool, stage_row: int | None = None, walk: bool = False) -> int:
+    """Mirrors the shared-memory map above attend in paged_attention.cu (tiles padded to 64 columns, a
+    three-buffer ring; `stage_row`: the raw bytes per staged fp8 row, default dk (+ dv); sep_v: GQA)."""
+    nbf = 1 if fp8 else 3
     b = 4 * 32 * 40 * 4 + nbf * 32 * (_pad64(dk) + 8) * 2
     if sep_v:
         b += nbf * 32 * (_pad64(dv) + 8) * 2
     if fp8:
-        b += 2 * 32 * (stage_row if stage_row is not None else dk + (dv if sep_v else 0))
-    return b + 2 * 32 * 40 * 2 + 32 * 4 + 2 * 32 * 4 + 32 * 2 * 4
+        b += 3 * 32 * (stage_row if stage_row is not None else dk + (dv if sep_v else 0))
+    b += 2 * 32 * 40 * 2 + 32 * 4 + 3 * 32 * 4 + 32 * 2 * 4
+    if walk and _FIXED[(sep_v, fp8)] == (dk, dv):
+        b += 32 * (_pad64(dk) + 8) * 2
+    return b
 
 
 def _splits(num_seqs: int, head_blocks: int, invariant: bool = False) -> int:
@@ -138,7 +146,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     out : bf16 [num_seqs, q_heads, head_dim].
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 46 Qwen3-Next sequences
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 34 Qwen3-Next sequences
         up), True (one block per (head block, sequence) walks the splits; no workspace) or False (split mode).
         The same bits either way.
     """
@@ -159,7 +167,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     walks = _walks(name, walk, invariant, num_seqs, blocks)
     if num_seqs == 0:
         return
-    smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8")
+    smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
     if walks:
         k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
         k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
@@ -192,8 +200,8 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     out : bf16 [num_seqs, heads, v_width]; a sequence that attends nothing gets zeros.
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 24 DeepSeek-V3 sequences
-        (split again at 34-46), 40 GLM-5 ones and 6 windowed V4 ones up), True (one block per (head block, sequence) walks
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 17 DeepSeek-V3 sequences,
+        29 GLM-5 ones and 6 windowed V4 ones up), True (one block per (head block, sequence) walks
         the splits; no workspace) or False (split mode). The same bits either way.
     """
     fp8 = kv_dtype == "fp8"
@@ -215,7 +223,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     if num_seqs == 0:
         return
     stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
-    smem = _smem_bytes(row_width, v_width, False, fp8, stage)
+    smem = _smem_bytes(row_width, v_width, False, fp8, stage, walks)
     if walks:
         k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
         k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(sink).arg_ptr(out) \
