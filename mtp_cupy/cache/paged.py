@@ -158,10 +158,10 @@ class PagedKvCache:
         self._cols[rows, NBLOCKS] = nblocks - 1
         self._free.extend(last.tolist())
 
-    def tables_at(self, rows: np.ndarray, nblocks: np.ndarray) -> np.ndarray:
+    def tables_at(self, rows: np.ndarray, nblocks: np.ndarray, most: int | None = None) -> np.ndarray:
         """int32 [B, max(nblocks)]: the block tables of the mirror rows `rows` (entries past a row's own
-        nblocks are stale: no reader looks there)."""
-        t, w = self._tables, max(int(nblocks.max()), 1)
+        nblocks are stale: no reader looks there); `most`: max(nblocks) when the caller knows it."""
+        t, w = self._tables, max(int(nblocks.max()) if most is None else most, 1)
         # take copies whole mirror rows, a few times faster than fancy indexing while the rows are not much wider
         return t.take(rows, axis=0)[:, :w] if t.shape[1] <= 2 * w else t[rows, :w]
 

@@ -47,18 +47,21 @@ def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity:
 
 
 def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_size: int, stride: int = 0,
-                   lens=None) -> None:
+                   lens=None, most: int | None = None) -> None:
     """pack_mtp_attn_meta's layout for k steps of B sequences, written straight into the uint8 host array
     `stage` [steps, bytes]: step i of sequence s (position positions[s] + i at drafter row rows0[s] + i,
     seq_len rows0[s] + i + 1, table tables[s]) lands in row i at byte s * stride (stride 0: one slab, the
     whole row; stride and row bytes multiples of 8). `tables` is B lists of block ids, or an int array
     [B, L] whose row s holds lens[s] of them (`PagedKvCache.tables_of`; entries past lens[s] are staged
-    too, where no reader looks). The per-call hot path: a fixed number of array operations whatever B is;
-    the tables are the allocator's own (valid block ids), so only their size is checked."""
+    too, where no reader looks); `most`, when the caller knows it, is max(lens) (it saves a pass). The per-call
+    hot path: a fixed number of array operations whatever B is; the tables are the allocator's own (valid
+    block ids), so only their size is checked."""
     B, bs = len(tables), block_size
     if lens is None:
         lens = [len(t) for t in tables]
-    slab, most = stride or stage.shape[1], int(lens.max()) if isinstance(lens, np.ndarray) else max(lens)
+    slab = stride or stage.shape[1]
+    if most is None:
+        most = int(lens.max()) if isinstance(lens, np.ndarray) else max(lens)
     if TABLE_OFFSET + 4 * most > slab or B * slab > stage.shape[1]:
         raise CapacityError(f"{B} MTP slabs with block tables of up to {most} entries do not fit "
                             f"{slab}-byte slabs in a {stage.shape[1]}-byte stage row")

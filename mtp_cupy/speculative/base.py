@@ -636,11 +636,13 @@ class MtpProposerBase:
         S, B = self.meta_stride, len(states)
         steps = self._staging()[self._meta_off:self._meta_off + k * W * S].reshape(k, W * S)
         if B == 1:
-            stage_mtp_meta(steps, k, positions, rows0, [states[0].blocks.table_view()], self.kv.block_size, S)
+            table = states[0].blocks.table_view()
+            stage_mtp_meta(steps, k, positions, rows0, (table,), self.kv.block_size, S, lens=(len(table),))
         elif idx is not None:
             nblocks = c[:, NBLOCKS]
-            stage_mtp_meta(steps, k, positions, rows0, self.kv.tables_at(idx, nblocks), self.kv.block_size, S,
-                           lens=nblocks)
+            most = int(nblocks.max())
+            stage_mtp_meta(steps, k, positions, rows0, self.kv.tables_at(idx, nblocks, most), self.kv.block_size, S,
+                           lens=nblocks, most=most)
         else:
             tables, lens = self.kv.tables_of([st.blocks for st in states])
             stage_mtp_meta(steps, k, positions, rows0, tables, self.kv.block_size, S, lens=lens)

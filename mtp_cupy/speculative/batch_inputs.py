@@ -91,7 +91,7 @@ def check_sequences(prop, states, tokens, positions, k: int, idx=None):
             ok = not np.count_nonzero(t.view(np.uint64) >= prop.vocab_size) and int(p.max()) + k <= prop.max_seq_len
             if ok and not np.count_nonzero(p != nxt if prop.drafter_context else p < nxt):
                 return t, p, idx, c
-    elif B < ARRAY_MIN_BATCH and len({id(s) for s in states}) != B:
+    elif 1 < B < ARRAY_MIN_BATCH and len({id(s) for s in states}) != B:
         raise InputError("the same proposer state appears twice in one batch")
     toks, poss = [], []
     for s, (st, t, p) in enumerate(zip(states, tokens, positions)):
