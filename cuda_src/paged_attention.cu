@@ -187,15 +187,14 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
 
     constexpr bool RAW = KVF != KV_BF16;   // rows land raw in `stage` and are converted into K / V
     auto vscale = [&](float x) { return SEPV ? __fmul_rn(x, a.vmul) : x; };   // O_c = o * vmul
-    constexpr bool sep_v = SEPV;
     const u32 dk = DK > 0 ? (u32)DK : a.dk, dv = DV > 0 ? (u32)DV : a.dv;
     const u32 dkp = pad64(dk), dvp = pad64(dv);
     const u32 NBF = RAW ? 1 : 3, ks_ = dkp + 8, vs_ = dvp + 8, esz = KVF == KV_BF16 ? 2 : 1;
     float* Sp = (float*)smem;
     __nv_bfloat16* Kt = (__nv_bfloat16*)(smem + 4 * HEADS * SP_STRIDE * 4);
     __nv_bfloat16* Vt = Kt + NBF * TILE * ks_;
-    u8* stage = (u8*)(Vt + (sep_v ? NBF * TILE * vs_ : 0));
-    const u32 stage_row = KVF == KV_FP8_BLOCK ? (u32)a.row_bytes : dk + (sep_v ? dv : 0);
+    u8* stage = (u8*)(Vt + (SEPV ? NBF * TILE * vs_ : 0));
+    const u32 stage_row = KVF == KV_FP8_BLOCK ? (u32)a.row_bytes : dk + (SEPV ? dv : 0);
     __nv_bfloat16* Phi = (__nv_bfloat16*)(stage + (RAW ? 3 * TILE * stage_row : 0));
     __nv_bfloat16* Plo = Phi + HEADS * P_STRIDE;
     float* alpha_s = (float*)(Plo + HEADS * P_STRIDE);
@@ -211,7 +210,7 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     if (dkp > dk)
         for (u32 i = tid; i < NBF * TILE * (dkp - dk); i += THREADS)
             Kt[(i / (dkp - dk)) * ks_ + dk + i % (dkp - dk)] = zero;
-    if (sep_v && dvp > dv)
+    if (SEPV && dvp > dv)
         for (u32 i = tid; i < NBF * TILE * (dvp - dv); i += THREADS)
             Vt[(i / (dvp - dv)) * vs_ + dv + i % (dvp - dv)] = zero;
 
@@ -242,7 +241,7 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
                                 : smem_addr(Kt + (buf * TILE + lrow) * ks_ + 8 * i);
             cp_async16(dst, a.kc + off + 16 * i, nb);
         }
-        if (sep_v)
+        if (SEPV)
 #pragma unroll
             for (u32 j = 0; j < (vch + 7) / 8; ++j) {
                 const u32 i = lsub + 8 * j;
@@ -457,8 +456,8 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
 
         // O[16 heads, this warp's columns] = alpha * O + (Phi + Plo) . V
         {
-            const __nv_bfloat16* vt = sep_v ? Vt + bb * TILE * vs_ : Kt + bb * TILE * ks_;
-            const u32 vstride = sep_v ? vs_ : ks_;
+            const __nv_bfloat16* vt = SEPV ? Vt + bb * TILE * vs_ : Kt + bb * TILE * ks_;
+            const u32 vstride = SEPV ? vs_ : ks_;
             const float aA = alpha_s[hg * 16 + g], aB = alpha_s[hg * 16 + g + 8];
             // once the running max settles, alpha is 1 for every head of the warp: o * 1 == o, so skip it
             if (!__all_sync(0xffffffffu, aA == 1.f && aB == 1.f)) {
