@@ -17,7 +17,9 @@ loop runs on three kinds of device, each giving the flush and the events:
 With `sync_flush=True` (the draft-step benchmarks) the host waits for the flush before it starts the clock,
 so the event pair also holds the host's launch time of the call (a graph-off step pays it). With
 `sync_flush=False` (the kernel benchmarks) the call is launched while the flush still runs, so the events
-bracket GPU time only. CuPy and torch are imported when a timer of theirs is made."""
+bracket GPU time only; on CuPy timers a `SPIN_NS` busy-wait kernel follows the flush so that a launch path of
+up to that much host time (ops.linear's checks and plan lookups on a slow host: ~60-80 µs, more than the
+flush) still finds the GPU busy. CuPy and torch are imported when a timer of theirs is made."""
 from __future__ import annotations
 
 import time
@@ -25,6 +27,12 @@ import time
 import numpy as np
 
 FLUSH_BYTES = 256 << 20          # > the L2 of an H100 / H200
+SPIN_NS = 300_000                # the busy-wait after an unsynchronised flush (CuPy timers)
+_SPIN = r"""extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}"""
 
 
 def median(xs) -> float | None:
@@ -56,6 +64,7 @@ class _CupyEvents:
         self.buf = cp.empty(FLUSH_BYTES, cp.uint8)
         self.sink = cp.empty((), cp.uint64)
         self.e0, self.e1 = cp.cuda.Event(), cp.cuda.Event()
+        self.spin = cp.RawKernel(_SPIN, "spin")
 
     def _stream(self, stream):
         return stream if stream is not None else self.cp.cuda.get_current_stream()
@@ -69,6 +78,9 @@ class _CupyEvents:
             self.cp.cuda.runtime.memsetAsync(self.buf.data.ptr, i & 0xFF, self.buf.nbytes, s.ptr)
         if sync:
             s.synchronize()
+        else:
+            with s:
+                self.spin((1,), (1,), (self.cp.uint64(SPIN_NS),))
 
     def start(self, stream) -> None:
         self.e0.record(self._stream(stream))
