@@ -556,37 +556,48 @@ extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch32(
     mma_stream<BF16, 4, 2>((const u8*)W, nullptr, 1.f, x, y, M, N, K, x_stride, y_stride, out_f32);
 }
 
-// bf16, up to 64 x rows in one pass over W, with x staged in shared memory once per block and shared by its
-// XG_RG row groups (mma_stream's x comes from L2 to every warp: as many bytes as its weights for 32-row tiles,
-// and twice over for 64 rows in two passes). Block (32, KS, XG_RG): warp (ks, rg) owns weight rows
-// tile * 16 XG_RG + 16 rg .. + 15 of every tile the block walks (tiles b, b + gridDim.x, ...) and their k units
-// ks, ks + KS, ...: the units, steps, per-step accumulators and slice-order reduction of mma_stream<BF16> with
-// that KS and KB = 1, so a row's result is bit-identical to the 8-row kernel's under the same plan.
+// Up to 64 x rows in one pass over W, x staged in shared memory once per block and shared by its XG_RG row
+// groups (mma_stream's x comes from L2 to every warp: as many bytes as its weights for 32-row tiles, and twice
+// over for 64 rows in two passes). bf16 and the fp8 formats. Block (32, XS, XG_RG), either alone (CL false;
+// XS = 1, or 2 for bf16) or in clusters (1, CB, 1) of one-slice blocks, grid (walkers, CB): the KW = XS * CB
+// warps (ks, rank r) of a walker are the KW k slices w = r * XS + ks of the 8-row kernel's plan (KS8, KB8),
+// KS8 * KB8 = KW; warp (ks, rg) owns weight rows tile * 16 XG_RG + 16 rg .. + 15 of every tile the walker
+// takes (tiles b, b + gridDim.x, ...) and slice w's units w, w + KW, ...: the units, steps, per-step
+// accumulators of mma_stream<F>. At the end of a tile slice 0 adds the other slice's sums (alone), or every
+// warp leaves its sums in shared memory and the cluster's warps fold them over DSMEM in the 8-row kernel's
+// order (the KS8 slices of each of its blocks in slice order, then those KB8 block sums in rank order), so a
+// row's result is bit-identical to the 8-row kernel's under that plan. `fks` is KS8.
 // One block-wide cp.async ring of NS stages (dynamic shared memory after the reduction area / stage bytes);
-// stage (tile, round j) holds, for each slice ks, unit j * KS + ks of the tile's weight rows, W [KS][16 XG_RG][8
+// stage (tile, round j) holds, for each slice ks, unit j * KW + w of the tile's weight rows, W [XS][16 XG_RG][8
 // chunks], then of x rows 0 .. 8 MA (MA n-tiles of 8 rows, the fewest that cover M; rows past M zero-filled),
-// X [KS][64][8 chunks]; chunk c of a row r sits at r * 8 + (c ^ 4 (r & 1)), free of bank conflicts for the
-// copies and the fragment reads. One __syncthreads a stage. KS and MA are template parameters so that every
+// X [XS][64][KC chunks] (a unit's k range: 8 chunks of bf16, 16 for fp8's 128 k). Chunk c of a row r sits at
+// r * 8 + (c ^ 4 (r & 1)) (W, bf16 x) or r * 16 + (c ^ (r & 1)) (fp8's x), free of bank conflicts for the
+// copies and the fragment reads. One __syncthreads a stage. XS and MA are template parameters so that every
 // thread's copy positions are shifts of its index (the kernel is bound by issued instructions, not bytes).
 #define XG_RG 8
 #define XG_ROWS 64
-template <u32 KS, u32 MA>
-__device__ __forceinline__ void x64_body(const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 xs, u32 ys,
-                                         u32 out_f32)
+#define XG_PE 16   // C-fragment floats a lane hands over per fold round (4 n-tiles; MA = 8 folds twice a tile)
+template <int F, u32 XS, u32 MA, bool CL>
+__device__ __forceinline__ void x64_body(const u8* W, const void* S, u32 fks, const u16* x, void* y, u32 M, u32 N,
+                                         u32 K, u32 xs, u32 ys, u32 out_f32)
 {
-    constexpr u32 CH = 8, TR = 16 * XG_RG, E = MA * 4, NT = 32 * KS * XG_RG;
-    constexpr u32 SW = KS * TR * CH, STAGE = SW + KS * XG_ROWS * CH;   // uint4 per stage
-    constexpr u32 CW = KS * TR * CH / NT, XR = 8 * MA;                 // W copies per thread; x rows staged
-    constexpr u32 CX = (KS * XR * CH + NT - 1) / NT;
+    static_assert(XS == 1 || !CL, "two-slice blocks run without a cluster");
+    constexpr u32 KC = kchunk<F>(), NM = KC / 4, CH = 8, XCH = KC, TR = 16 * XG_RG, E = MA * 4;
+    constexpr u32 NT = 32 * XS * XG_RG, SW = XS * TR * CH, STAGE = SW + XS * XG_ROWS * XCH;  // uint4 per stage
+    constexpr u32 CW = SW / NT, XR = 8 * MA, CX = (XS * XR * XCH + NT - 1) / NT;  // copies per thread
+    constexpr u32 XSW = F == BF16 ? 2 : 0;                                       // x swizzle shift
+    // CL: the fold area [XS][XG_RG][PE][32]; else slices 1.. hand slice 0 their sums, [XS - 1][XG_RG][32][32]
+    constexpr u32 PE = E < XG_PE ? E : XG_PE, PART_U4 = CL ? XS * XG_RG * PE * 32 / 4 : (XS - 1) * XG_RG * 32 * 32 / 4;
+    constexpr bool BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0;
     const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3, ks = threadIdx.y, rg = threadIdx.z;
-    const u32 tid = (rg * KS + ks) * 32 + lane;
-    const u32 KCH = K / 8, NU = (KCH + CH - 1) / CH, T = (N + TR - 1) / TR, NR = (NU + KS - 1) / KS;
+    const u32 wi = rg * XS + ks, tid = wi * 32 + lane;
+    const u32 CB = CL ? gridDim.y : 1, kr = CL ? blockIdx.y : 0, KW = CB * XS, w = kr * XS + ks;  // kr: cluster rank
+    const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH, T = (N + TR - 1) / TR, NR = (NU + KW - 1) / KW;
     const u32 tb = blockIdx.x, NB = gridDim.x, ntile = tb < T ? (T - 1 - tb) / NB + 1 : 0;
-    float* const red = (float*)g_dsm;                                  // [KS - 1][XG_RG][E][32] slice partials
-    constexpr u32 red_u4 = (KS - 1) * XG_RG * 8 * 4 * 32 / 4;          // sized for MA = 8
-    uint4* const ring = g_dsm + red_u4;
-    const u32 NS = (dyn_smem_bytes() / 16 - red_u4) / STAGE;           // >= 2 (launcher)
-    const u64 rowbytes = (u64)K * 2;
+    float* const part = (float*)g_dsm;                                 // this block's sums (above)
+    uint4* const ring = g_dsm + PART_U4;
+    const u32 NS = (dyn_smem_bytes() / 16 - PART_U4) / STAGE;          // >= 2 (launcher)
+    const u64 rowbytes = (u64)K * (F == BF16 ? 2 : 1);
 
     u32 i_tile = 0, i_round = 0, i_slot = 0, left = ntile * NR;   // the next stage to issue, in walk order
     auto issue_w = [&]() {
@@ -596,10 +607,10 @@ __device__ __forceinline__ void x64_body(const u16* W, const u16* x, void* y, u3
 #pragma unroll
         for (u32 i = 0; i < CW; ++i) {
             const u32 L = tid + i * NT, sl = L / (TR * CH), r = L / CH % TR, cc = L % CH;
-            const u32 u = i_round * KS + sl, ch = u * CH + cc;
+            const u32 u = i_round * KW + kr * XS + sl, ch = u * CH + cc;
             const bool ok = u < NU && ch < KCH;
             cp_async_stream(st + (sl * TR + r) * CH + (cc ^ ((r & 1) << 2)),
-                            (const u8*)W + (u64)min(row0 + r, N - 1) * rowbytes + (ok ? ch : 0) * 16u, ok);
+                            W + (u64)min(row0 + r, N - 1) * rowbytes + (ok ? ch : 0) * 16u, ok);
         }
     };
     auto advance = [&]() {
@@ -620,19 +631,19 @@ __device__ __forceinline__ void x64_body(const u16* W, const u16* x, void* y, u3
         uint4* st = ring + i_slot * STAGE + SW;
 #pragma unroll
         for (u32 i = 0; i < CX; ++i) {
-            const u32 L = tid + i * NT, sl = L / (XR * CH), r = L / CH % XR, cc = L % CH;
-            const u32 u = i_round * KS + sl, ch = u * CH + cc;
-            const bool ok = u < NU && ch < KCH && r < M;
-            if (L < KS * XR * CH)
-                cp_async_stream(st + (sl * XG_ROWS + r) * CH + (cc ^ ((r & 1) << 2)),
-                                x + (u64)(r < M ? r : 0) * xs + (ok ? ch : 0) * 8u, ok);
+            const u32 L = tid + i * NT, sl = L / (XR * XCH), r = L / XCH % XR, cc = L % XCH;
+            const u32 u = i_round * KW + kr * XS + sl, xc = u * XCH + cc;
+            const bool ok = u < NU && xc < K / 8 && r < M;
+            if (L < XS * XR * XCH)
+                cp_async_stream(st + (sl * XG_ROWS + r) * XCH + (cc ^ ((r & 1) << XSW)),
+                                x + (u64)(r < M ? r : 0) * xs + (ok ? xc : 0) * 8u, ok);
         }
     };
     for (u32 p = 0; p + 1 < NS; ++p) { issue_x(); advance(); cp_async_commit(); }
 
     u32 cslot = 0;
     for (u32 i = 0; i < ntile; ++i) {
-        const u32 row0 = (tb + i * NB) * TR + rg * 16;
+        const u32 rbase = (tb + i * NB) * TR, row0 = rbase + rg * 16;
         float acc[MA][4] = {};
         for (u32 j = 0; j < NR; ++j) {
             cp_async_wait_n(NS - 2);   // this thread's copies of this stage have landed
@@ -641,73 +652,153 @@ __device__ __forceinline__ void x64_body(const u16* W, const u16* x, void* y, u3
             issue_x();
             advance();
             cp_async_commit();         // an empty group past the end keeps the wait count uniform
-            const u32 u = j * KS + ks, c0 = u * CH;
+            const u32 u = j * KW + w, c0 = u * CH;
             const uint4* sw = ring + cslot * STAGE + (ks * TR + rg * 16) * CH;
-            const uint4* sx = ring + cslot * STAGE + SW + ks * XG_ROWS * CH;
+            const uint4* sx = ring + cslot * STAGE + SW + ks * XG_ROWS * XCH;
             if (++cslot == NS) cslot = 0;
-            if (KS > 1 && u >= NU) continue;   // warp-uniform: this slice has no unit in the last round
+            if (u >= NU) continue;     // warp-uniform: this slice has no unit in the last round
+            float f = 1.f;             // fp8 block scale: a unit is 128 k, one 128 x 128 block for the group
+            if (BLOCK) {
+                const u64 si = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128) + u;
+                f = F == FP8_BLOCK ? __ldg((const float*)S + si) : e8m0_to_f(__ldg((const u8*)S + si));
+            }
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 if (c0 + 4 * s >= KCH) break;  // warp-uniform: the step lies past K
                 const u32 pc = (4 * s + t) ^ ((g & 1) << 2);  // rows g, g + 8 and x rows 8 jm + g: g's parity
                 const uint4 wv[2] = {sw[g * CH + pc], sw[(g + 8) * CH + pc]};
                 const u32 sc[2][2] = {};
-                uint4 xq[MA];
+                if constexpr (F == BF16) {     // every n-tile's chain in flight at once (registers allow)
+                    uint4 xq[MA];
 #pragma unroll
-                for (u32 jm = 0; jm < MA; ++jm) xq[jm] = sx[(8 * jm + g) * CH + pc];
-                float tmp[MA][4] = {};         // a fresh accumulator per step, as in mma_stream
+                    for (u32 jm = 0; jm < MA; ++jm) xq[jm] = sx[(8 * jm + g) * XCH + pc];
+                    float tmp[MA][4] = {};     // a fresh accumulator per step, as in mma_stream
 #pragma unroll
-                for (int mi = 0; mi < 2; ++mi) {
-                    u32 a[4];
-                    frag_a<BF16>(wv, sc, mi, a);
+                    for (u32 mi = 0; mi < NM; ++mi) {
+                        u32 a[4];
+                        frag_a<F>(wv, sc, mi, a);
+#pragma unroll
+                        for (u32 jm = 0; jm < MA; ++jm) {
+                            const u32 X[4] = {xq[jm].x, xq[jm].y, xq[jm].z, xq[jm].w};
+                            u32 b[2];
+                            frag_b<F>(X, mi, b);
+                            mma16816(tmp[jm], a, b);
+                        }
+                    }
+#pragma unroll
+                    for (u32 jm = 0; jm < MA; ++jm)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[jm][e] = fmaf(tmp[jm][e], f, acc[jm][e]);
+                } else {                       // fp8: the step's A fragments decoded once, one n-tile at a time
+                    u32 a[NM][4];
+#pragma unroll
+                    for (u32 mi = 0; mi < NM; ++mi) frag_a<F>(wv, sc, mi, a[mi]);
 #pragma unroll
                     for (u32 jm = 0; jm < MA; ++jm) {
-                        const u32 X[4] = {xq[jm].x, xq[jm].y, xq[jm].z, xq[jm].w};
-                        u32 b[2];
-                        frag_b<BF16>(X, mi, b);
-                        mma16816(tmp[jm], a, b);
+                        const uint4* xr = sx + (8 * jm + g) * XCH;
+                        u32 X[KC / 2];
+#pragma unroll
+                        for (u32 v = 0; v < KC / 8; ++v) {
+                            const uint4 q = xr[(8 * s + 2 * t + v) ^ (g & 1)];
+                            X[4 * v] = q.x; X[4 * v + 1] = q.y; X[4 * v + 2] = q.z; X[4 * v + 3] = q.w;
+                        }
+                        float tmp[4] = {};     // a fresh accumulator per step, its mmas in mi order (mma_stream's)
+#pragma unroll
+                        for (u32 mi = 0; mi < NM; ++mi) {
+                            u32 b[2];
+                            frag_b<F>(X, mi, b);
+                            mma16816(tmp, a[mi], b);
+                        }
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) acc[jm][e] = fmaf(tmp[e], f, acc[jm][e]);
                     }
                 }
-#pragma unroll
-                for (u32 jm = 0; jm < MA; ++jm)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[jm][e] = fmaf(tmp[jm][e], 1.f, acc[jm][e]);
             }
         }
-        // C fragment element e of n-tile jm: x row 8 jm + 2t + (e & 1), weight row row0 + g + 8 (e >> 1)
-        if (KS > 1) {
-            if (ks > 0)
+        // C fragment element e of n-tile jm: x row 8 jm + 2t + (e & 1), weight row row0 + g + 8 (e >> 1).
+        if constexpr (!CL) {           // one block: slice 0 adds the others' sums in slice order and stores
+            if (XS > 1) {
+                if (ks > 0)
+#pragma unroll
+                    for (u32 jm = 0; jm < MA; ++jm)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) part[(((ks - 1) * XG_RG + rg) * 32 + jm * 4 + e) * 32 + lane] = acc[jm][e];
+                __syncthreads();  // slice 0 reads them; the next writes come after the next tile's barriers
+            }
+            if (ks == 0)
 #pragma unroll
                 for (u32 jm = 0; jm < MA; ++jm)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) red[(((ks - 1) * XG_RG + rg) * E + jm * 4 + e) * 32 + lane] = acc[jm][e];
-            __syncthreads();  // slice 0 reads them; the next writes come after the next tile's barriers
+                    for (int e = 0; e < 4; ++e) {
+                        float v = acc[jm][e];
+#pragma unroll
+                        for (u32 sl = 1; sl < XS; ++sl) v += part[(((sl - 1) * XG_RG + rg) * 32 + jm * 4 + e) * 32 + lane];
+                        const u32 m = 8 * jm + 2 * t + (e & 1), n = row0 + g + 8 * (e >> 1);
+                        if (m < M && n < N)
+                            store_out(y, (u64)m * ys + n, v * (F == FP8_ROW ? __ldg((const float*)S + n) : 1.f), out_f32);
+                    }
+            continue;
         }
-        if (ks == 0) {
+        // A cluster: the fold, PE floats a lane at a time. Element q of the tile's XG_RG * PE is folded by warp
+        // q % (KW XG_RG) of the cluster (rank q / (XS XG_RG) within that): the work is spread over every rank.
+        const u32 fkb = KW / fks;
+        auto at = [&](u32 sl, u32 r, u32 e) -> const float* { return part + ((sl * XG_RG + r) * PE + e) * 32 + lane; };
+        auto slice = [&](u32 ws, u32 r, u32 e) -> float {
+            const u32 rank = ws / XS;
+            return rank == kr ? *at(ws % XS, r, e) : ld_cluster_f32(at(ws % XS, r, e), rank);
+        };
 #pragma unroll
-            for (u32 jm = 0; jm < MA; ++jm)
+        for (u32 h = 0; h < E; h += PE) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float v = acc[jm][e];
-#pragma unroll
-                    for (u32 sl = 1; sl < KS; ++sl) v += red[(((sl - 1) * XG_RG + rg) * E + jm * 4 + e) * 32 + lane];
-                    const u32 m = 8 * jm + 2 * t + (e & 1), n = row0 + g + 8 * (e >> 1);
-                    if (m < M && n < N) store_out(y, (u64)m * ys + n, v * 1.f, out_f32);
+            for (u32 e = 0; e < PE; ++e) part[((ks * XG_RG + rg) * PE + e) * 32 + lane] = acc[(h + e) / 4][(h + e) % 4];
+            cluster_sync();
+            for (u32 q = kr * XS * XG_RG + wi; q < XG_RG * PE; q += KW * XG_RG) {
+                const u32 r = q / PE, e = q % PE;
+                float v = 0.f;
+                for (u32 b8 = 0; b8 < fkb; ++b8) {
+                    float bs = slice(b8 * fks, r, e);
+                    for (u32 q8 = 1; q8 < fks; ++q8) bs += slice(b8 * fks + q8, r, e);
+                    v = b8 ? v + bs : bs;
                 }
+                const u32 ee = h + e, m = 8 * (ee / 4) + 2 * t + (ee & 1), n = rbase + r * 16 + g + 8 * ((ee >> 1) & 1);
+                if (m < M && n < N) store_out(y, (u64)m * ys + n, v * (F == FP8_ROW ? __ldg((const float*)S + n) : 1.f), out_f32);
+            }
+            cluster_sync();  // every fold is done reading: part may be rewritten
         }
     }
 }
 
-extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch64(
-    const u16* W, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, u32 out_f32)
-{
-    pdl_trigger();
-    const u32 ma = M <= 16 ? 2 : M <= 32 ? 4 : 8;
-#define X64_CASE(KS_, MA_) if (blockDim.y == KS_ && ma == MA_) x64_body<KS_, MA_>(W, x, y, M, N, K, x_stride, y_stride, out_f32)
-    X64_CASE(1, 2); else X64_CASE(1, 4); else X64_CASE(1, 8);
-    else X64_CASE(2, 2); else X64_CASE(2, 4); else X64_CASE(2, 8);
-#undef X64_CASE
-}
+// The 64-row kernels, one signature (bf16's scale is unused): W, the 8-row kernels' scale, fks, the shared tail.
+// The instance for the launch: XS = blockDim.y (1, or 2 for bf16 without a cluster), MA = the fewest n-tiles
+// that cover M, CL = launched in clusters (gridDim.y > 1). Launch bounds: bf16 (512, 1), fp8 one-slice blocks
+// two a multiprocessor (256, 2); 128 registers a thread either way.
+#define X64_KERNEL(NAME, F_, WT, ST, LB_T, LB_B)                                                              \
+    extern "C" __global__ __launch_bounds__(LB_T, LB_B) void NAME(                                            \
+        const WT* W, ST scale, u32 fks, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride, u32 y_stride, \
+        u32 out_f32)                                                                                          \
+    {                                                                                                         \
+        pdl_trigger();                                                                                        \
+        const u32 ma = M <= 16 ? 2 : M <= 32 ? 4 : 8, xsl = blockDim.y;                                        \
+        const u8* w = (const u8*)W;                                                                           \
+        if (gridDim.y > 1) {  /* clusters of one-slice blocks */                                              \
+            if (ma == 2) x64_body<F_, 1, 2, true>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32); \
+            else if (ma == 4) x64_body<F_, 1, 4, true>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32); \
+            else x64_body<F_, 1, 8, true>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32);         \
+        } else if (F_ != BF16 || xsl == 1) {                                                                  \
+            if (ma == 2) x64_body<F_, 1, 2, false>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32); \
+            else if (ma == 4) x64_body<F_, 1, 4, false>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32); \
+            else x64_body<F_, 1, 8, false>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32);        \
+        } else if constexpr (F_ == BF16) {  /* two-slice blocks: fp8's decode leaves no registers for them */ \
+            if (ma == 2) x64_body<F_, 2, 2, false>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32); \
+            else if (ma == 4) x64_body<F_, 2, 4, false>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32); \
+            else x64_body<F_, 2, 8, false>(w, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32);        \
+        }                                                                                                     \
+    }
+X64_KERNEL(dense_gemv_bf16_batch64, BF16, u16, const u8*, 512, 1)
+X64_KERNEL(gemv_fp8w_batch64, FP8_ROW, u8, const float*, 256, 2)
+X64_KERNEL(w8a16_gemv_batch64, FP8_BLOCK, u8, const float*, 256, 2)
+X64_KERNEL(w8a16_gemv_e8m0_batch64, FP8_BLOCK_E8M0, u8, const u8*, 256, 2)
+#undef X64_KERNEL
 
 // e4m3 W [N, K], f32 scale [N]; 8 x rows a pass.
 extern "C" __global__ __launch_bounds__(512) void gemv_fp8w(

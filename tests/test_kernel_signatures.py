@@ -295,6 +295,10 @@ def _gemv(dev, mem):
     run(ops.dense_gemv_bf16_batchm, bf16, m=5)
     run(ops.dense_gemv_bf16_batch32, bf16, m=20)
     run(ops.dense_gemv_bf16_batch64, bf16, m=20)
+    run(ops.dense_gemv_bf16_batch64, bf16, m=20, ks=4, kb=2)   # a cluster of 4 or 8 blocks
+    run(ops.gemv_fp8w_batch64, fp8, mem(4 * n), m=20)
+    run(ops.w8a16_gemv_batch64, fp8, blk, m=40, ks=3)
+    run(ops.w8a16_gemv_e8m0_batch64, fp8, blk, m=64, kb=2)
     run(ops.dense_gemm_bf16, bf16, m=40)
     run(ops.gemv_fp8w, fp8, mem(4 * n))
     run(ops.w8a16_gemv, fp8, blk)

@@ -17,12 +17,13 @@ import functools
 from dataclasses import dataclass
 
 from ..runtime.backend import Backend
-from ..runtime.ptr import DevicePtr
+from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 from ..errors import KernelError
 from ._util import launch, need
 
 __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemv_bf16_batch64",
+           "gemv_fp8w_batch64", "w8a16_gemv_batch64", "w8a16_gemv_e8m0_batch64", "x64_fits", "X64_KERNELS",
            "dense_gemm_bf16", "gemv_fp8w", "w8a16_gemv", "w8a16_gemv_e8m0", "w4a16_gemv", "w4a16_gemv_mx",
            "gemv_fp8w_batch32", "w8a16_gemv_batch32", "w8a16_gemv_e8m0_batch32", "w4a16_gemv_batch32",
            "w4a16_gemv_mx_batch32",
@@ -41,10 +42,10 @@ SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory per SM (1 KB of it reserved
 SMEM_PER_BLOCK = 227 * 1024
 REGS_PER_SM = 65536
 MAX_KB = 8                 # blocks per cluster: the portable limit
-X64_GROUPS = 8    # dense_gemv_bf16_batch64: 16-row weight groups a block (kernel XG_RG), sharing its staged x
-X64_ROWS = 64     # x rows it stages a pass (kernel XG_ROWS)
-X64_MAX_KS = 2    # k slices it takes (block (32, ks, 8) <= 512 threads)
-X64_REGS = 128    # its registers a thread (ptxas, sm_90a) where the backend cannot say
+X64_GROUPS = 8    # the 64-row kernels (*_batch64): 16-row weight groups a block (kernel XG_RG), sharing its staged x
+X64_ROWS = 64     # x rows they stage a pass (kernel XG_ROWS)
+X64_MAX_KS = 2    # k slices a block takes (block (32, xs, 8) <= 512 threads)
+X64_REGS = 128    # their registers a thread (ptxas, sm_90a) where the backend cannot say
 
 
 @dataclass(frozen=True)
@@ -212,32 +213,77 @@ def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None,
     return _plan(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune or Tune(), _max_kb(gpu), passes)
 
 
+# The 64-row x-staged kernels (gemv.cu x64_body) per format, and k per 16-byte weight chunk.
+X64_KERNELS = {"bf16": "dense_gemv_bf16_batch64", "fp8_row": "gemv_fp8w_batch64",
+               "fp8_block": "w8a16_gemv_batch64", "fp8_block_e8m0": "w8a16_gemv_e8m0_batch64"}
+X64_PART = 16 * 32 * 4    # a cluster's fold area bytes per warp (kernel XG_PE floats x 32 lanes)
+X64_INFLIGHT = 64 * 1024  # weight bytes in flight per SM from which a plan stops gaining
+X64_MIN_ROUNDS = 8        # units a k slice streams per tile below which linear keeps the 32-row kernel
+
+
 @functools.lru_cache(maxsize=256)
-def _plan_x64(n: int, k: int, ks: int, sms: int, regs: int) -> Plan:
-    stage = ks * (16 * X64_GROUPS + X64_ROWS) * 8 * 16        # W [ks][128 rows] + x [ks][64 rows] of 128 B
-    red = (ks - 1) * X64_GROUPS * 32 * 32 * 4                 # the k slices' partial sums (ks > 1)
-    threads = 32 * ks * X64_GROUPS
-    best = None
-    for s in (4, 3, 2):   # the depth that keeps the most weight bytes in flight per SM
-        smem = red + s * stage
-        per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 2048 // threads)
-        if smem <= SMEM_PER_BLOCK and per_sm >= 1 and (best is None or per_sm * (s - 1) > best[0]):
-            best = (per_sm * (s - 1), s, smem, per_sm)
-    need(best is not None, f"dense_gemv_bf16_batch64: no launch plan fits ks={ks}")
-    _, s, smem, per_sm = best
+def _plan_x64(fmt: str, n: int, k: int, ks: int, kb: int, sms: int, regs: int, max_kb: int,
+              slices: int | None, stages: int | None) -> Plan:
+    kw, kc = ks * kb, 8 if fmt == "bf16" else 16
     tiles = -(-n // (16 * X64_GROUPS))
-    nb = max(1, min(tiles, sms * per_sm))
-    per_block = -(-tiles // nb)
-    nb = -(-tiles // per_block)   # the fewest walkers with that many tiles each
-    return Plan(ks, nb, s, smem, tiles / (nb * per_block), 1)
+    best = None
+    # a bf16 block holds every slice when kw <= 2; otherwise a block holds one, in a cluster of kw blocks (two-slice
+    # blocks of 512 threads fit one a multiprocessor, whose every barrier then stalls it: slower wherever measured
+    # with clusters; the fp8 kernels have no registers for them)
+    for x in ([slices] if slices else [kw if kw <= X64_MAX_KS and fmt == "bf16" else 1]):
+        cb = kw // x
+        if x > (X64_MAX_KS if fmt == "bf16" else 1) or kw % x or cb > max_kb or (x > 1 and cb > 1):
+            continue
+        stage = x * (16 * X64_GROUPS * 8 + X64_ROWS * kc) * 16   # W [x][128 rows][8 chunks] + x [x][64 rows][kc]
+        threads = 32 * x * X64_GROUPS
+        part = x * X64_GROUPS * X64_PART if cb > 1 else (x - 1) * X64_GROUPS * 32 * 32 * 4   # gemv.cu PART_U4
+        for s in ([stages] if stages else [6, 5, 4, 3, 2]):
+            smem = part + s * stage
+            per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 2048 // threads)
+            if smem > SMEM_PER_BLOCK or per_sm < 1:
+                continue
+            walkers = max(1, min(tiles, sms * per_sm // cb))
+            rounds = -(-tiles // walkers)
+            walkers = -(-tiles // rounds)   # the fewest walkers with that many tiles each
+            inflight = per_sm * (s - 1) * x * 16 * X64_GROUPS * 128
+            score = tiles / (walkers * rounds) * min(1.0, walkers * cb / sms) * min(1.0, inflight / X64_INFLIGHT)
+            key = (round(score, 3), -cb, s)
+            if best is None or key > best[0]:
+                best = (key, Plan(x, walkers, s, smem, score, cb))
+    need(best is not None, f"{X64_KERNELS[fmt]}: no launch plan fits {n}x{k} for the 8-row plan ks={ks} kb={kb}")
+    return best[1]
 
 
-def plan_batch64(gpu: Backend, n: int, k: int, ks: int = 1) -> Plan:
-    """dense_gemv_bf16_batch64's launch plan for an n x k weight: ks k slices (the 8-row kernel's plan's, so a
-    row's sums match it), the ring depth that keeps the most bytes in flight, a persistent grid of whole-tile
-    walkers (kb is always 1)."""
-    need(isinstance(ks, int) and 1 <= ks <= X64_MAX_KS, f"dense_gemv_bf16_batch64: ks {ks!r} outside 1..{X64_MAX_KS}")
-    return _plan_x64(int(n), int(k), ks, _sms(gpu), _regs(gpu, "dense_gemv_bf16_batch64"))
+def plan_batch64(gpu: Backend, n: int, k: int, ks: int = 1, kb: int = 1, fmt: str = "bf16",
+                 slices: int | None = None, stages: int | None = None) -> Plan:
+    """The 64-row x-staged kernel's launch plan for an n x k weight of format `fmt` whose rows must sum as the
+    8-row kernel's plan (ks, kb) does: blocks of (32, s, 8) holding s k slices (s = 2 only for bf16 and
+    ks * kb = 2: one block), else clusters of ks * kb one-slice blocks (the returned plan's ks is s, its kb the
+    cluster size), the ring depth, a persistent grid of whole-tile walkers. `slices` and `stages` fix those
+    choices (benchmarks)."""
+    need(slices in (None, 1, 2), f"plan_batch64: slices {slices!r} must be 1 or 2 (None: the planner's)")
+    need(fmt in X64_KERNELS, f"plan_batch64: format {fmt!r} has no 64-row kernel (one of {sorted(X64_KERNELS)})")
+    for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
+        need(isinstance(v, int) and 1 <= v <= hi, f"{X64_KERNELS[fmt]}: {what} {v!r} outside 1..{hi}")
+    return _plan_x64(fmt, int(n), int(k), ks, kb, _sms(gpu), _regs(gpu, X64_KERNELS[fmt]), _max_kb(gpu), slices,
+                     stages)
+
+
+def x64_fits(gpu: Backend, fmt: str, n: int, k: int, ks: int, kb: int) -> bool:
+    """Whether linear takes the 64-row kernel for the 8-row plan (ks, kb): the format has one, its layout
+    holds the plan's k slices (bf16: one block of <= 2; else clusters of <= MAX_KB one-slice blocks), and each
+    slice streams >= X64_MIN_ROUNDS units a tile (shorter streams measured slower than the 32-row kernel:
+    the ring's fill and the tile's fold are paid over too few stages)."""
+    if fmt not in X64_KERNELS:
+        return False
+    units = -(-(k // (8 if fmt == "bf16" else 16)) // 8)
+    if -(-units // (ks * kb)) < X64_MIN_ROUNDS:
+        return False
+    try:
+        plan_batch64(gpu, n, k, ks, kb, fmt)
+        return True
+    except KernelError:
+        return False
 
 
 def _out_f32(out_dtype: str) -> int:
@@ -300,17 +346,51 @@ def dense_gemv_bf16_batch32(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype
           tune)
 
 
-def dense_gemv_bf16_batch64(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1):
-    """m <= 64 x rows in one pass over W (tensor cores), x staged in shared memory once per block for its eight
-    16-row weight groups (block (32, ks, 8)). ks (1 or 2) splits each tile's k units as dense_gemv_bf16_batchm
-    does under Tune(ks=ks, kb=1): a row's result is then bit-identical to that kernel's."""
-    name = "dense_gemv_bf16_batch64"
+def _x64(gpu, fmt, lead, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, slices=None, stages=None):
+    name = X64_KERNELS[fmt]
     f32 = _out_f32(out_dtype)
-    _check(name, 8, w, x, m, n, k, x_stride, y_stride, X64_ROWS)
-    p = plan_batch64(gpu, n, k, ks)
-    launch(gpu, "gemv", name).arg_ptr(w).arg_ptr(x).arg_ptr(y).arg_u32(m).arg_u32(n).arg_u32(k) \
-        .arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32).grid(p.blocks).block(32, ks, X64_GROUPS) \
-        .shared(p.smem).launch(stream)
+    _check(name, 8 if fmt == "bf16" else 16, lead[0][1], x, m, n, k, x_stride, y_stride, X64_ROWS)
+    if fmt != "bf16":
+        need(int(lead[1][1]) != 0, f"{name}: scale pointer is NULL")
+    p = plan_batch64(gpu, n, k, ks, kb, fmt, slices, stages)
+    l = launch(gpu, "gemv", name)
+    for kind, v in lead:
+        getattr(l, "arg_" + kind)(v)
+    l.arg_u32(ks).arg_ptr(x).arg_ptr(y).arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride) \
+        .arg_u32(f32)
+    if p.kb > 1:
+        l.cluster(1, p.kb)
+    l.grid(p.blocks, p.kb).block(32, p.ks, X64_GROUPS).shared(p.smem).launch(stream)
+
+
+def dense_gemv_bf16_batch64(gpu, w, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1, kb=1,
+                            slices=None, stages=None):
+    """m <= 64 x rows in one pass over W (tensor cores), x staged in shared memory once per block for its eight
+    16-row weight groups. Each row's sums are those of dense_gemv_bf16_batchm under Tune(ks=ks, kb=kb), so a
+    row's result is bit-identical to that kernel's (plan: `plan_batch64`; slices, stages fix its choices)."""
+    _x64(gpu, "bf16", [("ptr", w), ("ptr", NULL)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb,
+         slices, stages)
+
+
+def gemv_fp8w_batch64(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1, kb=1,
+                      slices=None, stages=None):
+    """As dense_gemv_bf16_batch64 for e4m3 weights with a per-row f32 scale (gemv_fp8w's rows)."""
+    _x64(gpu, "fp8_row", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb,
+         slices, stages)
+
+
+def w8a16_gemv_batch64(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1, kb=1,
+                       slices=None, stages=None):
+    """As dense_gemv_bf16_batch64 for e4m3 weights with f32 128 x 128 block scales (w8a16_gemv's rows)."""
+    _x64(gpu, "fp8_block", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks,
+         kb, slices, stages)
+
+
+def w8a16_gemv_e8m0_batch64(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1,
+                            kb=1, slices=None, stages=None):
+    """As dense_gemv_bf16_batch64 for e4m3 weights with E8M0 128 x 128 block scales (w8a16_gemv_e8m0's rows)."""
+    _x64(gpu, "fp8_block_e8m0", [("ptr", w), ("ptr", scale)], x, y, m, n, k, x_stride, y_stride, out_dtype, stream,
+         ks, kb, slices, stages)
 
 
 def gemv_fp8w(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, tune=None):
@@ -433,8 +513,8 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense).
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
-    INVARIANT_MAX_M rows: the format's streaming kernel (8 rows a pass, 32 for m > 8; bf16 under a one-block
-    k-split of <= 2 slices, the LM heads, dense_gemv_bf16_batch64 for m > 8) with the k-split (ks and kb of
+    INVARIANT_MAX_M rows: the format's streaming kernel (8 rows a pass; for m > 8 the 64-row x-staged kernel of
+    bf16 and the fp8 formats where it can hold the plan, else 32 rows a pass) with the k-split (ks and kb of
     the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for
     bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M
     rows, their passes sharing each weight tile through L2 (W read from DRAM about once)."""
@@ -457,14 +537,15 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         tune = None
     if tune is not None and not _fits(gpu, wide, W.n, W.k, tune):
         wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes only
-    # bf16 under a one-block k-split of at most two slices (the LM heads): x staged once per block, not per warp
-    x64 = W.fmt == "bf16" and tune is not None and tune.kb == 1 and tune.ks <= X64_MAX_KS
+    # x staged once per block, not per warp, where the 64-row kernel can sum as the 8-row plan does
+    x64 = tune is not None and x64_fits(gpu, W.fmt, W.n, W.k, tune.ks, tune.kb)
     ybytes = 4 if _out_f32(out_dtype) else 2
     for r0 in range(0, m, STREAM_MAX_M):     # each launch reads W from DRAM about once
         mm = min(STREAM_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
-        if x64 and mm > QUANT_MAX_M:
-            dense_gemv_bf16_batch64(gpu, W.weight, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream, ks=tune.ks)
+        if x64 and mm > QUANT_MAX_M:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
+            _x64(gpu, W.fmt, _lead(W)[:2] + [("ptr", NULL)] * (W.fmt == "bf16"), xr, yr, mm, W.n, W.k, xs, ys,
+                 out_dtype, stream, tune.ks, tune.kb)
             continue
         _gemv(gpu, narrow if mm <= QUANT_MAX_M or not wide else wide, _lead(W), xr, yr, mm, W.n, W.k, xs, ys,
               out_dtype, stream, tune)

@@ -64,8 +64,7 @@ def _dense(dev, W, x, y, M, N, K, x_stride, y_stride, out_f32):
     _run(dev, _bf16_rows(dev, W, N, K), x, y, M, N, K, x_stride, y_stride, out_f32)
 
 
-for _name in ("dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemv_bf16_batch64",
-              "dense_gemm_bf16",
+for _name in ("dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemm_bf16",
               "dense_gemv_bf16_regs", "dense_gemv_bf16_batchm_regs"):  # register-round kernels: same math
     twin("gemv", _name)(_dense)
 
@@ -114,3 +113,25 @@ twin("gemv", "w8a16_gemv_batch32")(w8a16_gemv)
 twin("gemv", "w8a16_gemv_e8m0_batch32")(w8a16_gemv_e8m0)
 twin("gemv", "w4a16_gemv_batch32")(w4a16_gemv)
 twin("gemv", "w4a16_gemv_mx_batch32")(w4a16_gemv_mx)
+
+
+# The 64-row x-staged kernels: the same per-row math; fks (the 8-row plan's slices) only orders the sums, and
+# bf16's scale is unused.
+@twin("gemv", "dense_gemv_bf16_batch64")
+def dense_gemv_bf16_batch64(dev, W, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32):
+    _dense(dev, W, x, y, M, N, K, x_stride, y_stride, out_f32)
+
+
+@twin("gemv", "gemv_fp8w_batch64")
+def gemv_fp8w_batch64(dev, W, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32):
+    gemv_fp8w(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32)
+
+
+@twin("gemv", "w8a16_gemv_batch64")
+def w8a16_gemv_batch64(dev, W, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32):
+    w8a16_gemv(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32)
+
+
+@twin("gemv", "w8a16_gemv_e8m0_batch64")
+def w8a16_gemv_e8m0_batch64(dev, W, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32):
+    w8a16_gemv_e8m0(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32)
