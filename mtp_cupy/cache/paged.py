@@ -59,7 +59,10 @@ class PagedKvCache:
             raise ConfigError(f"PagedKvCache: {num_blocks} blocks (pool too small for one block of {per_block} bytes)")
         self.gpu, self.specs, self.block_size, self.num_blocks = gpu, {s.name: s for s in specs}, block_size, num_blocks
         self.bufs = {s.name: gpu.alloc(s.row_bytes * s.num_layers * num_blocks * block_size) for s in specs}
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out 0, 1, 2, ...
+        # the free blocks as a stack (top = the last of its first `_nfree` entries; handed out 0, 1, 2, ...): an
+        # array, so the batch calls take and give back a block per sequence with one slice each
+        self._stack = np.arange(num_blocks - 1, -1, -1, dtype=np.int32)
+        self._nfree = num_blocks
         self._used = bytearray(num_blocks)   # 1 = handed out (a bytearray: per-call paths index it one at a time)
         self._used_np = np.frombuffer(self._used, np.uint8)   # the same bytes, for the batch calls' array stores
         # every live SeqBlocks' table mirrored in one int32 row of `_tables` (rows and width grown by doubling:
@@ -79,16 +82,31 @@ class PagedKvCache:
     # -- pool ------------------------------------------------------------------------------------
     @property
     def free_count(self) -> int:
-        return len(self._free)
+        return self._nfree
+
+    @property
+    def _free(self) -> np.ndarray:
+        """The free blocks, the next one handed out last (a read-only view of the stack)."""
+        v = self._stack[:self._nfree]
+        v.flags.writeable = False
+        return v
 
     def alloc_block(self) -> int:
         return self.alloc_blocks(1)[0]
 
     def alloc_blocks(self, n: int) -> list[int]:
-        """All n blocks or none (CapacityError, pool unchanged)."""
-        if n > len(self._free):
-            raise CapacityError(f"KV pool exhausted: {n} blocks asked, {len(self._free)} of {self.num_blocks} free")
-        out = [self._free.pop() for _ in range(n)] if n > 1 else [self._free.pop()]
+        """All n blocks or none (CapacityError, pool unchanged); none for n <= 0."""
+        m = self._nfree
+        if n <= 0:
+            return []
+        if n > m:
+            raise CapacityError(f"KV pool exhausted: {n} blocks asked, {m} of {self.num_blocks} free")
+        self._nfree = m - n
+        if n == 1:
+            b = self._stack.item(m - 1)
+            self._used[b] = 1
+            return [b]
+        out = self._stack[m - n:m][::-1].tolist()
         for b in out:
             self._used[b] = 1
         return out
@@ -103,7 +121,9 @@ class PagedKvCache:
             raise InputError("a block freed twice in one call")
         for b in blocks:
             self._used[b] = 0
-        self._free.extend(blocks)
+        m = self._nfree
+        self._stack[m:m + len(blocks)] = blocks
+        self._nfree = m + len(blocks)
 
     # -- the block-table mirror ---------------------------------------------------------------------
     def _take_row(self) -> int:
@@ -137,26 +157,29 @@ class PagedKvCache:
     def grow_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
         """One more block for each of the sequences at mirror rows `rows` (tables of `nblocks` blocks now), handed
         out as one-at-a-time reserves in that order would; all or none (CapacityError, nothing changed)."""
-        n, m = len(rows), len(self._free)
+        n, m = len(rows), self._nfree
         if n > m:
             raise CapacityError(f"KV pool exhausted: {n} blocks asked, {m} of {self.num_blocks} free")
-        new = np.fromiter(reversed(self._free[m - n:]), np.int32, n)   # pop() order
-        del self._free[m - n:]
-        self._used_np[new] = 1
+        new = self._stack[m - n:m][::-1]   # pop() order (a view: stored below before the stack changes again)
         self._widen(int(nblocks.max()) + 1)
+        self._nfree = m - n
+        self._used_np.put(new, 1)   # (put: a scatter about twice as fast as fancy-index assignment)
         self._tables[rows, nblocks] = new
         self._cols[rows, NBLOCKS] = nblocks + 1
 
     def shrink_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
         """Give back the last block of each of the sequences at mirror rows `rows` (tables of `nblocks` >= 1
         blocks), in the order one-at-a-time truncates would. Row counts are the caller's."""
-        last = self._tables.ravel().take(rows * self._tables.shape[1] + (nblocks - 1))
+        keep = nblocks - 1
+        last = self._tables.ravel().take(rows * self._tables.shape[1] + keep)
         used = self._used_np
         if np.count_nonzero(used.take(last)) != len(last):
             raise InputError(f"block {int(last[used[last] == 0][0])} is not allocated")
-        used[last] = 0
-        self._cols[rows, NBLOCKS] = nblocks - 1
-        self._free.extend(last.tolist())
+        used.put(last, 0)
+        self._cols[rows, NBLOCKS] = keep
+        m = self._nfree
+        self._stack[m:m + len(last)] = last
+        self._nfree = m + len(last)
 
     def tables_at(self, rows: np.ndarray, nblocks: np.ndarray, most: int | None = None) -> np.ndarray:
         """int32 [B, max(nblocks)]: the block tables of the mirror rows `rows` (entries past a row's own

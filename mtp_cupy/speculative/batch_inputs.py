@@ -88,7 +88,8 @@ def check_sequences(prop, states, tokens, positions, k: int, idx=None):
             nxt = c[:, OFF] + c[:, ROWS]           # next_position of each sequence (>= 0)
             # as uint64 a negative id is huge: one comparison checks both ends; p >= nxt >= 0 needs no lower
             # bound (count_nonzero: the cheapest any() on a small array)
-            ok = not np.count_nonzero(t.view(np.uint64) >= prop.vocab_size) and int(p.max()) + k <= prop.max_seq_len
+            ok = not np.count_nonzero(t.view(np.uint64) >= prop.vocab_size) and not np.count_nonzero(
+                p > prop.max_seq_len - k)
             if ok and not np.count_nonzero(p != nxt if prop.drafter_context else p < nxt):
                 return t, p, idx, c
     elif 1 < B < ARRAY_MIN_BATCH and len({id(s) for s in states}) != B:
