@@ -175,13 +175,16 @@ def test_batch64_refusals(rng):
     for fmt, kw, what in [("bf16", dict(m=65), "m=65"), ("bf16", dict(ks=17), "ks 17"), ("bf16", dict(ks=0), "ks 0"),
                           ("bf16", dict(kb=9), "kb 9"), ("bf16", dict(ks=14, kb=2), "no launch plan"),
                           ("bf16", dict(ks=8, slices=2), "no launch plan"), ("fp8_block", dict(ks=2, slices=2), "no launch plan"),
+                          ("bf16", dict(slices=3), "slices 3"), ("bf16", dict(stages=1), "stages 1"),
+                          ("bf16", dict(stages=0), "stages 0"),
                           ("bf16", dict(k=60, xs=64), "multiple of 8"), ("bf16", dict(xs=60), "stride"),
                           ("bf16", dict(out_dtype="f16"), "out_dtype"), ("fp8_block", dict(k=40, xs=64), "multiple of 16"),
                           ("fp8_block", dict(scale=0), "NULL")]:
-        a = dict(m=3, n=64, k=64, xs=64, ys=64, ks=1, kb=1, slices=None, out_dtype="f32", scale=s.ptr) | kw
+        a = dict(m=3, n=64, k=64, xs=64, ys=64, ks=1, kb=1, slices=None, stages=None, out_dtype="f32", scale=s.ptr) | kw
         lead = (w.ptr,) if fmt == "bf16" else (w.ptr, a["scale"])
         with pytest.raises(KernelError, match=what):
             getattr(ops, X64_KERNELS[fmt])(dev, *lead, x.ptr, y.ptr, a["m"], a["n"], a["k"], a["xs"], a["ys"],
-                                           a["out_dtype"], ks=a["ks"], kb=a["kb"], slices=a["slices"])
+                                           a["out_dtype"], ks=a["ks"], kb=a["kb"], slices=a["slices"],
+                                           stages=a["stages"])
     with pytest.raises(KernelError, match="no 64-row kernel"):
         ops.plan_batch64(dev, 64, 64, 1, 1, "nvfp4")

@@ -217,7 +217,7 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
             for xs in (1, 2):
                 try:
                     plan_batch64(gpu, n, k, p.ks, p.kb, fmt, slices=xs)
-                except Exception:
+                except KernelError:
                     t_xs[xs] = NAN
                     continue
                 fn = getattr(ops, X64_KERNELS[fmt])

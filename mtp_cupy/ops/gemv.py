@@ -262,6 +262,8 @@ def plan_batch64(gpu: Backend, n: int, k: int, ks: int = 1, kb: int = 1, fmt: st
     cluster size), the ring depth, a persistent grid of whole-tile walkers. `slices` and `stages` fix those
     choices (benchmarks)."""
     need(slices in (None, 1, 2), f"plan_batch64: slices {slices!r} must be 1 or 2 (None: the planner's)")
+    need(stages is None or (isinstance(stages, int) and stages >= 2),
+         f"plan_batch64: stages {stages!r} must be an int >= 2 (None: the planner's)")
     need(fmt in X64_KERNELS, f"plan_batch64: format {fmt!r} has no 64-row kernel (one of {sorted(X64_KERNELS)})")
     for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
         need(isinstance(v, int) and 1 <= v <= hi, f"{X64_KERNELS[fmt]}: {what} {v!r} outside 1..{hi}")
@@ -274,13 +276,18 @@ def x64_fits(gpu: Backend, fmt: str, n: int, k: int, ks: int, kb: int) -> bool:
     holds the plan's k slices (bf16: one block of <= 2; else clusters of <= MAX_KB one-slice blocks), and each
     slice streams >= X64_MIN_ROUNDS units a tile (shorter streams measured slower than the 32-row kernel:
     the ring's fill and the tile's fold are paid over too few stages)."""
-    if fmt not in X64_KERNELS:
-        return False
+    return fmt in X64_KERNELS and _x64_fits(fmt, int(n), int(k), ks, kb, _sms(gpu), _regs(gpu, X64_KERNELS[fmt]),
+                                            _max_kb(gpu))
+
+
+@functools.lru_cache(maxsize=1024)
+def _x64_fits(fmt: str, n: int, k: int, ks: int, kb: int, sms: int, regs: int, max_kb: int) -> bool:
+    # cached: linear asks on every invariant call, and a refused plan is an exception lru_cache does not keep
     units = -(-(k // (8 if fmt == "bf16" else 16)) // 8)
     if -(-units // (ks * kb)) < X64_MIN_ROUNDS:
         return False
     try:
-        plan_batch64(gpu, n, k, ks, kb, fmt)
+        _plan_x64(fmt, n, k, ks, kb, sms, regs, max_kb, None, None)
         return True
     except KernelError:
         return False
