@@ -617,6 +617,28 @@ def test_moe_mma_grid_walks(dev, rng, fmt):
         assert_close(yy[q], host[e][2][1]() @ f32(hh[q]).astype(np.float64), 1e-5, f"down {q}")
 
 
+def test_moe_mma_grid_spreads_short_calls(ref):
+    """The persistent grid: the resident cap when the work units fill it more than EVEN_ROUNDS_MAX times; for
+    shorter calls the fewest blocks that still give every block the same count of units (no tail of blocks
+    walking one unit more than the rest), never more blocks than units."""
+    from mtp_cupy.ops import moe as om
+    fmt, name, n, k, outputs = "mxfp4", "moe_gate_up_mma8_mxfp4", 2048, 4096, 16
+    tiles = n // outputs
+    grid = lambda items, blocks=None: om._mma_launch(ref, name, fmt, n, k, outputs, items, 8, blocks)._grid[0]
+    cap = grid(64)                                      # 64 items x 128 tiles: far more than EVEN_ROUNDS_MAX rounds
+    assert 64 * tiles > om.EVEN_ROUNDS_MAX * cap
+    for items in (1, 2, 6, 9, 11):
+        work = items * tiles
+        rounds = -(-work // cap)
+        b = grid(items)
+        assert b <= min(cap, work), (items, b)
+        if rounds <= om.EVEN_ROUNDS_MAX:
+            assert -(-work // b) == rounds and b == -(-work // rounds), (items, b, rounds)
+        else:
+            assert b == cap, (items, b)
+    assert grid(6, blocks=7) == 7 and grid(1, blocks=10 ** 6) == grid(1)
+
+
 def test_moe_mma_errors(ref, rng):
     x = up(ref, bf16(np.zeros((4, 64))))
     with pytest.raises(KernelError):      # f32 experts have no grouped kernel
