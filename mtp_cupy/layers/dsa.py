@@ -159,8 +159,7 @@ class DsaMlaAttention(MlaAttention):
             raise ConfigError("DSA attention picks its own rows; pass no sel")
         if not 1 <= m <= self.max_rows:
             raise ConfigError(f"MLA sized for {self.max_rows} decode rows, got {m}")
-        MlaAttention.write_kv(self, xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
-        qr = self.q_latent(xn, m, stream)
+        qr = self.project(xn, m, meta, meta_stride, stream)
         self.absorbed_q(qr, m, meta, meta_stride, stream)
         chosen = self.indexer.select(xn, qr, m, meta, meta_stride, stream)
         self.attend(out, m, meta, meta_stride, chosen, self.indexer.sel_stride, stream)

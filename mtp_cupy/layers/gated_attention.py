@@ -17,7 +17,7 @@ from ..runtime.arena import carve
 from ..runtime.backend import Backend
 from ..runtime.ptr import DevicePtr
 from ..runtime.slab import SLOT_OFFSET
-from ..weights.linear import Linear
+from ..weights.linear import Linear, stack_rows
 from .rope_tables import default_inv_freq
 
 
@@ -66,7 +66,11 @@ class GatedAttention:
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
         self._inv_freq = gpu.upload(default_inv_freq(dims.rot_dim, dims.rope_theta))
         r, rk = self.max_rows, self.max_kv_rows
-        sizes = {"qg": 2 * H * hd * r, "q": H * hd * r, "o": H * hd * r, "k": KV * hd * rk, "v": KV * hd * rk}
+        # a decode row's projections land in one row [q | gate interleave (2 H hd) | k (KV hd) | v (KV hd)], in
+        # one GEMV where the three weights can share one (stack_rows); prefill rows take [k | v] alone
+        self._nq, self._w = 2 * H * hd, KV * hd
+        self._qkv, self._kv = stack_rows(gpu, [w.q_proj, w.k_proj, w.v_proj]), stack_rows(gpu, [w.k_proj, w.v_proj])
+        sizes = {"qkv": (self._nq + 2 * self._w) * r, "q": H * hd * r, "o": H * hd * r, "kv": 2 * self._w * rk}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})
 
     def weight_bytes_per_step(self, m: int = 1) -> int:
@@ -79,16 +83,26 @@ class GatedAttention:
         This is all the drafter prefill and catch-up need: a row's K/V depend only on its own input."""
         if not 1 <= m <= self.max_kv_rows:
             raise ConfigError(f"attention sized for {self.max_kv_rows} K/V rows, got {m}")
-        gpu, KV, hd = self.gpu, self.KV, self.hd
-        k, v, w = self._ptr["k"], self._ptr["v"], KV * hd
-        ops.linear(gpu, xn, self.w.k_proj, k, m, stream=stream, invariant=self.inv)
-        ops.linear(gpu, xn, self.w.v_proj, v, m, stream=stream, invariant=self.inv)
-        ops.rms_norm_strided(gpu, k, self.w.k_norm, k, m, KV, hd, w, hd, w, hd, self.eps, unit_offset=True,
+        kv, w = self._ptr["kv"], self._w
+        self._project(xn, [self._kv] if self._kv else [self.w.k_proj, self.w.v_proj], kv, 2 * w, m, stream)
+        self._store_kv(kv, 2 * w, m, pos, pos_stride, slots, slot_stride, stream)
+
+    def _project(self, xn, weights, y, row, m, stream) -> None:
+        """y [m, row] = the weights' outputs side by side, one GEMV each."""
+        col = 0
+        for W in weights:
+            ops.linear(self.gpu, xn, W, y.offset(2 * col), m, y_stride=row, stream=stream, invariant=self.inv)
+            col += W.n
+
+    def _store_kv(self, kv: DevicePtr, row: int, m: int, pos, pos_stride, slots, slot_stride, stream) -> None:
+        """Rows of [k | v] (row stride `row` elements): k normed and RoPE'd in place, both into the caches."""
+        gpu, KV, hd, w = self.gpu, self.KV, self.hd, self._w
+        ops.rms_norm_strided(gpu, kv, self.w.k_norm, kv, m, KV, hd, row, hd, row, hd, self.eps, unit_offset=True,
                              stream=stream)
-        ops.rope(gpu, k, pos, pos_stride, m, KV, hd, self.rot, 0, w, hd, self._inv_freq.ptr, interleaved=False,
+        ops.rope(gpu, kv, pos, pos_stride, m, KV, hd, self.rot, 0, row, hd, self._inv_freq.ptr, interleaved=False,
                  stream=stream)
-        for src, cache in ((k, "k"), (v, "v")):
-            ops.reshape_and_cache(gpu, src, w, slots, slot_stride, self.kv.base(cache), m, w, w, 0,
+        for src, cache in ((kv, "k"), (kv.offset(2 * w), "v")):
+            ops.reshape_and_cache(gpu, src, row, slots, slot_stride, self.kv.base(cache), m, w, w, 0,
                                   dtype=self.kv_dtype, scale=self.kv_scale, stream=stream)
 
     def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
@@ -98,14 +112,17 @@ class GatedAttention:
         if not 1 <= m <= self.max_rows:
             raise ConfigError(f"attention sized for {self.max_rows} rows, got {m}")
         gpu, H, KV, hd = self.gpu, self.H, self.KV, self.hd
-        qg, q, o = self._ptr["qg"], self._ptr["q"], self._ptr["o"]
-        ops.linear(gpu, xn, self.w.q_proj, qg, m, stream=stream, invariant=self.inv)
-        ops.rms_norm_strided(gpu, qg, self.w.q_norm, q, m, H, hd, 2 * H * hd, 2 * hd, H * hd, hd, self.eps,
+        qg, q, o = self._ptr["qkv"], self._ptr["q"], self._ptr["o"]
+        row = self._nq + 2 * self._w
+        w = self.w
+        self._project(xn, [self._qkv] if self._qkv else [w.q_proj, w.k_proj, w.v_proj], qg, row, m, stream)
+        ops.rms_norm_strided(gpu, qg, w.q_norm, q, m, H, hd, row, 2 * hd, H * hd, hd, self.eps,
                              unit_offset=True, stream=stream)
         ops.rope(gpu, q, meta, meta_stride, m, H, hd, self.rot, 0, H * hd, hd, self._inv_freq.ptr,
                  interleaved=False, stream=stream)
-        self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
+        self._store_kv(qg.offset(2 * self._nq), row, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride,
+                       stream)
         ops.gqa_decode(gpu, q, H * hd, self.kv.base("k"), self.kv.base("v"), meta, meta_stride, o, m, H, KV, hd,
                        float(hd) ** -0.5, kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream, invariant=self.inv)
-        ops.sigmoid_gate_mul(gpu, o, qg.offset(2 * hd), o, m, H, hd, 2 * H * hd, 2 * hd, stream=stream)
+        ops.sigmoid_gate_mul(gpu, o, qg.offset(2 * hd), o, m, H, hd, row, 2 * hd, stream=stream)
         ops.linear(gpu, o, self.w.o_proj, out, m, stream=stream, invariant=self.inv)

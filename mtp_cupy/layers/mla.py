@@ -27,7 +27,7 @@ from ..runtime.backend import Backend
 from ..runtime.arena import carve
 from ..runtime.ptr import NULL, DevicePtr
 from ..runtime.slab import SLOT_OFFSET
-from ..weights.linear import Linear
+from ..weights.linear import Linear, stack_rows
 from .rope_tables import default_inv_freq, yarn_inv_freq, yarn_mscale
 
 
@@ -111,8 +111,12 @@ class MlaAttention:
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
         self._inv_freq = gpu.upload(np.asarray(rope.inv_freq, np.float32))
         r, rk = self.max_rows, self.max_kv_rows
-        sizes = {"cq": (dims.q_lora_rank or 0) * r, "qb": H * (dn + dr) * r, "Q": H * dims.row_width * r,
-                 "o_lat": H * C * r, "o": H * dv * r, "kv": dims.row_width * rk}
+        # a decode row's q_a and kv_a outputs side by side, [q latent | latent row] (one GEMV where the two
+        # weights can share one); prefill rows take kv_a alone
+        ql = dims.q_lora_rank or 0
+        self._qkv_a = stack_rows(gpu, [w.q_a, w.kv_a]) if ql and ql % 8 == 0 and dims.row_width % 8 == 0 else None
+        sizes = {"cq": ql * r, "qkv": (ql + dims.row_width) * r if ql else 0, "qb": H * (dn + dr) * r,
+                 "Q": H * dims.row_width * r, "o_lat": H * C * r, "o": H * dv * r, "kv": dims.row_width * rk}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})   # 256-byte aligned
         # W_UK^T and W_UV per head on tensor cores (each head's tile read once per 8 rows) where the format allows
         self._uk_tab = ops.upload_group_table(gpu, w.w_uk_t, H, C)
@@ -124,16 +128,17 @@ class MlaAttention:
         lins = [w.q_b, w.kv_a, w.w_uk_t, w.o_proj] + ([w.q_a] if w.q_a is not None else [])
         return sum(x.weight_bytes for x in lins) + w.kv_b.weight_bytes * self.d.v_head // (self.d.qk_nope + self.d.v_head)
 
-    def _latent_rows(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
-                     slot_stride: int, stream) -> None:
-        """The cache rows [rms(c) | RoPE(k_pe)] of m normed inputs, written to their slots."""
-        gpu, d, kvp = self.gpu, self.d, self._ptr["kv"]
+    def _store_latent(self, kvp: DevicePtr, row: int, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                      slot_stride: int, stream) -> None:
+        """kv_a outputs (row stride `row` elements) -> the cache rows [rms(c) | RoPE(k_pe)] in place, written to
+        their slots."""
+        gpu, d = self.gpu, self.d
         W = d.row_width
-        ops.linear(gpu, xn, self.w.kv_a, kvp, m, stream=stream, invariant=self.inv)
-        ops.rms_norm_strided(gpu, kvp, self.w.kv_a_norm, kvp, m, 1, d.kv_lora_rank, W, W, W, W, d.eps, stream=stream)
-        ops.rope(gpu, kvp, pos, pos_stride, m, 1, W, d.qk_rope, d.kv_lora_rank, W, W, self._inv_freq.ptr,
+        ops.rms_norm_strided(gpu, kvp, self.w.kv_a_norm, kvp, m, 1, d.kv_lora_rank, row, W, row, W, d.eps,
+                             stream=stream)
+        ops.rope(gpu, kvp, pos, pos_stride, m, 1, W, d.qk_rope, d.kv_lora_rank, row, W, self._inv_freq.ptr,
                  self.rope.interleaved, self.rope.mscale, stream=stream)
-        ops.reshape_and_cache(gpu, kvp, W, slots, slot_stride, self.kv.base(self.cache, self.layer), m, W, W, 0,
+        ops.reshape_and_cache(gpu, kvp, row, slots, slot_stride, self.kv.base(self.cache, self.layer), m, W, W, 0,
                               stream=stream)
 
     def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
@@ -142,28 +147,40 @@ class MlaAttention:
         slots at slots + r*slot_stride bytes); no attention: a latent row depends only on its own input."""
         if not 1 <= m <= self.max_kv_rows:
             raise ConfigError(f"MLA sized for {self.max_kv_rows} cache rows per call, got {m}")
-        self._latent_rows(xn, m, pos, pos_stride, slots, slot_stride, stream)
+        kvp = self._ptr["kv"]
+        ops.linear(self.gpu, xn, self.w.kv_a, kvp, m, stream=stream, invariant=self.inv)
+        self._store_latent(kvp, self.d.row_width, m, pos, pos_stride, slots, slot_stride, stream)
 
     def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                 sel: DevicePtr = NULL, sel_stride: int = 0, stream=None) -> None:
         """Decode m sequences, one new row each: xn bf16 [m, D] (input_layernorm'ed) -> out bf16 [m, D].
         Sequence s's slab at meta + s*meta_stride gives its position, the slot its row is written to, and
         the seq_len / block table the attention reads (the new row included). The pieces are public so a
-        variant (DSA) can run its indexer between them: write the row, q_latent, absorbed_q, attend."""
+        variant (DSA) can run its indexer between them: project (the row written, the q latent), absorbed_q,
+        attend."""
         if not 1 <= m <= self.max_rows:
             raise ConfigError(f"MLA sized for {self.max_rows} decode rows, got {m}")
-        self._latent_rows(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
-        self.absorbed_q(self.q_latent(xn, m, stream), m, meta, meta_stride, stream)
+        self.absorbed_q(self.project(xn, m, meta, meta_stride, stream), m, meta, meta_stride, stream)
         self.attend(out, m, meta, meta_stride, sel, sel_stride, stream)
 
-    def q_latent(self, xn: DevicePtr, m: int, stream=None) -> DevicePtr:
-        """The input of q_b: rms(q_a(xn); q_a_layernorm) [m, q_lora] with a q LoRA, else xn itself."""
-        w, d = self.w, self.d
-        if w.q_a is None:
-            return xn
-        ops.linear(self.gpu, xn, w.q_a, self._ptr["cq"], m, stream=stream, invariant=self.inv)
-        ops.rms_norm(self.gpu, self._ptr["cq"], w.q_a_norm, self._ptr["cq"], m, d.q_lora_rank, d.eps, stream=stream)
-        return self._ptr["cq"]
+    def project(self, xn: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, stream=None) -> DevicePtr:
+        """m decode rows: each row's latent cache row written at its slab's slot; returns the input of q_b,
+        rms(q_a(xn); q_a_layernorm) [m, q_lora] with a q LoRA, else xn itself."""
+        w, d, p = self.w, self.d, self._ptr
+        slots = meta.offset(SLOT_OFFSET)
+        ql = d.q_lora_rank
+        if self._qkv_a is None:
+            MlaAttention.write_kv(self, xn, m, meta, meta_stride, slots, meta_stride, stream)   # the latent row only
+            if w.q_a is None:
+                return xn
+            ops.linear(self.gpu, xn, w.q_a, p["cq"], m, stream=stream, invariant=self.inv)
+            ops.rms_norm(self.gpu, p["cq"], w.q_a_norm, p["cq"], m, ql, d.eps, stream=stream)
+            return p["cq"]
+        row = ql + d.row_width
+        ops.linear(self.gpu, xn, self._qkv_a, p["qkv"], m, stream=stream, invariant=self.inv)
+        self._store_latent(p["qkv"].offset(2 * ql), row, m, meta, meta_stride, slots, meta_stride, stream)
+        ops.rms_norm_strided(self.gpu, p["qkv"], w.q_a_norm, p["cq"], m, 1, ql, row, ql, ql, ql, d.eps, stream=stream)
+        return p["cq"]
 
     def absorbed_q(self, qin: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, stream=None) -> None:
         """Q [m, H, C + rope] = [W_UK^T q_nope | RoPE(q_pe)] from the q latent (positions from the slabs)."""

@@ -28,7 +28,7 @@ from ..runtime.arena import carve
 from ..runtime.backend import Backend
 from ..runtime.ptr import NULL, DevicePtr
 from ..runtime.slab import SLOT_OFFSET
-from ..weights.linear import Linear
+from ..weights.linear import Linear, stack_rows
 from .rope_tables import default_inv_freq
 
 CACHE = "kv"
@@ -96,7 +96,12 @@ class V4Attention:
         self.max_rows, self.max_kv_rows = int(max_rows), max(int(max_kv_rows), int(max_rows))
         self._inv_freq = gpu.upload(default_inv_freq(dims.rot_dim, dims.rope_theta))
         r = self.max_rows
-        sizes = {"qa": w.wq_a.n * r, "q": H * hd * r, "o": H * hd * r, "kv": hd * self.max_kv_rows, "z": w.wo_a.n * r}
+        # a decode row's wq_a and wkv outputs side by side, [q latent | kv row] (one GEMV where the two weights can
+        # share one); prefill rows take wkv alone
+        nqa = w.wq_a.n
+        self._qkv = stack_rows(gpu, [w.wq_a, w.wkv]) if nqa % 8 == 0 and hd % 8 == 0 else None
+        sizes = {"qkv": (nqa + hd) * r, "qa": nqa * r, "q": H * hd * r, "o": H * hd * r, "kv": hd * self.max_kv_rows,
+                 "z": w.wo_a.n * r}
         self._buf, self._ptr = carve(gpu, {name: 2 * n for name, n in sizes.items()})
         self._wo_a_tab = ops.upload_group_table(gpu, w.wo_a, G, w.wo_a.n // G)   # tensor-core form where it fits
 
@@ -110,9 +115,10 @@ class V4Attention:
         if not 1 <= m <= most:
             raise ConfigError(f"V4 attention sized for {most} rows, got {m}")
 
-    def _rope(self, x: DevicePtr, pos: DevicePtr, pos_stride: int, m: int, heads: int, inverse: bool, stream):
+    def _rope(self, x: DevicePtr, pos: DevicePtr, pos_stride: int, m: int, heads: int, inverse: bool, stream,
+              row: int | None = None):
         hd = self.hd
-        ops.rope(self.gpu, x, pos, pos_stride, m, heads, hd, self.rot, hd - self.rot, heads * hd, hd,
+        ops.rope(self.gpu, x, pos, pos_stride, m, heads, hd, self.rot, hd - self.rot, row or heads * hd, hd,
                  self._inv_freq.ptr, interleaved=True, inverse=inverse, stream=stream)
 
     def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
@@ -120,15 +126,21 @@ class V4Attention:
         """The cache rows of m normed inputs (RoPE'd at `pos`) into their slots; no attention. All prefill
         needs: a row's kv depends only on its own input."""
         self._check(m, self.max_kv_rows)
-        gpu, hd, kv = self.gpu, self.hd, self._ptr["kv"]
-        ops.linear(gpu, xn, self.w.wkv, kv, m, stream=stream, invariant=self.inv)
-        ops.rms_norm(gpu, kv, self.w.kv_norm, kv, m, hd, self.eps, stream=stream)
-        self._rope(kv, pos, pos_stride, m, 1, False, stream)
+        kv = self._ptr["kv"]
+        ops.linear(self.gpu, xn, self.w.wkv, kv, m, stream=stream, invariant=self.inv)
+        self._store_kv(kv, self.hd, m, pos, pos_stride, slots, slot_stride, stream)
+
+    def _store_kv(self, kv: DevicePtr, row: int, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
+                  slot_stride: int, stream) -> None:
+        """wkv outputs (row stride `row` elements): kv_norm and RoPE in place, then into the cache slots."""
+        gpu, hd = self.gpu, self.hd
+        ops.rms_norm_strided(gpu, kv, self.w.kv_norm, kv, m, 1, hd, row, hd, row, hd, self.eps, stream=stream)
+        self._rope(kv, pos, pos_stride, m, 1, False, stream, row)
         if self.d.kv_dtype == "fp8":
-            ops.reshape_and_cache_fp8_blocks(gpu, kv, hd, slots, slot_stride, self.kv.base(CACHE), m, hd, self.d.nope,
+            ops.reshape_and_cache_fp8_blocks(gpu, kv, row, slots, slot_stride, self.kv.base(CACHE), m, hd, self.d.nope,
                                              stream=stream)
         else:
-            ops.reshape_and_cache(gpu, kv, hd, slots, slot_stride, self.kv.base(CACHE), m, hd, hd, 0, stream=stream)
+            ops.reshape_and_cache(gpu, kv, row, slots, slot_stride, self.kv.base(CACHE), m, hd, hd, 0, stream=stream)
 
     def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                 stream=None) -> None:
@@ -136,12 +148,21 @@ class V4Attention:
         the slab's slot, attends the last `window` of its seq_len rows; out [m, hidden] bf16."""
         self._check(m, self.max_rows)
         gpu, H, hd, p, w = self.gpu, self.H, self.hd, self._ptr, self.w
-        ops.linear(gpu, xn, w.wq_a, p["qa"], m, stream=stream, invariant=self.inv)
-        ops.rms_norm(gpu, p["qa"], w.q_norm, p["qa"], m, w.wq_a.n, self.eps, stream=stream)
+        slots = meta.offset(SLOT_OFFSET)
+        if self._qkv is None:
+            ops.linear(gpu, xn, w.wq_a, p["qa"], m, stream=stream, invariant=self.inv)
+            ops.rms_norm(gpu, p["qa"], w.q_norm, p["qa"], m, w.wq_a.n, self.eps, stream=stream)
+            self.write_kv(xn, m, meta, meta_stride, slots, meta_stride, stream)
+        else:
+            nqa = w.wq_a.n
+            row = nqa + hd
+            ops.linear(gpu, xn, self._qkv, p["qkv"], m, stream=stream, invariant=self.inv)
+            ops.rms_norm_strided(gpu, p["qkv"], w.q_norm, p["qa"], m, 1, nqa, row, nqa, nqa, nqa, self.eps,
+                                 stream=stream)
+            self._store_kv(p["qkv"].offset(2 * nqa), row, m, meta, meta_stride, slots, meta_stride, stream)
         ops.linear(gpu, p["qa"], w.wq_b, p["q"], m, stream=stream, invariant=self.inv)
         ops.rms_norm_strided(gpu, p["q"], NULL, p["q"], m, H, hd, H * hd, hd, H * hd, hd, self.eps, stream=stream)
         self._rope(p["q"], meta, meta_stride, m, H, False, stream)
-        self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.mla_decode(gpu, p["q"], self.kv.base(CACHE), meta, meta_stride, p["o"], m, H, hd, hd, float(hd) ** -0.5,
                        window=self.window, sink=w.sink, kv_dtype=self.d.kv_dtype, nope=self.d.nope, stream=stream,
                        invariant=self.inv)

@@ -57,8 +57,50 @@ class Linear:
     @property
     def weight_bytes(self) -> int:
         """Bytes one pass over this weight reads (weights + scales)."""
-        n, k = self.n, self.k
-        return {"bf16": 2 * n * k, "fp8_row": n * k + 4 * n,
-                "fp8_block": n * k + 4 * ((n + 127) // 128) * ((k + 127) // 128),
-                "fp8_block_e8m0": n * k + ((n + 127) // 128) * ((k + 127) // 128),
-                "nvfp4": n * k // 2 + n * k // 16, "mxfp4": n * k // 2 + n * k // 32}[self.fmt]
+        return sum(self.storage_bytes())
+
+    def storage_bytes(self) -> tuple[int, int]:
+        """(weight bytes, scale bytes), rows contiguous in each."""
+        n, k, f = self.n, self.k, self.fmt
+        if f == "bf16":
+            return 2 * n * k, 0
+        if f == "fp8_row":
+            return n * k, 4 * n
+        if f in ("fp8_block", "fp8_block_e8m0"):
+            return n * k, (4 if f == "fp8_block" else 1) * ((n + 127) // 128) * ((k + 127) // 128)
+        return n * k // 2, n * k // (16 if f == "nvfp4" else 32)
+
+
+def stack_problem(parts: list[Linear]) -> str | None:
+    """Why `parts` cannot share one weight (stack_rows), or None: one format and k; block formats need every
+    part but the last a multiple of 128 rows (the scale blocks then line up), nvfp4 one global scale."""
+    f, k = parts[0].fmt, parts[0].k
+    if any(p.fmt != f or p.k != k for p in parts):
+        return f"parts must share format and k, got {[(p.fmt, p.k) for p in parts]}"
+    if f in ("fp8_block", "fp8_block_e8m0") and any(p.n % 128 for p in parts[:-1]):
+        return f"{f} parts but the last need multiples of 128 rows, got {[p.n for p in parts]}"
+    if f == "nvfp4" and len({p.scale2 for p in parts}) > 1:
+        return "nvfp4 parts with different global scales"
+    return None
+
+
+def stack_rows(gpu, parts: list[Linear]) -> Linear | None:
+    """One weight holding the output rows of `parts` in order, so that one GEMV computes what the parts would
+    in one launch; None where they cannot share one (stack_problem says why). The parts are copied and stay
+    valid."""
+    if stack_problem(parts):
+        return None
+    f, k = parts[0].fmt, parts[0].k
+    sizes = [p.storage_bytes() for p in parts]
+    wbuf = gpu.alloc(sum(w for w, _ in sizes))
+    sbuf = gpu.alloc(sum(s for _, s in sizes)) if f != "bf16" else None
+    wo = so = 0
+    for p, (wb, sb) in zip(parts, sizes):
+        gpu.copy_d2d_async(wbuf.ptr.offset(wo), p.weight, wb)
+        if sb:
+            gpu.copy_d2d_async(sbuf.ptr.offset(so), p.scale, sb)
+        wo, so = wo + wb, so + sb
+    gpu.synchronize()
+    return Linear(f, sum(p.n for p in parts), k, wbuf.ptr, sbuf.ptr if sbuf else NULL, parts[0].scale2,
+                  owners=[wbuf] + ([sbuf] if sbuf else []))
+
