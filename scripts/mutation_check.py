@@ -209,6 +209,14 @@ MUTATIONS = [
     M("walk-window-bound-ignored", "the mode choice ignores a window's empty splits (V4 would split at every batch)",
       "mtp_cupy/ops/paged_attention.py", "used = min(splits, -(-bound // _MIN_CHUNK)) if bound > 0 else splits",
       "used = splits", "tests/test_paged_attention.py"),
+    M("stack-scales-misplaced", "stack_rows copies every part's scales to the start of the stacked scale buffer",
+      "mtp_cupy/weights/linear.py", "gpu.copy_d2d_async(sbuf.ptr.offset(so), p.scale, sb)",
+      "gpu.copy_d2d_async(sbuf.ptr, p.scale, sb)", "tests/test_linear_stack.py"),
+    M("stack-block-unaligned", "stack_rows accepts a block-format part of rows not a multiple of 128 before another",
+      "mtp_cupy/weights/linear.py", "any(p.n % 128 for p in parts[:-1])", "False", "tests/test_linear_stack.py"),
+    M("moe-even-grid-off", "short expert-GEMM calls keep the full resident grid (the tail of one-more-unit blocks)",
+      "mtp_cupy/ops/moe.py", "if rounds <= EVEN_ROUNDS_MAX:", "if False:",
+      "tests/test_moe.py::test_moe_mma_grid_spreads_short_calls"),
 ]
 
 
