@@ -185,8 +185,9 @@ class PagedKvCache:
         """int32 [B, max(nblocks)]: the block tables of the mirror rows `rows` (entries past a row's own
         nblocks are stale: no reader looks there); `most`: max(nblocks) when the caller knows it."""
         t, w = self._tables, max(int(nblocks.max()) if most is None else most, 1)
-        # take copies whole mirror rows, a few times faster than fancy indexing while the rows are not much wider
-        return t.take(rows, axis=0)[:, :w] if t.shape[1] <= 2 * w else t[rows, :w]
+        # take copies whole mirror rows, a few times faster than fancy indexing while the rows are narrow or not much
+        # wider than w
+        return t.take(rows, axis=0)[:, :w] if t.shape[1] <= max(2 * w, 64) else t[rows, :w]
 
     # -- addressing ------------------------------------------------------------------------------
     def base(self, cache: str, layer: int = 0) -> DevicePtr:

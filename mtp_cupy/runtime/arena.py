@@ -17,13 +17,12 @@ MTP_META_OFFSET = 65536
 META_TABLE_OFFSET = TABLE_OFFSET  # alias kept for callers that predate runtime.slab
 DEFAULT_SCRATCH = MTP_META_OFFSET + 64 * 1024  # room for a 16,320-entry block table (261k tokens)
 ALIGN = 256
-# the slab fields as indices into int32 / int64 views of a slab (the stager writes through those). pos (u32) and
-# seq_len (i32) are each followed by 4 bytes no field uses, so the stager writes each as one int64 word (the
-# value, then 4 zero bytes): a field per store, whatever the batch
+# the slab fields as indices into int32 / int64 views of a slab (the stagers write through those). pos (u32) and
+# seq_len (i32) are each followed by 4 bytes no field uses, so the stagers write each as one int64 word (the
+# value, then 4 zero bytes); pos, slot, seq_len are the slab's int64 words 0, 1, 2 (SlabStager's one store)
 _TABLE32 = TABLE_OFFSET // 4
 _POS64, _SLOT64, _SEQ_LEN64 = POS_OFFSET // 8, SLOT_OFFSET // 8, SEQ_LEN_OFFSET // 8
-assert POS_OFFSET % 8 == 0 and SEQ_LEN_OFFSET % 8 == 0 and len({_POS64, _SLOT64, _SEQ_LEN64}) == 3
-_STEPS = np.arange(16, dtype=np.int64)[:, None]   # the draft steps 0..k-1 as a column, for k up to 16
+assert POS_OFFSET % 8 == 0 and SEQ_LEN_OFFSET % 8 == 0 and (_POS64, _SLOT64, _SEQ_LEN64) == (0, 1, 2)
 
 
 def pack_mtp_attn_meta(pos: int, slot: int, seq_len: int, block_table, capacity: int) -> bytes:
@@ -53,40 +52,89 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     seq_len rows0[s] + i + 1, table tables[s]) lands in row i at byte s * stride (stride 0: one slab, the
     whole row; stride and row bytes multiples of 8). `tables` is B lists of block ids, or an int array
     [B, L] whose row s holds lens[s] of them (`PagedKvCache.tables_of`; entries past lens[s] are staged
-    too, where no reader looks); `most`, when the caller knows it, is max(lens) (it saves a pass). The per-call
-    hot path: a fixed number of array operations whatever B is; the tables are the allocator's own (valid
-    block ids), so only their size is checked."""
-    B, bs = len(tables), block_size
+    too, where no reader looks); `most`, when the caller knows it, is max(lens) (it saves a pass). The
+    tables are the allocator's own (valid block ids), so only their size is checked. A caller that stages
+    the same slabs call after call keeps a `SlabStager` instead."""
+    B = len(tables)
     if lens is None:
         lens = [len(t) for t in tables]
     slab = stride or stage.shape[1]
     if most is None:
         most = int(lens.max()) if isinstance(lens, np.ndarray) else max(lens)
-    if TABLE_OFFSET + 4 * most > slab or B * slab > stage.shape[1]:
-        raise CapacityError(f"{B} MTP slabs with block tables of up to {most} entries do not fit "
-                            f"{slab}-byte slabs in a {stage.shape[1]}-byte stage row")
     if B == 1:                                   # propose's case: a few scalar stores beat the array plan
-        _stage_one(stage, k, int(positions[0]), int(rows0[0]), tables[0][:lens[0]], bs)
+        _check_fits(1, most, slab, stage.shape[1])
+        _stage_one(stage, k, int(positions[0]), int(rows0[0]), tables[0][:lens[0]], block_size)
         return
     if not isinstance(tables, np.ndarray):
         tab = np.zeros((B, most), np.int32)
         for s, t in enumerate(tables):
             tab[s, :len(t)] = t
         tables = tab
-    # each field is computed into a contiguous [k, B] array, then stored into the strided slabs (ufuncs writing
-    # straight into a strided view, and operator broadcasts, are slower at these sizes)
-    step = _STEPS[:k] if k <= len(_STEPS) else np.arange(k)[:, None]
-    rows = np.add(np.asarray(rows0, dtype=np.int64), step)                      # [k, B]
-    v = stage[:k, :B * slab]
-    v64 = v.view(np.int64).reshape(k, B, slab // 8)
-    v64[:, :, _POS64] = np.add(np.asarray(positions, dtype=np.int64), step)
-    v64[:, :, _SEQ_LEN64] = np.add(rows, 1)
-    blk, off = np.divmod(rows, bs)
-    blk += np.arange(0, B * tables.shape[1], tables.shape[1])                   # flat index of each entry
-    np.multiply(tables.ravel().take(blk), bs, out=blk)
-    blk += off
-    v64[:, :, _SLOT64] = blk
-    v.view(np.int32).reshape(k, B, slab // 4)[:, :, _TABLE32:_TABLE32 + most] = tables[:, :most]
+    stager = SlabStager(stage, k, B, slab, block_size)
+    stager.set_first(np.arange(0, B * tables.shape[1], tables.shape[1]))
+    stager(positions, rows0, np.ascontiguousarray(tables, dtype=np.int32).ravel(), tables, most)
+
+
+def _check_fits(B: int, most: int, slab: int, row_bytes: int) -> None:
+    if TABLE_OFFSET + 4 * most > slab or B * slab > row_bytes:
+        raise CapacityError(f"{B} MTP slabs with block tables of up to {most} entries do not fit "
+                            f"{slab}-byte slabs in a {row_bytes}-byte stage row")
+
+
+class SlabStager:
+    """stage_mtp_meta's array plan for k steps of B slabs `stride` bytes apart in a uint8 stage [steps, bytes],
+    its views, temporaries and operands made once (a batch call restages the same slabs call after call). Every
+    NumPy call costs about a microsecond at these sizes less when its operands are contiguous int64 arrays of
+    one shape (no broadcast, no scalar, no cast): so the per-sequence values are broadcast into [k, B] arrays by
+    stores, and the arithmetic runs on those against [k, B] constants."""
+    __slots__ = ("k", "B", "slab", "pos", "slot", "seq_len", "tab", "rp", "steps", "first", "ops", "by", "ones",
+                 "t", "j")
+
+    def __init__(self, stage: np.ndarray, k: int, B: int, stride: int, block_size: int):
+        _check_fits(B, 0, stride, stage.shape[1])
+        self.k, self.B, self.slab = k, B, stride
+        v = stage[:k, :B * stride]
+        v64 = v.view(np.int64).reshape(k, B, stride // 8)
+        self.pos, self.slot, self.seq_len = v64[:, :, _POS64], v64[:, :, _SLOT64], v64[:, :, _SEQ_LEN64]
+        self.tab = v.view(np.int32).reshape(k, B, stride // 4)[:, :, _TABLE32:]
+        kb = (k, B)
+        self.rp = np.empty((2,) + kb, np.int64)                     # [0]: the steps' rows, [1]: their positions
+        self.steps = np.broadcast_to(np.arange(k, dtype=np.int64)[:, None], (2,) + kb).copy()
+        self.first = np.empty(kb, np.int64)   # each sequence's entry 0 in the flat tables (`first`, per row)
+        # row // bs, t * bs, row % bs: shifts and a mask for a power-of-two block size (a division is slower)
+        pow2 = block_size & (block_size - 1) == 0
+        self.ops = (np.right_shift, np.left_shift, np.bitwise_and) if pow2 else \
+            (np.floor_divide, np.multiply, np.remainder)
+        sh = block_size.bit_length() - 1
+        self.by = tuple(np.full(kb, v, np.int64) for v in ((sh, sh, block_size - 1) if pow2 else (block_size,) * 3))
+        self.ones = np.ones(kb, np.int64)
+        self.t, self.j = np.empty(kb, np.int64), np.empty(kb, np.int64)
+
+    def set_first(self, first) -> None:
+        """Sequence s's block table starts at entry first[s] of the flat tables the calls pass."""
+        self.first[...] = first
+
+    def __call__(self, positions, rows0, flat_tables: np.ndarray, tables: np.ndarray, most: int) -> None:
+        """Stage positions / rows0 ([B] ints) with the tables [B, >= most] (int32), which `flat_tables` also
+        holds (sequence s's from entry `first[s]`, see set_first)."""
+        _check_fits(self.B, most, self.slab, self.B * self.slab)
+        rp, t, j = self.rp, self.t, self.j
+        rp[0] = rows0
+        rp[1] = positions
+        np.add(rp, self.steps, out=rp)
+        rows = rp[0]
+        self.pos[...] = rp[1]
+        np.add(rows, self.ones, out=t)
+        self.seq_len[...] = t
+        (div, mul, rem), (d, m, r) = self.ops, self.by
+        div(rows, d, out=j)
+        np.add(j, self.first, out=j)
+        t[...] = flat_tables.take(j)   # (a take into `out` buffers; a cast on the store is cheap)
+        mul(t, m, out=t)
+        rem(rows, r, out=j)
+        np.add(t, j, out=t)
+        self.slot[...] = t
+        self.tab[:, :, :most] = tables[:, :most]
 
 
 def _stage_one(stage: np.ndarray, k: int, position: int, rows0: int, table, bs: int) -> None:

@@ -51,7 +51,7 @@ from ..cache import PagedKvCache, SeqBlocks
 from ..cache.paged import NBLOCKS, ROWS
 from ..errors import CapacityError, ConfigError, InputError
 from ..runtime import slab as slab_spec
-from ..runtime.arena import ForwardBuffers, pack_mtp_attn_meta, stage_mtp_meta
+from ..runtime.arena import ForwardBuffers, SlabStager, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
@@ -130,6 +130,7 @@ class MtpProposerBase:
         # chain copies both in itself (inside the graph: no copy call per propose); made on first use
         self._stage = None
         self._steps = {}   # (k, W) -> the [k, W * meta_stride] view of the stage's slabs
+        self._stagers = {}   # (k, W, B) -> the SlabStager of a wide batch's B slabs in that view
         self._inbox = None
         self._hmax = hmax
         self._all_logits = None   # f32 [max_drafts, max_batch, vocab_eff], made on the first return_logits
@@ -641,11 +642,14 @@ class MtpProposerBase:
         if B == 1:
             table = states[0].blocks.table_view()
             stage_mtp_meta(steps, k, positions, rows0, (table,), self.kv.block_size, S, lens=(len(table),))
-        elif idx is not None:
-            nblocks = c[:, NBLOCKS]
+        elif idx is not None:   # the mirror's tables are read in place (entry 0 of row r at r * width)
+            kv, nblocks = self.kv, c[:, NBLOCKS]
             most = int(nblocks.max())
-            stage_mtp_meta(steps, k, positions, rows0, self.kv.tables_at(idx, nblocks, most), self.kv.block_size, S,
-                           lens=nblocks, most=most)
+            stager = self._stagers.get((k, W, B))
+            if stager is None:
+                stager = self._stagers[k, W, B] = SlabStager(steps, k, B, S, kv.block_size)
+            self._memo.aim(stager, kv)
+            stager(positions, rows0, kv._tables.ravel(), kv.tables_at(idx, nblocks, most), most)
         else:
             tables, lens = self.kv.tables_of([st.blocks for st in states])
             stage_mtp_meta(steps, k, positions, rows0, tables, self.kv.block_size, S, lens=lens)

@@ -40,10 +40,10 @@ class BatchMemo:
     mirror rows: while the same states come back in the same order (list equality, identity first) and no
     mirror row of the cache changed hands since (`PagedKvCache.row_epoch`: a state allocated or freed), a batch
     call reuses those rows instead of checking and gathering B states again."""
-    __slots__ = ("states", "idx", "epoch")
+    __slots__ = ("states", "idx", "epoch", "_aimed")
 
     def __init__(self):
-        self.states, self.idx, self.epoch = None, None, -1
+        self.states, self.idx, self.epoch, self._aimed = None, None, -1, None
 
     def rows(self, states, kv) -> np.ndarray | None:
         """The remembered mirror rows when `states` (a list) is the remembered batch at the cache's epoch."""
@@ -56,7 +56,15 @@ class BatchMemo:
 
     def keep(self, states: list, idx: np.ndarray, kv) -> None:
         """Remember `states` (checked) and their mirror rows `idx` at the cache's current epoch."""
-        self.states, self.idx, self.epoch = list(states), idx, kv.row_epoch
+        self.states, self.idx, self.epoch, self._aimed = list(states), idx, kv.row_epoch, None
+
+    def aim(self, stager, kv) -> None:
+        """Point `stager` (arena.SlabStager) at the remembered rows' tables in the cache's flat mirror, unless it
+        already is (the same stager, rows and table width as last time)."""
+        key = (stager, kv._tables.shape[1])
+        if self._aimed != key:
+            stager.set_first(self.idx * key[1])
+            self._aimed = key
 
 
 def check_sequences(prop, states, tokens, positions, k: int, idx=None):
