@@ -74,6 +74,7 @@ class PagedKvCache:
         # bumped whenever a mirror row changes hands (taken or given back): a batch's mirror rows remembered at
         # one epoch are still its states' rows at the same epoch (speculative.batch_inputs.BatchMemo)
         self.row_epoch = 0
+        self._flat_memo = None   # _flat's last (rows, width, indices)
 
     @staticmethod
     def blocks_for(rows: int, block_size: int = BLOCK_SIZE) -> int:
@@ -154,6 +155,18 @@ class PagedKvCache:
         lens = [s.nblocks for s in seqs]
         return self.tables_at(np.array([s.row for s in seqs], np.intp), np.array(lens)), lens
 
+    def _flat(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows * SEQ_COLUMNS + NBLOCKS, rows * width): where the mirror rows' NBLOCKS counters and tables start in
+        the flat `_cols` / `_tables`. Kept for the last read-only `rows` (a batch call's remembered rows, passed
+        call after call) while the width holds; every put / take then runs on precomputed indices."""
+        w, f = self._tables.shape[1], self._flat_memo
+        if f is not None and f[0] is rows and f[1] == w:
+            return f[2]
+        out = rows * SEQ_COLUMNS + NBLOCKS, rows * w
+        if not rows.flags.writeable:
+            self._flat_memo = rows, w, out
+        return out
+
     def grow_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
         """One more block for each of the sequences at mirror rows `rows` (tables of `nblocks` blocks now), handed
         out as one-at-a-time reserves in that order would; all or none (CapacityError, nothing changed)."""
@@ -163,20 +176,23 @@ class PagedKvCache:
         new = self._stack[m - n:m][::-1]   # pop() order (a view: stored below before the stack changes again)
         self._widen(int(nblocks.max()) + 1)
         self._nfree = m - n
-        self._used_np.put(new, 1)   # (put: a scatter about twice as fast as fancy-index assignment)
-        self._tables[rows, nblocks] = new
-        self._cols[rows, NBLOCKS] = nblocks + 1
+        # (put / take at flat indices: scatters and gathers a few times faster than fancy indexing)
+        at_nblocks, at_table = self._flat(rows)
+        self._used_np.put(new, 1)
+        self._tables.ravel().put(at_table + nblocks, new)
+        self._cols.ravel().put(at_nblocks, nblocks + 1)
 
     def shrink_one(self, rows: np.ndarray, nblocks: np.ndarray) -> None:
         """Give back the last block of each of the sequences at mirror rows `rows` (tables of `nblocks` >= 1
         blocks), in the order one-at-a-time truncates would. Row counts are the caller's."""
         keep = nblocks - 1
-        last = self._tables.ravel().take(rows * self._tables.shape[1] + keep)
+        at_nblocks, at_table = self._flat(rows)
+        last = self._tables.ravel().take(at_table + keep)
         used = self._used_np
         if np.count_nonzero(used.take(last)) != len(last):
             raise InputError(f"block {int(last[used[last] == 0][0])} is not allocated")
         used.put(last, 0)
-        self._cols[rows, NBLOCKS] = keep
+        self._cols.ravel().put(at_nblocks, keep)
         m = self._nfree
         self._stack[m:m + len(last)] = last
         self._nfree = m + len(last)

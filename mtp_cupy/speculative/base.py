@@ -155,6 +155,9 @@ class MtpProposerBase:
         self._graphs: dict = {}
         self._warm: set = set()
         self._memo = BatchMemo()   # the last wide batch's checked states and mirror rows (a serving loop repeats it)
+        # blocks_for(rows) for every row count a sequence can hold: the batch calls' block arithmetic as one take
+        self._blocks_of = (np.arange(self.max_seq_len + 1, dtype=np.int64) + kv.block_size - 1) // kv.block_size
+        self._zeros = np.zeros(self.max_batch, np.int64)
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
                  self.sequences_that_fit(), self.max_seq_len)
 
@@ -236,21 +239,22 @@ class MtpProposerBase:
         for the batch, whose sequences that need one block more get it in one pool call."""
         room, ones = self.kv.block_size, None
         if c is not None:   # rows0 + k <= max_seq_len: every position checked is at least its row count
-            rows0 = c[:, ROWS].copy()   # c's own column is updated when the call finishes
-            need = (rows0 + (k + room - 1)) // room - c[:, NBLOCKS]   # >= 0: a table holds its rows' blocks
+            rows0 = c[:, ROWS]   # (c's own; the mirror's column is updated when the call finishes)
+            need = self._blocks_of[k:].take(rows0)
+            need -= c[:, NBLOCKS]   # >= 0: a table holds its rows' blocks
             n = np.count_nonzero(need)
             if not n:
                 return rows0
-            most = int(need.max())
-            todo = np.flatnonzero(need > 1).tolist() if most > 1 else []
-            if n == len(need) and most == 1:   # every sequence crosses into a new block (and todo is empty)
+            one = need == 1
+            n1 = np.count_nonzero(one)
+            todo = np.flatnonzero(need > 1).tolist() if n1 < n else []
+            if n1 == len(need):   # every sequence crosses into a new block (and todo is empty)
                 self.kv.grow_one(idx, c[:, NBLOCKS])
                 c[:, NBLOCKS] += 1
-            else:
-                ones = np.flatnonzero(need == 1)
-                if ones.size:
-                    self.kv.grow_one(idx[ones], c[ones, NBLOCKS])
-                    c[ones, NBLOCKS] += 1
+            elif n1:
+                ones = np.flatnonzero(one)
+                self.kv.grow_one(idx[ones], c[ones, NBLOCKS])
+                c[ones, NBLOCKS] += 1
         else:
             rows0, todo = [], []
             for st in states:   # a plain loop: the common B = 1 case pays no comprehension frame
@@ -531,8 +535,9 @@ class MtpProposerBase:
                 new_run = None if np.count_nonzero(rows0) == len(rows0) else rows0 == 0   # starts a run
             else:
                 new_run = (positions != c[:, OFF] + rows0) | (rows0 == 0)   # a later position, or a first row
-            c[:, ROWS], c[:, DRAFTED] = rows0 + k, k if lps is None else done
-            self.kv._cols[idx] = c
+            cols = self.kv._cols.ravel()   # (put at the rows' flat indices: a scatter cheaper than cols[idx] = c)
+            cols.put(self._memo.at(ROWS), rows0 + k)
+            cols.put(self._memo.at(DRAFTED), k if lps is None else done)
             if new_run is not None and np.count_nonzero(new_run):
                 for s in np.flatnonzero(new_run).tolist():
                     states[s]._extend(int(rows0[s]), int(positions[s]))
@@ -745,19 +750,23 @@ class MtpProposerBase:
                 self._trim(st, n)
             return
         rows = c[:, ROWS] - mtp_rows_to_trim_batch(d, a, self.refeed_accepted)
-        bs, nb = self.kv.block_size, c[:, NBLOCKS]   # (c's NBLOCKS column is not written below)
-        drop, cut = nb - (rows + bs - 1) // bs, rows <= c[:, RUN0]   # blocks emptied; the last run of positions gone
-        c[:, ROWS], c[:, DRAFTED] = rows, 0
-        self.kv._cols[idx] = c
+        nb = c[:, NBLOCKS]
+        drop = self._blocks_of.take(rows)   # blocks emptied: nb - blocks_for(rows)
+        np.subtract(nb, drop, out=drop)
+        cut = rows <= c[:, RUN0]   # the last run of positions gone
+        cols = self.kv._cols.ravel()   # (put at the rows' flat indices: a scatter cheaper than cols[idx] = c)
+        cols.put(self._memo.at(ROWS), rows)
+        cols.put(self._memo.at(DRAFTED), self._zeros[:B])
         n = np.count_nonzero(drop)
         if n:
-            most = int(drop.max())
-            if n == B and most == 1:   # every sequence gives back one block
+            one = drop == 1
+            n1 = np.count_nonzero(one)
+            if n1 == B:   # every sequence gives back one block
                 self.kv.shrink_one(idx, nb)
-            else:
-                ones = np.flatnonzero(drop == 1)
+            elif n1:
+                ones = np.flatnonzero(one)
                 self.kv.shrink_one(idx[ones], nb[ones])
-            for s in (np.flatnonzero(drop > 1).tolist() if most > 1 else ()):
+            for s in (np.flatnonzero(drop > 1).tolist() if n1 < n else ()):
                 states[s].blocks.truncate(int(rows[s]))
         if np.count_nonzero(cut):
             for s in np.flatnonzero(cut).tolist():

@@ -6,7 +6,7 @@ import operator
 
 import numpy as np
 
-from ..cache.paged import ROWS
+from ..cache.paged import ROWS, SEQ_COLUMNS
 from ..errors import InputError
 from .inputs import check_bitmask, check_position, check_token
 from .proposer import OFF, ProposerState
@@ -40,10 +40,10 @@ class BatchMemo:
     mirror rows: while the same states come back in the same order (list equality, identity first) and no
     mirror row of the cache changed hands since (`PagedKvCache.row_epoch`: a state allocated or freed), a batch
     call reuses those rows instead of checking and gathering B states again."""
-    __slots__ = ("states", "idx", "epoch", "_aimed")
+    __slots__ = ("states", "idx", "epoch", "_aimed", "_at")
 
     def __init__(self):
-        self.states, self.idx, self.epoch, self._aimed = None, None, -1, None
+        self.states, self.idx, self.epoch, self._aimed, self._at = None, None, -1, None, {}
 
     def rows(self, states, kv) -> np.ndarray | None:
         """The remembered mirror rows when `states` (a list) is the remembered batch at the cache's epoch."""
@@ -56,7 +56,15 @@ class BatchMemo:
 
     def keep(self, states: list, idx: np.ndarray, kv) -> None:
         """Remember `states` (checked) and their mirror rows `idx` at the cache's current epoch."""
-        self.states, self.idx, self.epoch, self._aimed = list(states), idx, kv.row_epoch, None
+        idx.flags.writeable = False   # PagedKvCache keeps flat indices of a read-only rows array
+        self.states, self.idx, self.epoch, self._aimed, self._at = list(states), idx, kv.row_epoch, None, {}
+
+    def at(self, column: int) -> np.ndarray:
+        """Where the remembered rows' counter `column` sits in the cache's flat `_cols` (for put / take)."""
+        f = self._at.get(column)
+        if f is None:
+            f = self._at[column] = self.idx * SEQ_COLUMNS + column
+        return f
 
     def aim(self, stager, kv) -> None:
         """Point `stager` (arena.SlabStager) at the remembered rows' tables in the cache's flat mirror, unless it

@@ -2,6 +2,7 @@
 changes, and raises InputError naming the problem."""
 from __future__ import annotations
 
+import array
 import math
 from dataclasses import dataclass
 
@@ -118,13 +119,14 @@ def host_ints(x, gpu: Backend | None, what: str, stream=None, as_array: bool = F
     """Integer ids or positions as host ints: an int, a sequence of ints, a NumPy array or a DLPack tensor (a
     CUDA one is read to the host: a wait on `stream`, never on the whole device). `as_array`: as a 1-D integer
     array instead of a list (what the batch calls check and stage with)."""
-    if as_array and type(x) is list:   # a batch call's plain list of ints: one conversion (anything else below)
+    if as_array and type(x) is list and x and type(x[0]) is not bool:
+        # a batch call's plain list of ints: array.array converts them faster than NumPy's type discovery and
+        # refuses what would not be an int64 array of them (floats, strings, huge ints: the general path below);
+        # a list of bools, which NumPy keeps as bools, never gets here (its first element is a bool)
         try:
-            a = np.array(x)
+            return np.frombuffer(array.array("q", x), np.int64)
         except (TypeError, ValueError, OverflowError):
-            a = None
-        if a is not None and a.ndim == 1 and a.dtype.kind in "iu":
-            return a
+            pass
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
         return np.array([int(x)], np.int64) if as_array else [int(x)]
     if is_cuda_tensor(x):
