@@ -149,7 +149,9 @@ def test_wide_batch_errors_name_the_sequence(rng):
              (dict(pos={bad: lens[bad] - 1}), f"sequence {bad}: position {lens[bad] - 1} is not after"),
              (dict(tok={bad: prop.vocab_size}), f"sequence {bad}: token id {prop.vocab_size} is out of range"),
              (dict(tok={bad: -1}), f"sequence {bad}: token id -1 is out of range"),
-             (dict(pos={bad: prop.max_seq_len - 1}), "past max_seq_len")]
+             (dict(pos={bad: prop.max_seq_len - 1}), "past max_seq_len"),
+             (dict(tok={bad: 1 << 64}), "outside the 64-bit integer range"),
+             (dict(pos={bad: -(1 << 70)}), "outside the 64-bit integer range")]
     for change, msg in cases:
         p, t = list(pos), list(toks)
         for s, v in change.get("pos", {}).items():

@@ -128,7 +128,8 @@ def host_ints(x, gpu: Backend | None, what: str, stream=None, as_array: bool = F
         except (TypeError, ValueError, OverflowError):
             pass
     if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-        return np.array([int(x)], np.int64) if as_array else [int(x)]
+        v = [_int64(x, what)]
+        return np.array(v, np.int64) if as_array else v
     if is_cuda_tensor(x):
         if gpu is None or not gpu.is_cuda:
             raise InputError(f"{what} is a CUDA tensor but this proposer runs on the {getattr(gpu, 'name', '?')} "
@@ -144,14 +145,22 @@ def host_ints(x, gpu: Backend | None, what: str, stream=None, as_array: bool = F
             a = np.empty(0, object)
         if a.dtype == object:   # e.g. CUDA scalars in a list: one at a time
             try:
-                return [int(v) for v in (x if isinstance(x, (list, tuple)) else [x])]
+                v = [_int64(int(e), what) for e in (x if isinstance(x, (list, tuple)) else [x])]
             except (TypeError, ValueError) as e:
                 raise InputError(f"{what}: expected integers, got {type(x).__name__} ({e})") from None
+            return np.array(v, np.int64) if as_array else v
     if a.size == 0:
         return np.zeros(0, np.int64) if as_array else []
     if a.dtype.kind not in "iu":
         raise InputError(f"{what} must hold integers, got dtype {a.dtype}")
     return a.reshape(-1) if as_array else a.reshape(-1).tolist()
+
+
+def _int64(v, what: str) -> int:
+    v = int(v)
+    if not -(1 << 63) <= v < 1 << 63:
+        raise InputError(f"{what}: {v} is outside the 64-bit integer range")
+    return v
 
 
 def _check_dtype(name: str, what: str) -> None:
