@@ -11,11 +11,10 @@ after one warm-up call with the same shapes is safe. Launches on several streams
 from __future__ import annotations
 
 import math
-import weakref
 
 from ..runtime.ptr import NULL, DevicePtr
 from ..runtime.slab import TABLE_OFFSET
-from ._util import launch, need
+from ._util import kept_workspace, launch, need
 from .kv_cache import fp8_block_layout
 
 __all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes", "MAX_ROW_WIDTH", "MAX_HEAD_DIM"]
@@ -33,8 +32,6 @@ _WALK_SPLIT_COST = 0.5
 _EMPTY_SPLIT_COST = 0.15
 MAX_ROW_WIDTH = 576    # dk: nine 16-wide k-steps per head-dim quarter (kernel MAX_KSTEPS)
 MAX_HEAD_DIM = 512     # dv (and GQA head_dim): sixteen 8-wide n-tiles per quarter (kernel MAX_NTILES)
-
-_ws: "weakref.WeakKeyDictionary[object, dict[int, object]]" = weakref.WeakKeyDictionary()
 
 
 def _pad64(x: int) -> int:
@@ -93,20 +90,12 @@ def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bo
     return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_waves
 
 
-def _workspace(gpu, nbytes: int) -> DevicePtr:
-    size = 1 << max(20, (nbytes - 1).bit_length())
-    per = _ws.setdefault(gpu, {})
-    if size not in per:
-        per[size] = gpu.alloc(size)
-    return per[size].ptr
-
-
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
              invariant: bool):
     """The partial-pass launch with its geometry set, and where its partials go."""
     splits = _splits(num_seqs, head_blocks, invariant)
     ws = DevicePtr(int(workspace)) if workspace else \
-        _workspace(gpu, attention_workspace_bytes(num_seqs, heads, dv, head_blocks, invariant))
+        kept_workspace(gpu, "attention", attention_workspace_bytes(num_seqs, heads, dv, head_blocks, invariant))
     k = launch(gpu, "paged_attention", name)
     k.grid(splits, head_blocks, num_seqs).block(_THREADS).shared(smem)
     return k, ws, ws.offset(4 * num_seqs * splits * heads * dv), splits
