@@ -23,8 +23,9 @@ typedef unsigned char u8;
 // Programmatic dependent launch (PDL). Every kernel starts with pdl_entry(): wait until the kernel before it in
 // the stream has finished and its writes are visible, then let the next kernel's blocks be scheduled while this
 // one runs (they park in their own wait). A kernel may instead trigger first and wait later, reading before the
-// wait only memory no kernel of the step writes (the streaming GEMVs prefetch their weights). Launched without
-// the PDL attribute, both instructions are no-ops.
+// wait only memory no kernel of the step writes (the streaming GEMVs prefetch their weights), or wait first and
+// trigger late (moe_stage_f16, whose dependent is a persistent GEMM). Launched without the PDL attribute, both
+// instructions are no-ops.
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");

@@ -17,8 +17,8 @@
 // GEMMs (moe_gate_up_mma_<fmt>, moe_gemv_mma_<fmt>). Work unit = (item, weight-row tile); a persistent grid
 // of blocks (32, KS) walks the units b, b + gridDim.x, ... while below items * tiles (read from the plan), so
 // no block waits on a plan slot that is empty. A unit streams its expert's tile once with the mma_stream
-// machinery of gemv.cu (cp.async ring per warp, warp ks taking k units ks, ks + KS, ...; weights decoded to
-// bf16 in registers; mma.sync m16n8k16) and multiplies it by all the item's gathered x rows (MT n-tiles of
+// machinery of gemv.cu (cp.async ring per warp, warp ks taking k units ks, ks + KS, ...; weights decoded in
+// registers, fp8 to f16 against x staged as f16 by moe_stage_f16, the others to bf16; mma.sync m16n8k16) and multiplies it by all the item's gathered x rows (MT n-tiles of
 // 8: up to 8 MT rows in one pass; an expert with more pairs has several items). MT = 4 (32-row items) for
 // batches; MT = 1 (the mma8 kernels, 8-row items) for few rows, where the 4 n-tiles' registers would halve
 // the warps an SM holds. Tile: 2 slabs of 16 weight
@@ -184,11 +184,16 @@ __device__ __forceinline__ Unit unit_of(const u32* plan, u32 u, u32 T, u32 outs,
 // (q / n_slots) * yrs + (q % n_slots) * yss. A plan's items hold at most 8 MT pairs (its rows). per > 0: a
 // grouped call (plan NULL; pair q = row * n_slots + group uses table entry `group`, whose third word is the
 // row offset of its first row inside its 128-row scale block for the block formats).
-template <int F, bool GU, int MT>
+// X16 (the fp8 formats' MoE kernels): x is f16 (moe_stage_f16), the weights widen to f16 (frag_a_e4m3_f16), and
+// pair q's results are multiplied by its x scale xsc[(q / n_slots) * srs + (q % n_slots) * sss] (xsc NULL: 1).
+// Without X16, x is bf16 and xsc is not read.
+template <int F, bool GU, int MT, bool X16>
 __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, const u64* tab_b, u32 n_pairs,
-                                           u32 n_slots, const u16* x, u32 xrs, u32 xss, void* out, u32 yrs,
-                                           u32 yss, bool obf, u32 per, u32 N, u32 K, float limit)
+                                           u32 n_slots, const u16* x, u32 xrs, u32 xss, const float* xsc,
+                                           u32 srs, u32 sss, void* out, u32 yrs, u32 yss, bool obf, u32 per,
+                                           u32 N, u32 K, float limit)
 {
+    static_assert(!X16 || F == FP8_ROW || F == FP8_BLOCK || F == FP8_BLOCK_E8M0, "f16 x is for e4m3 weights");
     constexpr int RT = MMA_RT, KC = kchunk<F>(), NM = KC / 4, CH = 8, TR = 16 * RT, E = RT * MT * 4;
     constexpr int SL = GU ? RT / 2 : RT;  // slabs per matrix: a tile has 16 * SL outputs
     constexpr u32 OUTS = 16 * SL, STAGE = TR * CH, ROWS = 8 * MT;  // STAGE: uint4 per warp and stage
@@ -357,13 +362,20 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
 #pragma unroll
                     for (int mi = 0; mi < NM; ++mi) {
                         u32 a[4];
-                        frag_a<F>(wv, sc, mi, a);
+                        if (X16) frag_a_e4m3_f16(wv, mi, a);
+                        else frag_a<F>(wv, sc, mi, a);
 #pragma unroll
                         for (int jm = 0; jm < MT; ++jm) {
                             if (8 * jm >= (int)nrows) break;  // uniform over the block
-                            u32 b[2];
-                            frag_b<F>(X[XS == 1 ? 0 : s][jm], mi, b);
-                            mma16816(tmp[jm], a, b);
+                            const u32* xw = X[XS == 1 ? 0 : s][jm];
+                            if (X16) {
+                                const u32 b[2] = {xw[2 * mi], xw[2 * mi + 1]};
+                                mma16816_f16(tmp[jm], a, b);
+                            } else {
+                                u32 b[2];
+                                frag_b<F>(xw, mi, b);
+                                mma16816(tmp[jm], a, b);
+                            }
                         }
                     }
 #pragma unroll
@@ -387,7 +399,12 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
         auto emit = [&](u32 r, u32 jm, u32 e2, float v, float vu) {
             const u32 q = 8 * jm + 2 * t + (e2 & 1), n = n0 + (GU ? 0u : 16u * r) + g + 8 * (e2 >> 1);
             if (q >= nrows || n >= N) return;
-            const u64 o = out_at(pair_of(q), n);
+            const u32 pq = pair_of(q);
+            const u64 o = out_at(pq, n);
+            if (X16 && xsc) {  // a power of two: the product is exact, in any order with the scales below
+                const float xs = __ldg(xsc + (u64)(pq / n_slots) * srs + (u64)(pq % n_slots) * sss);
+                v *= xs, vu *= xs;
+            }
             const float fm0 = F == NVFP4 ? __uint_as_float((u32)ta[2]) * 256.f : F == MXFP4 ? 0x1p64f : 1.f;
             if (GU) {
                 const float fm1 = F == NVFP4 ? __uint_as_float((u32)tb[2]) * 256.f : fm0;  // undo fp4_scale
@@ -434,28 +451,32 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
 // projections, the shared expert's with plan NULL; zeros for a pair whose expert is not in the table) and
 // moe_gate_up_mma_<fmt> (h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0), each for 32-pair
 // items (MT = 4, 2 blocks an SM) and, as moe_*_mma8_<fmt>, for 8-pair items (MT = 1, ~115 registers: 4 blocks,
-// 16 warps an SM). A pair's arithmetic is the same in both.
-#define MOE_GEMV_MMA(KIND, FMT, F, MT, MINB)                                                                      \
+// 16 warps an SM). A pair's arithmetic is the same in both. x is bf16, or for the fp8 formats f16 from
+// moe_stage_f16, whose kernels multiply pair q's results by x_scale[(q / n_slots) * s_row_stride + (q % n_slots)
+// * s_slot_stride] (x_scale NULL: by 1); the others do not read x_scale.
+#define MOE_GEMV_MMA(KIND, FMT, F, MT, MINB, X16)                                                                 \
     extern "C" __global__ __launch_bounds__(128, MINB) void moe_##KIND##_##FMT(                                   \
         const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride,                \
-        u32 x_slot_stride, float* y, u32 N, u32 K) {                                                              \
+        u32 x_slot_stride, const float* x_scale, u32 s_row_stride, u32 s_slot_stride, float* y, u32 N, u32 K) {   \
         pdl_entry();                                                                                              \
-        expert_mma<F, false, MT>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, n_slots * N, \
-                                 N, false, 0, N, K, 0.f);                                                         \
+        expert_mma<F, false, MT, X16>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, x_scale,  \
+                                      s_row_stride, s_slot_stride, y, n_slots * N, N, false, 0, N, K, 0.f);       \
     }
-#define MOE_GATE_UP_MMA(KIND, FMT, F, MT, MINB)                                                                   \
+#define MOE_GATE_UP_MMA(KIND, FMT, F, MT, MINB, X16)                                                              \
     extern "C" __global__ __launch_bounds__(128, MINB) void moe_##KIND##_##FMT(                                   \
         const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,          \
-        u32 x_row_stride, u32 x_slot_stride, __nv_bfloat16* h, u32 N, u32 K, float limit) {                       \
+        u32 x_row_stride, u32 x_slot_stride, const float* x_scale, u32 s_row_stride, u32 s_slot_stride,           \
+        __nv_bfloat16* h, u32 N, u32 K, float limit) {                                                            \
         pdl_entry();                                                                                              \
-        expert_mma<F, true, MT>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h,     \
-                                n_slots * N, N, true, 0, N, K, limit);                                            \
+        expert_mma<F, true, MT, X16>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride,    \
+                                     x_scale, s_row_stride, s_slot_stride, h, n_slots * N, N, true, 0, N, K,      \
+                                     limit);                                                                      \
     }
-#define MOE_MMA_KERNELS(FMT, F)                                                                                   \
-    MOE_GEMV_MMA(gemv_mma, FMT, F, 4, 2)                                                                          \
-    MOE_GEMV_MMA(gemv_mma8, FMT, F, 1, 4)                                                                         \
-    MOE_GATE_UP_MMA(gate_up_mma, FMT, F, 4, 2)                                                                    \
-    MOE_GATE_UP_MMA(gate_up_mma8, FMT, F, 1, 4)
+#define MOE_MMA_KERNELS(FMT, F, X16)                                                                              \
+    MOE_GEMV_MMA(gemv_mma, FMT, F, 4, 2, X16)                                                                     \
+    MOE_GEMV_MMA(gemv_mma8, FMT, F, 1, 4, X16)                                                                    \
+    MOE_GATE_UP_MMA(gate_up_mma, FMT, F, 4, 2, X16)                                                               \
+    MOE_GATE_UP_MMA(gate_up_mma8, FMT, F, 1, 4, X16)
 
 // grouped_mma8_<fmt>: for g < groups, r < m, j < N: y[r * y_row_stride + g * y_group_stride + j] =
 // sum_k W_g[j, k] x[r * x_row_stride + g * x_group_stride + k], W_g table entry g (ops.grouped_gemv's
@@ -466,16 +487,68 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
         const u64* tab, u32 m, u32 groups, const u16* x, u32 x_row_stride, u32 x_group_stride, void* y,           \
         u32 y_row_stride, u32 y_group_stride, u32 out_f32, u32 N, u32 K) {                                        \
         pdl_entry();                                                                                              \
-        expert_mma<F, false, 1>(nullptr, tab, tab, m * groups, groups, x, x_row_stride, x_group_stride, y,       \
-                                y_row_stride, y_group_stride, out_f32 == 0, (m + 7) / 8, N, K, 0.f);              \
+        expert_mma<F, false, 1, false>(nullptr, tab, tab, m * groups, groups, x, x_row_stride, x_group_stride,    \
+                                       nullptr, 0, 0, y, y_row_stride, y_group_stride, out_f32 == 0, (m + 7) / 8, \
+                                       N, K, 0.f);                                                                \
     }
 
-MOE_MMA_KERNELS(bf16, BF16)
-MOE_MMA_KERNELS(fp8_row, FP8_ROW)
-MOE_MMA_KERNELS(fp8_block, FP8_BLOCK)
-MOE_MMA_KERNELS(fp8_block_e8m0, FP8_BLOCK_E8M0)
-MOE_MMA_KERNELS(nvfp4, NVFP4)
-MOE_MMA_KERNELS(mxfp4, MXFP4)
+MOE_MMA_KERNELS(bf16, BF16, false)
+MOE_MMA_KERNELS(fp8_row, FP8_ROW, true)
+MOE_MMA_KERNELS(fp8_block, FP8_BLOCK, true)
+MOE_MMA_KERNELS(fp8_block_e8m0, FP8_BLOCK_E8M0, true)
+MOE_MMA_KERNELS(nvfp4, NVFP4, false)
+MOE_MMA_KERNELS(mxfp4, MXFP4, false)
 GROUPED_MMA(bf16, BF16)
 GROUPED_MMA(fp8_block, FP8_BLOCK)
 GROUPED_MMA(fp8_block_e8m0, FP8_BLOCK_E8M0)
+
+// ---------------------------------------------------------------------------------------------------
+// x for the fp8 GEMMs. Vector v < n_vec is row v / n_slots, slot v % n_slots of x (bf16, strides in elements);
+// it goes to y + v * K as f16 of x * 2^-e, with scale[v] = 2^e: e puts the vector's largest magnitude in
+// [2^14, 2^15) (e in [-126, 113]), so every element within 2^31 of it converts exactly (f16 normals hold bf16's
+// 8 significant bits; below 2^-14 its subnormals keep them down to 2^-17) and smaller ones round to the nearest
+// f16 (subnormal or 0). A vector holding Inf or NaN, or only zeros, keeps e = 0 (Inf and NaN pass through). The
+// GEMMs multiply each result by its scale: exact, so a row sums as it would in bf16. Grid n_vec, block 128; K a
+// multiple of 8, x and y 16-byte aligned. PDL: it waits first and lets the GEMM after it launch only at its end.
+// Triggered at its start, the GEMM's persistent grid launched while this kernel's blocks still held the SMs,
+// and the forward lost what the faster GEMMs gained (H200, DeepSeek-V3 MoE.forward at m = 64, graph replay:
+// 2,939 us against 2,445 us with the late trigger, and 2,451 us without PDL).
+extern "C" __global__ __launch_bounds__(128) void moe_stage_f16(const u16* x, u32 x_row_stride, u32 x_slot_stride,
+                                                                u32 n_slots, u16* y, float* scale, u32 n_vec, u32 K)
+{
+    pdl_wait();
+    __shared__ u32 red[4];
+    const u32 v = blockIdx.x, tid = threadIdx.x, nc = K / 8;
+    const uint4* src = (const uint4*)(x + (u64)(v / n_slots) * x_row_stride + (u64)(v % n_slots) * x_slot_stride);
+    u32 m2 = 0;  // the largest |x| bits of each half (bf16 magnitudes order as unsigned integers; NaN above Inf)
+    for (u32 c = tid; c < nc; c += blockDim.x) {
+        const uint4 q = __ldg(src + c);
+        m2 = __vmaxu2(m2, __vmaxu2(__vmaxu2(q.x & 0x7fff7fffu, q.y & 0x7fff7fffu),
+                                   __vmaxu2(q.z & 0x7fff7fffu, q.w & 0x7fff7fffu)));
+    }
+    u32 mb = max(m2 & 0xffffu, m2 >> 16);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mb = max(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+    if ((tid & 31) == 0) red[tid >> 5] = mb;
+    __syncthreads();
+    mb = max(max(red[0], red[1]), max(red[2], red[3]));
+    const u32 E = max(mb >> 7, 15u);  // bf16 exponent field of the largest magnitude (subnormals as 15)
+    const bool keep = mb == 0 || mb >= 0x7f80u;
+    // 2^-e as a bf16x2 multiplier: bf16 arithmetic keeps subnormal inputs, where fp32's flushes them (CuPy
+    // compiles with -ftz=true); the products are exact down to 2^-133, far below f16's smallest step
+    const u32 mul = keep ? 0x3f803f80u : ((268u - E) << 7) * 0x10001u;
+    if (tid == 0) scale[v] = keep ? 1.f : __uint_as_float((E - 14u) << 23);
+    uint4* dst = (uint4*)(y + (u64)v * K);
+    for (u32 c = tid; c < nc; c += blockDim.x) {
+        const uint4 q = __ldg(src + c);
+        u32 o[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const u32 w = bmul2(word(q, i), mul);
+            const __half2 h = __floats2half2_rn(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+            o[i] = *(const u32*)&h;
+        }
+        dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    pdl_trigger();
+}

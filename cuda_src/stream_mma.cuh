@@ -1,7 +1,7 @@
 // Shared by gemv.cu and moe_mma.cu: the streaming helpers (cp.async weight rings in dynamic shared memory)
 // and the tensor-core fragment helpers (mma.sync m16n8k16, bf16 in, fp32 accumulate) of every weight format,
-// decoded to bf16 in registers (exactly: every e4m3 / e2m1*e4m3 / e2m1*e8m0 value fits in bf16). Needs
-// common.cuh first.
+// decoded to bf16 in registers (exactly: every e4m3 / e2m1*e4m3 / e2m1*e8m0 value fits in bf16), and for the fp8
+// expert GEMMs e4m3 to f16 (mma on f16; one instruction a pair). Needs common.cuh first.
 #pragma once
 
 extern __shared__ __align__(16) uint4 g_dsm[];  // dynamic shared memory of the streaming kernels
@@ -55,6 +55,30 @@ __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], const u32 b
         "{%0,%1,%2,%3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The same mma on f16 operands (the fp8 expert GEMMs: e4m3 weights widen to f16 in one instruction a pair, x
+// staged as f16 by moe_stage_f16). f16 x f16 products are exact in fp32, as bf16 x bf16 ones are.
+__device__ __forceinline__ void mma16816_f16(float c[4], const u32 a[4], const u32 b[2]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// e4m3 bytes (0, 1) of v -> f16x2, exactly (every e4m3 value is an f16 normal).
+__device__ __forceinline__ u32 e4m3x2_f16(u32 v) {
+    u32 d;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((u16)v));
+    return d;
+}
+
+// A fragment i of an fp8 chunk pair as f16, in natural k order: word i of rows g (w[0]) and g + 8 (w[1]), bytes
+// (0, 1) as the mma's k columns (2t, 2t + 1) and bytes (2, 3) as (2t + 8, 2t + 9), so x's f16 words pair up
+// unpermuted (b = x words 2i, 2i + 1 of the lane's chunk).
+__device__ __forceinline__ void frag_a_e4m3_f16(const uint4 w[2], int i, u32 a[4]) {
+    const u32 q0 = word(w[0], i), q1 = word(w[1], i);
+    a[0] = e4m3x2_f16(q0); a[1] = e4m3x2_f16(q1); a[2] = e4m3x2_f16(q0 >> 16); a[3] = e4m3x2_f16(q1 >> 16);
 }
 
 // bf16x2 multiply (fma with -0 keeps it sm_80-compatible). Subnormal inputs are honoured.

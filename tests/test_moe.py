@@ -4,6 +4,7 @@ written here, and CUDA vs twin at real model dims (marker gpu).
 Layer inputs are drawn on a grid (x in k/4, router weights in k/64) so logits are exact in fp32 and
 float64 alike, and correction biases are continuous: the selected experts are then a property of the
 inputs, not of rounding, and the reference may route on its own."""
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -615,6 +616,87 @@ def test_moe_mma_grid_walks(dev, rng, fmt):
         xr = f32(x[q // n_slots]).astype(np.float64)
         assert_close(f32(hh[q]), swiglu(host[e][0][1]() @ xr, host[e][1][1]() @ xr, 0.0), 1e-2, f"gate/up {q}")
         assert_close(yy[q], host[e][2][1]() @ f32(hh[q]).astype(np.float64), 1e-5, f"down {q}")
+
+
+def ref_stage_f16(v):
+    """One vector's (f16 values, scale) by the definition, float64: e = floor(log2 max|v|) - 14 (so the max lands in
+    [2^14, 2^15)), clamped to [-126, 113]; e = 0 for a vector of zeros or holding Inf / NaN; values = f16(v 2^-e)."""
+    v = f32(v).astype(np.float64)
+    M = np.abs(v).max()
+    if M == 0 or not np.isfinite(v).all():
+        e = 0
+    else:
+        e = min(max(math.frexp(M)[1] - 1 - 14, -126), 113)
+    with np.errstate(over="ignore"):
+        return (v * 2.0 ** -e).astype(np.float16), 2.0 ** e
+
+
+@pytest.mark.parametrize("k", [8, 136, 2048, 7168])
+def test_stage_f16(dev, rng, k):
+    """moe_stage_f16 against its definition: vectors of (row, slot) read through strides, magnitudes from bf16
+    subnormals to 1e38, a zero vector, Inf and NaN vectors; outputs poisoned. Every element within 2^31 of its
+    vector's largest comes back exactly as f16 times the scale."""
+    rows, n_slots = 5, 3
+    exps = [-40, -8, 0, 4, 30]
+    x = f32(rng.standard_normal((rows, n_slots, k + 8)))
+    for r in range(rows):
+        x[r] *= 10.0 ** exps[r]
+    x[0, 1, :k] = rng.standard_normal(k) * 2.0 ** -130        # bf16 subnormals only
+    x[1, 0, :k] = 0
+    x[1, 2, 3] = np.inf
+    x[2, 1, 5] = np.nan
+    x[3, 2, :k] *= np.where(rng.random(k) < 0.5, 1.0, 2.0 ** -40)   # a 2^40 spread inside one vector
+    x[4, 0, 0] = 3.0e38
+    xb = bf16(x)
+    n_vec = rows * n_slots
+    xd, y, sc = up(dev, xb), out(dev, "f16", (n_vec, k)), out(dev, "f32", n_vec)
+    ops.moe_stage_f16(dev, xd.ptr, n_slots * (k + 8), k + 8, n_slots, y.ptr, sc.ptr, n_vec, k)
+    got_y, got_s = get(dev, y, np.float16, (n_vec, k)), get(dev, sc, "f32", n_vec)
+    for v in range(n_vec):
+        vec = xb[v // n_slots, v % n_slots, :k]
+        want_y, want_s = ref_stage_f16(vec)
+        assert got_s[v] == want_s, (v, got_s[v], want_s)
+        assert np.array_equal(got_y[v], want_y, equal_nan=True), v
+        xv = f32(vec).astype(np.float64)
+        big = np.abs(xv) >= np.abs(xv).max() * 2.0 ** -31
+        if np.isfinite(xv).all():
+            assert np.array_equal(got_y[v][big].astype(np.float64) * got_s[v], xv[big]), v
+
+
+def test_stage_f16_errors(ref):
+    x = up(ref, bf16(np.zeros((4, 64))))
+    before = ref.read(x.ptr, np.uint8, 512).copy()
+    with pytest.raises(KernelError, match="k 60"):
+        ops.moe_stage_f16(ref, x.ptr, 64, 0, 1, x.ptr, x.ptr, 4, 60)
+    with pytest.raises(KernelError, match="16-byte"):
+        ops.moe_stage_f16(ref, x.ptr.offset(8), 64, 0, 1, x.ptr, x.ptr, 4, 64)
+    assert np.array_equal(ref.read(x.ptr, np.uint8, 512), before), "a refused call wrote"
+    assert ops.mma_x_bytes("nvfp4", 4, 64) == ops.mma_x_bytes("bf16", 4, 64) == 0
+    assert ops.mma_x_bytes("fp8_block", 4, 64) >= 2 * 4 * 64 + 4 * 4
+
+
+@pytest.mark.parametrize("fmt", ops.X16_FORMATS)
+def test_moe_mma_fp8_x_magnitudes(dev, rng, fmt):
+    """The fp8 GEMMs' f16 x over magnitudes f16 cannot hold (rows of 1e-30 .. 1e30, one row spread over 2^40): each
+    pair's result against float64 to 1e-5, the same bits with the launcher's own workspace and with one passed."""
+    m, n, k = 6, 64, 40 * ops.moe.CHUNK[fmt]
+    hw = host_weight(rng, fmt, n, k)
+    W = upload_weight(dev, fmt, n, k, hw[0])
+    td = up(dev, ops.expert_table([W]))
+    x = rng.standard_normal((m, k)) * (10.0 ** np.array([-30, -6, 0, 5, 30, 0]))[:, None]
+    x[5] *= np.where(rng.random(k) < 0.5, 1.0, 2.0 ** -40)
+    x = bf16(x)
+    xb = up(dev, x)
+    ws = out(dev, "u8", ops.mma_x_bytes(fmt, m, k))
+    runs = []
+    for w in (None, ws.ptr):
+        y = out(dev, "f32", (m, n))
+        ops.moe_gemv_mma(dev, td.ptr, fmt, NULL, m, 1, 1, xb.ptr, k, 0, y.ptr, n, k, rows=ops.MMA8_ROWS, workspace=w)
+        runs.append(get(dev, y, "f32", (m, n)))
+    assert np.array_equal(runs[0], runs[1])
+    dense = hw[1]()
+    for r in range(m):
+        assert_close(runs[0][r], dense @ f32(x[r]).astype(np.float64), 1e-5, f"row {r}")
 
 
 def test_moe_mma_grid_spreads_short_calls(ref):

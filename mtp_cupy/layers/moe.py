@@ -153,8 +153,12 @@ class MoE:
                             and self.inter_s == I)
 
         R, S = self.max_rows, K + (1 if self.fuse_shared else 0)
+        # the fp8 GEMMs' staged x (ops.mma_x_bytes): one region serves every call of a forward, one after another
+        xw = [ops.mma_x_bytes(self.fmt_gu, R, D), ops.mma_x_bytes(self.fmt_down, R * S, I)]
+        if shared is not None:
+            xw += [ops.mma_x_bytes(shared[0].fmt, R, D), ops.mma_x_bytes(shared[2].fmt, R, self.inter_s)]
         regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * S * I, "y": 4 * R * S * D,
-                   "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
+                   "xw": max(xw), "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
                    "glogit": 4 * R if shared_gate is not None else 0,
                    "plan": ops.moe_plan_bytes(min(R * S, ops.MAX_PLAN_PAIRS), E + 1, ops.MMA8_ROWS)}
         self._scratch, ptrs = carve(gpu, regions)
@@ -184,9 +188,9 @@ class MoE:
             ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * S, En, self.plan, stream=stream, rows=rows,
                                top_k=K, shared_id=sid)
             ops.moe_gate_up_mma(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.plan, m * S, S, En, x, D, 0,
-                                self.h, I, D, c.swiglu_limit, stream=stream, rows=rows)
+                                self.h, I, D, c.swiglu_limit, stream=stream, rows=rows, workspace=self.xw)
             ops.moe_gemv_mma(gpu, self.tab_down, self.fmt_down, self.plan, m * S, S, En, self.h, S * I, I, self.y, D,
-                             I, stream=stream, rows=rows)
+                             I, stream=stream, rows=rows, workspace=self.xw)
         else:
             ops.moe_gate_up(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.ids, m * K, K, E, x, D, 0, self.h, I,
                             D, c.swiglu_limit, stream=stream, invariant=self.inv)
@@ -211,9 +215,9 @@ class MoE:
         if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
             rows = ops.MMA8_ROWS if m <= ops.MMA8_ROWS else ops.PLAN_ROWS  # the same sums, fewer passes
             ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
-                                D, c.swiglu_limit, stream=stream, rows=rows)
+                                D, c.swiglu_limit, stream=stream, rows=rows, workspace=self.xw)
             ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
-                             stream=stream, rows=rows)
+                             stream=stream, rows=rows, workspace=self.xw)
         else:
             ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
                             Is, D, c.swiglu_limit, stream=stream, invariant=self.inv)

@@ -11,16 +11,16 @@ from typing import Sequence
 
 import numpy as np
 
-from ..runtime.ptr import NULL
+from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
-from ._util import blocks_for, launch, need
+from ._util import blocks_for, kept_workspace, launch, need
 from .gemv import REGS_PER_SM, SMEM_PER_BLOCK, SMEM_PER_SM, _sms
 
 __all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "MAX_PLAN_PAIRS",
            "expert_table", "moe_gemv",
            "moe_gate_up", "moe_topk_softmax", "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash",
            "moe_weighted_sum", "plan_max_items", "moe_plan_bytes", "moe_route_plan", "moe_gate_up_mma",
-           "moe_gemv_mma"]
+           "moe_gemv_mma", "X16_FORMATS", "mma_x_bytes", "moe_stage_f16"]
 
 EXPERT_FORMATS = ("bf16", "f32", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
 ROUTER_SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -187,6 +187,9 @@ def moe_weighted_sum(gpu, y, weights, top_k: int, out, m: int, hidden: int, shar
 # sorted offset, rows], then max_items (expert, first << 8 | pairs) pairs of words, then the n_pairs pair ids in
 # plan order.
 MMA_FORMATS = ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
+# Formats whose GEMMs read x as f16 staged by moe_stage_f16 (e4m3 widens to f16 in one instruction a pair: the
+# bf16 decode took ~2.4x the instructions of the hot loop); the others read x as it comes (bf16).
+X16_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0")
 PLAN_ROWS = 32                   # pairs per item: the kernels' 4 n-tiles of 8 x rows
 MMA8_ROWS = 8                    # pairs per item of the one-n-tile kernels (moe_*_mma8_*)
 PLAN_HEADER = 4                  # u32 words before the items
@@ -324,32 +327,74 @@ def _check_mma(name: str, fmt: str, plan, n_pairs: int, n_slots: int, n_experts:
     return plan_max_items(n_pairs, n_experts, rows) if int(plan) else -(-n_pairs // rows)
 
 
+def mma_x_bytes(fmt: str, n_vec: int, k: int) -> int:
+    """Workspace bytes a grouped GEMM call of `fmt` needs for its staged x: n_vec vectors of k (the rows of an x
+    read with slot stride 0, else every pair's) as f16, then their f32 scales; 0 for the formats that read bf16."""
+    return 0 if fmt not in X16_FORMATS else -(-2 * n_vec * k // 256) * 256 + 4 * n_vec
+
+
+def moe_stage_f16(gpu, x, x_row_stride: int, x_slot_stride: int, n_slots: int, y, scale, n_vec: int, k: int,
+                  stream=None) -> None:
+    """x for the fp8 grouped GEMMs: vector v < n_vec (row v // n_slots, slot v % n_slots of x bf16, strides in
+    elements) -> y f16 [n_vec, k] = x_v * 2^-e_v and scale f32 [n_vec] = 2^e_v, e_v putting the vector's largest
+    magnitude in [2^14, 2^15): every element within 2^31 of it converts exactly, so the GEMMs' exact f16 products,
+    times the scale, sum as bf16 ones would. A vector holding Inf or NaN, or only zeros, keeps e_v = 0."""
+    name = "moe_stage_f16"
+    need(n_vec >= 1 and n_slots >= 1 and k > 0 and k % 8 == 0, f"{name}: n_vec {n_vec}, n_slots {n_slots}, k {k} "
+         "(a positive multiple of 8)")
+    need(all(int(p) % 16 == 0 and int(p) for p in (x, y)) and int(scale) % 4 == 0 and int(scale)
+         and x_row_stride % 8 == 0 and x_slot_stride % 8 == 0,
+         f"{name}: x, y 16-byte aligned, scale 4-byte aligned, none NULL, strides multiples of 8 elements")
+    launch(gpu, "moe_mma", name).grid(n_vec).block(128).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride) \
+        .arg_u32(n_slots).arg_ptr(y).arg_ptr(scale).arg_u32(n_vec).arg_u32(k).launch(stream)
+
+
+def _staged_x(gpu, fmt: str, x, xrs: int, xss: int, n_pairs: int, n_slots: int, k: int, workspace, stream):
+    """(x, row stride, slot stride, x_scale, scale row stride, scale slot stride) as the GEMM of `fmt` reads them:
+    x itself for the bf16-reading formats; for X16_FORMATS its f16 copy in `workspace` (None: one the launcher
+    keeps), one vector per row when the slot stride is 0 (every slot reads the row), else one per pair."""
+    if fmt not in X16_FORMATS:
+        return x, xrs, xss, NULL, 0, 0
+    per_row = xss == 0
+    n_vec = -(-n_pairs // n_slots) if per_row else n_pairs
+    ws = DevicePtr(int(workspace)) if workspace else kept_workspace(gpu, "moe_mma_x", mma_x_bytes(fmt, n_vec, k))
+    y, sc = ws, ws.offset(-(-2 * n_vec * k // 256) * 256)
+    moe_stage_f16(gpu, x, xrs, 0 if per_row else xss, 1 if per_row else n_slots, y, sc, n_vec, k, stream)
+    return (y, k, 0, sc, 1, 0) if per_row else (y, n_slots * k, k, sc, n_slots, 1)
+
+
 def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x, x_row_stride: int,
                  x_slot_stride: int, y, n: int, k: int, stream=None, rows: int = PLAN_ROWS,
-                 blocks: int | None = None) -> None:
+                 blocks: int | None = None, workspace=None) -> None:
     """y f32 [n_pairs, n] = W[e] x_q for every pair q, e its expert by `plan` (moe_route_plan of the same
     n_pairs / n_experts and `rows`); zeros for a pair of no local expert. plan NULL: every pair uses table entry
     0 (a single weight, such as the shared expert's). Tensor cores, each (expert, 32-row tile) read once per
     item of up to `rows` pairs: PLAN_ROWS (4 n-tiles) or MMA8_ROWS (one n-tile: fewer registers, twice the
     warps an SM; MoE's choice at every width). Always batch-invariant: a pair's result does not depend on the
     other pairs, nor on `rows`. `blocks` caps the persistent grid (each block then walks more work units; the
-    result does not change)."""
+    result does not change). x bf16; the fp8 formats (X16_FORMATS) first stage it as f16 (moe_stage_f16) in
+    `workspace`, a device pointer of mma_x_bytes(fmt, vectors, k) bytes (None: one the launcher keeps)."""
     name = _mma_name("moe_gemv_mma", fmt, rows)
     items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)
+    x, x_row_stride, x_slot_stride, x_scale, s_row_stride, s_slot_stride = _staged_x(
+        gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream)
     _mma_launch(gpu, name, fmt, n, k, 32, items, rows, blocks).arg_ptr(plan).arg_ptr(table).arg_u32(n_pairs) \
-        .arg_u32(n_slots) \
-        .arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(y).arg_u32(n).arg_u32(k).launch(stream)
+        .arg_u32(n_slots).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(x_scale) \
+        .arg_u32(s_row_stride).arg_u32(s_slot_stride).arg_ptr(y).arg_u32(n).arg_u32(k).launch(stream)
 
 
 def moe_gate_up_mma(gpu, table_gate, table_up, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x,
                     x_row_stride: int, x_slot_stride: int, h, n: int, k: int, limit: float = 0.0,
-                    stream=None, rows: int = PLAN_ROWS, blocks: int | None = None) -> None:
+                    stream=None, rows: int = PLAN_ROWS, blocks: int | None = None, workspace=None) -> None:
     """h bf16 [n_pairs, n] = silu(g) * u, g = Wg[e] x_q, u = Wu[e] x_q (with limit > 0, g = min(g, limit) and
-    u = clamp(u, -limit, limit) first), e by `plan` as in moe_gemv_mma (`rows`, `blocks` too); 16 gate rows
-    and the same 16 up rows per tile."""
+    u = clamp(u, -limit, limit) first), e by `plan` as in moe_gemv_mma (`rows`, `blocks`, `workspace` too); 16
+    gate rows and the same 16 up rows per tile."""
     name = _mma_name("moe_gate_up_mma", fmt, rows)
     items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)
     need(limit >= 0, f"{name}: negative swiglu limit {limit}")
+    x, x_row_stride, x_slot_stride, x_scale, s_row_stride, s_slot_stride = _staged_x(
+        gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream)
     _mma_launch(gpu, name, fmt, n, k, 16, items, rows, blocks).arg_ptr(plan).arg_ptr(table_gate).arg_ptr(table_up) \
-        .arg_u32(n_pairs).arg_u32(n_slots).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(h) \
-        .arg_u32(n).arg_u32(k).arg_f32(limit).launch(stream)
+        .arg_u32(n_pairs).arg_u32(n_slots).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride) \
+        .arg_ptr(x_scale).arg_u32(s_row_stride).arg_u32(s_slot_stride).arg_ptr(h).arg_u32(n).arg_u32(k) \
+        .arg_f32(limit).launch(stream)

@@ -239,13 +239,42 @@ def _entry(dev, tab, e: int):
     return int(a), int(b), float(np.uint32(c & 0xFFFFFFFF).view(F32))
 
 
-def _mma_products(dev, fmt, tabs, plan, n_pairs, n_slots, x, xrs, xss, N, K):
+X16_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0")   # x staged as f16 (moe_stage_f16), bf16 for the rest
+
+
+def _mma_x(dev, fmt, n_pairs, n_slots, x, xrs, xss, xsc, srs, sss, K) -> np.ndarray:
+    """x of every (row, slot) as float64 [rows, n_slots, K]: bf16, or f16 for X16_FORMATS; times the pair's scale
+    (xsc NULL: 1)."""
+    rows = -(-n_pairs // n_slots)
+    xv = strided(dev, x, np.float16 if fmt in X16_FORMATS else BF16, (rows, n_slots, K), (xrs, xss, 1))
+    xv = xv.astype(np.float64)
+    if int(xsc):
+        xv = xv * strided(dev, xsc, F32, (rows, n_slots), (srs, sss))[:, :, None]   # powers of two: exact
+    return xv
+
+
+@twin("moe_mma", "moe_stage_f16")
+def moe_stage_f16(dev, x, x_row_stride, x_slot_stride, n_slots, y, scale, n_vec, K):
+    v = np.arange(n_vec)
+    xb = strided(dev, x, BF16, (-(-n_vec // n_slots), n_slots, K), (x_row_stride, x_slot_stride, 1))
+    xv = xb[v // n_slots, v % n_slots].astype(F32)
+    mag = xv.view(np.uint32) >> 16 & 0x7FFF          # bf16 magnitude bits, NaN above Inf
+    mb = mag.max(axis=1).astype(np.int64)
+    E = np.maximum(mb >> 7, 15)
+    keep = (mb == 0) | (mb >= 0x7F80)
+    mul = np.where(keep, F32(1), ((268 - E) << 23).astype(np.uint32).view(F32))
+    sc = np.where(keep, F32(1), ((E - 14) << 23).astype(np.uint32).view(F32))
+    with np.errstate(over="ignore", invalid="ignore"):
+        dev.view(y, np.float16, (n_vec, K))[:] = (xv * mul[:, None]).astype(np.float16)
+    dev.view(scale, F32, n_vec)[:] = sc
+
+
+def _mma_products(dev, fmt, tabs, plan, n_pairs, n_slots, x, xrs, xss, xsc, srs, sss, N, K):
     """(products fp32 [n_pairs, len(tabs), N], pairs the items hold, pairs that get zeros: no local expert or an
     entry NULL in these tables). The float64 products of _expert_products, each distinct weight dequantised
     once for all its pairs."""
     units, none = plan_units(dev, plan, n_pairs)
-    rows = -(-n_pairs // n_slots)
-    xv = strided(dev, x, BF16, (rows, n_slots, K), (xrs, xss, 1))
+    xv = _mma_x(dev, fmt, n_pairs, n_slots, x, xrs, xss, xsc, srs, sss, K)
     groups: dict[tuple, list] = {}
     zeros = [np.asarray(none, np.int64)]
     for ex, qs in units:
@@ -256,7 +285,7 @@ def _mma_products(dev, fmt, tabs, plan, n_pairs, n_slots, x, xrs, xss, N, K):
             zeros.append(np.asarray(qs, np.int64))
     out = np.zeros((n_pairs, len(tabs), N), F32)
     for entries, qs in groups.items():
-        X = np.stack([xv[q // n_slots, q % n_slots] for q in qs], axis=1).astype(F32).astype(np.float64)
+        X = np.stack([xv[q // n_slots, q % n_slots] for q in qs], axis=1).astype(np.float64)
         for j, en in enumerate(entries):
             out[qs, j] = (dequant(dev, fmt, *en, N, K).astype(np.float64) @ X).T
     held = np.array(sorted(q for qs in groups.values() for q in qs), np.int64)
@@ -264,8 +293,10 @@ def _mma_products(dev, fmt, tabs, plan, n_pairs, n_slots, x, xrs, xss, N, K):
 
 
 def _gemv_mma(fmt):
-    def fn(dev, plan, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, y, N, K):
-        p, held, zeros = _mma_products(dev, fmt, [tab], plan, n_pairs, n_slots, x, x_row_stride, x_slot_stride, N, K)
+    def fn(dev, plan, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, x_scale, s_row_stride, s_slot_stride,
+           y, N, K):
+        p, held, zeros = _mma_products(dev, fmt, [tab], plan, n_pairs, n_slots, x, x_row_stride, x_slot_stride,
+                                       x_scale, s_row_stride, s_slot_stride, N, K)
         yv = dev.view(y, F32, (n_pairs, N))
         yv[held] = p[held, 0]
         yv[zeros] = 0
@@ -273,9 +304,10 @@ def _gemv_mma(fmt):
 
 
 def _gate_up_mma(fmt):
-    def fn(dev, plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, h, N, K, limit):
+    def fn(dev, plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride, x_scale, s_row_stride,
+           s_slot_stride, h, N, K, limit):
         p, held, zeros = _mma_products(dev, fmt, [tab_gate, tab_up], plan, n_pairs, n_slots, x, x_row_stride,
-                                       x_slot_stride, N, K)
+                                       x_slot_stride, x_scale, s_row_stride, s_slot_stride, N, K)
         hv = dev.view(h, BF16, (n_pairs, N))
         hv[held] = swiglu(p[held, 0], p[held, 1], limit).astype(BF16)
         hv[zeros] = 0
