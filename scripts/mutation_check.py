@@ -217,6 +217,16 @@ MUTATIONS = [
     M("moe-even-grid-off", "short expert-GEMM calls keep the full resident grid (the tail of one-more-unit blocks)",
       "mtp_cupy/ops/moe.py", "if rounds <= EVEN_ROUNDS_MAX:", "if False:",
       "tests/test_moe.py::test_moe_mma_grid_spreads_short_calls"),
+    # -- the fp8 expert GEMMs' x staged as f16 (ops/moe.py, refdev twins) ------------------------------------------
+    M("moe-stage-scale-off-by-one", "the staged x's scale is 2^(e - 1): every fp8 expert result halves",
+      "mtp_cupy/refdev/twins/moe.py", "sc = np.where(keep, F32(1), ((E - 14) << 23)",
+      "sc = np.where(keep, F32(1), ((E - 15) << 23)", "tests/test_moe.py"),
+    M("moe-stage-scales-inf", "a vector holding Inf is scaled like a finite one", "mtp_cupy/refdev/twins/moe.py",
+      "keep = (mb == 0) | (mb >= 0x7F80)", "keep = (mb == 0) | (mb > 0x7F80)", "tests/test_moe.py::test_stage_f16"),
+    M("moe-gemm-ignores-x-scale", "the fp8 GEMMs read the staged x without its scale", "mtp_cupy/refdev/twins/moe.py",
+      "    if int(xsc):\n        xv = xv * strided(", "    if False:\n        xv = xv * strided(", "tests/test_moe.py"),
+    M("moe-staged-x-per-row-always", "x read per pair (a slot stride) is staged one vector per row",
+      "mtp_cupy/ops/moe.py", "per_row = xss == 0", "per_row = True", "tests/test_moe.py"),
 ]
 
 
