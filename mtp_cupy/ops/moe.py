@@ -327,10 +327,15 @@ def _check_mma(name: str, fmt: str, plan, n_pairs: int, n_slots: int, n_experts:
     return plan_max_items(n_pairs, n_experts, rows) if int(plan) else -(-n_pairs // rows)
 
 
+def _x16_scales_at(n_vec: int, k: int) -> int:
+    """Offset of the staged x's f32 scales in its workspace: after the f16 vectors, 256-byte aligned."""
+    return -(-2 * n_vec * k // 256) * 256
+
+
 def mma_x_bytes(fmt: str, n_vec: int, k: int) -> int:
     """Workspace bytes a grouped GEMM call of `fmt` needs for its staged x: n_vec vectors of k (the rows of an x
     read with slot stride 0, else every pair's) as f16, then their f32 scales; 0 for the formats that read bf16."""
-    return 0 if fmt not in X16_FORMATS else -(-2 * n_vec * k // 256) * 256 + 4 * n_vec
+    return 0 if fmt not in X16_FORMATS else _x16_scales_at(n_vec, k) + 4 * n_vec
 
 
 def moe_stage_f16(gpu, x, x_row_stride: int, x_slot_stride: int, n_slots: int, y, scale, n_vec: int, k: int,
@@ -358,7 +363,7 @@ def _staged_x(gpu, fmt: str, x, xrs: int, xss: int, n_pairs: int, n_slots: int, 
     per_row = xss == 0
     n_vec = -(-n_pairs // n_slots) if per_row else n_pairs
     ws = DevicePtr(int(workspace)) if workspace else kept_workspace(gpu, "moe_mma_x", mma_x_bytes(fmt, n_vec, k))
-    y, sc = ws, ws.offset(-(-2 * n_vec * k // 256) * 256)
+    y, sc = ws, ws.offset(_x16_scales_at(n_vec, k))
     moe_stage_f16(gpu, x, xrs, 0 if per_row else xss, 1 if per_row else n_slots, y, sc, n_vec, k, stream)
     return (y, k, 0, sc, 1, 0) if per_row else (y, n_slots * k, k, sc, n_slots, 1)
 

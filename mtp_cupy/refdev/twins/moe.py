@@ -6,6 +6,7 @@ expert id); GEMVs dequantise each chosen expert once (weights/quant_host.py) and
 GPU-vs-twin differences are accumulation order only."""
 import numpy as np
 
+from ...ops.moe import X16_FORMATS
 from ...runtime.dtypes import BF16, E8M0, FP8
 from ...weights.quant_host import dequant_fp8_block, dequant_fp8_row, dequant_mxfp4, dequant_nvfp4
 from ..registry import twin
@@ -237,9 +238,6 @@ def plan_units(dev, plan, n_pairs: int):
 def _entry(dev, tab, e: int):
     a, b, c = dev.view(tab.offset(24 * e), np.uint64, 3).tolist()
     return int(a), int(b), float(np.uint32(c & 0xFFFFFFFF).view(F32))
-
-
-X16_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0")   # x staged as f16 (moe_stage_f16), bf16 for the rest
 
 
 def _mma_x(dev, fmt, n_pairs, n_slots, x, xrs, xss, xsc, srs, sss, K) -> np.ndarray:
