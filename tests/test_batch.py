@@ -9,6 +9,7 @@ import mtp_cupy
 from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round, watch_ties
 from helpers import check_pool
 from mtp_cupy.errors import CapacityError, InputError
+from mtp_cupy.speculative import DraftResult
 
 
 def load(fam, gpu=None, **kw):
@@ -275,3 +276,44 @@ def bf16_words(rng, n: int) -> np.ndarray:
     """n random finite bf16 words."""
     from mtp_cupy.runtime.dtypes import bf16_round
     return bf16_round(rng.standard_normal(n)).view(np.uint16).copy()
+
+
+@pytest.mark.parametrize("fam", ["deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("B", [2, 6])
+def test_draft_batch_arrays_and_last_drafts(fam, B, rng):
+    """A DraftBatch's arrays hold what a one-at-a-time propose drafts (tokens [B, k] with -1 past a confidence
+    stop, num_drafts, logprobs, logits [B, k, vocab]); each state's last_drafts are its drafts through
+    after_verify, and [] after device results, after free_state and for a new state on a reused mirror row."""
+    batched, single, probe = load(fam), load(fam), load(fam)
+    lens = [int(n) for n in rng.integers(1, 30, B)]
+    sa, sb, sp = prefill_alike(rng, (batched, single, probe), lens, False)
+    toks, k = [int(t) for t in rng.integers(0, batched.vocab_size, B)], 3
+    hs = hidden(rng, batched, B)
+    # a cut inside the drafts' own log-probs (measured on a third twin), so some sequences stop and some do not
+    lps = probe.propose_batch(sp, toks, hs, lens, k, min_logprob=-np.inf).logprobs
+    lp_cut = float(np.median(lps[:, 1:]))
+    got = batched.propose_batch(sa, toks, hs, lens, k, return_logits=True, min_logprob=lp_cut)
+    assert len(got) == B and isinstance(got[-1], DraftResult) and got[1:] == [got[1 + i] for i in range(B - 1)]
+    assert got.tokens.shape == (B, k) and got.tokens.dtype == np.int32 and got.logits.shape == (B, k, batched.vocab_size)
+    for s in range(B):
+        want = single.propose(sb[s], toks[s], hs[s], lens[s], k, return_logits=True, min_logprob=lp_cut)
+        d = len(want.tokens)
+        assert got.num_drafts[s] == d and got.tokens[s, :d].tolist() == want.tokens
+        assert (got.tokens[s, d:] == -1).all() and np.isnan(got.logprobs[s, d:]).all()
+        assert got.logprobs[s, :d].tolist() == want.logprobs
+        assert np.array_equal(got.logits[s, :d], want.logits)
+        assert sa[s].last_drafts == want.tokens == sb[s].last_drafts
+    print("confidence stops:", int((got.num_drafts < k).sum()), "of", B)
+    acc = [int(rng.integers(0, int(d) + 1)) for d in got.num_drafts]
+    batched.after_verify_batch(sa, acc)
+    assert [st.last_drafts for st in sa] == [r.tokens for r in got]   # kept through after_verify
+    pos = [st.next_position for st in sa]
+    dev = batched.propose_batch(sa, toks, hs, pos, 2, device_results=True)
+    assert dev.tokens is None and np.asarray(dev.device_tokens).shape == (B, 2)
+    assert [st.last_drafts for st in sa] == [[]] * B   # device results: nothing read back
+    assert dev.host().tokens.tolist() == [np.asarray(r.device_tokens).tolist() for r in dev]
+    gone = sa[0]
+    batched.free_state(gone)
+    assert gone.last_drafts == []
+    fresh = batched.alloc_state()
+    assert fresh.blocks.row is not None and fresh.last_drafts == []

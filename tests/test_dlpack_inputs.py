@@ -249,6 +249,11 @@ def test_device_results_of_a_batch(rng):
     for a, b in zip(*outs):
         assert np.asarray(b.device_tokens).tolist() == a.tokens
         assert np.array_equal(np.asarray(b.device_logits), a.logits)
+    host, dev = outs   # the batch's arrays whole: [B, K] ids and [B, K, vocab] logits, on the device and read back
+    assert np.asarray(dev.device_tokens).shape == (len(lens), K) and dev.tokens is None and dev.logits is None
+    assert np.array_equal(np.asarray(dev.device_tokens), host.tokens)
+    assert np.array_equal(np.asarray(dev.device_logits), host.logits)
+    assert np.array_equal(dev.host().tokens, host.tokens) and np.array_equal(dev.logits, host.logits)
 
 
 def test_stream_option_is_checked():

@@ -58,7 +58,8 @@ from ..weights.config import ModelConfig, load_config
 from .batch_inputs import ARRAY_MIN_BATCH, BatchMemo, batch_masks, check_sequences, mirror_rows, state_list
 from .inputs import check_position, check_token, host_ints, is_device_pointer, stage_hidden, take_hidden
 from .options import ProposerOptions
-from .proposer import DRAFTED, OFF, RUN0, DraftResult, ProposerState, mtp_rows_to_trim, mtp_rows_to_trim_batch
+from .proposer import (DRAFTED, LAST, OFF, RUN0, DraftBatch, DraftResult, ProposerState, mtp_rows_to_trim,
+                       mtp_rows_to_trim_batch)
 
 log = logging.getLogger("mtp_cupy")
 
@@ -158,6 +159,7 @@ class MtpProposerBase:
         # blocks_for(rows) for every row count a sequence can hold: the batch calls' block arithmetic as one take
         self._blocks_of = (np.arange(self.max_seq_len + 1, dtype=np.int64) + kv.block_size - 1) // kv.block_size
         self._zeros = np.zeros(self.max_batch, np.int64)
+        self._drafts = np.zeros((0, self.max_drafts), np.int32)   # the last drafts of mirror row r (ProposerState)
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
                  self.sequences_that_fit(), self.max_seq_len)
 
@@ -214,14 +216,14 @@ class MtpProposerBase:
     # -- state -----------------------------------------------------------------------------------
     def alloc_state(self) -> ProposerState:
         """A new, empty sequence state (its drafter rows live in this proposer's KV pool)."""
-        return ProposerState(blocks=SeqBlocks(self.kv))
+        return ProposerState(blocks=SeqBlocks(self.kv), owner=self)
 
     def free_state(self, st: ProposerState) -> None:
         """Give the sequence's KV blocks back; calling it again does nothing."""
         if st.released:
             return
         st.blocks.release()
-        st.runs, st.released, st.last_drafts = [], True, []
+        st.runs, st.released = [], True
 
     def _live(self, st: ProposerState) -> None:
         if st.released:
@@ -380,11 +382,11 @@ class MtpProposerBase:
         sequence's hidden ([D], V4 also [hc, D]), with or without a leading 1."""
         masks = None if grammar_bitmask is None else [grammar_bitmask]
         return self._propose([st], token, hidden, position, num_drafts, masks, return_logits, min_logprob, stream,
-                             device_results, single=True)[0]
+                             device_results, single=True)._item(0)
 
     def propose_batch(self, states: list[ProposerState], tokens, hiddens, positions, num_drafts: int,
                       grammar_bitmasks=None, return_logits: bool = False, min_logprob: float | None = None,
-                      stream=None, device_results: bool = False) -> list[DraftResult]:
+                      stream=None, device_results: bool = False) -> DraftBatch:
         """Draft `num_drafts` tokens for each of B sequences in one chain of batched steps.
 
         Parameters
@@ -408,7 +410,8 @@ class MtpProposerBase:
 
         Returns
         -------
-        list of DraftResult, one per sequence, in order.
+        DraftBatch : a sequence of B DraftResults, in order, and the batch's arrays whole (`tokens` int32 [B, k],
+            `device_tokens`, ...).
 
         Raises InputError (bad ids, shapes, dtypes, devices, a hole in a sequence's rows, ...) or CapacityError
         (KV pool, max_seq_len); no sequence changes on failure."""
@@ -419,7 +422,7 @@ class MtpProposerBase:
                              min_logprob, stream, device_results, single=False, idx=idx)
 
     def _propose(self, states, tokens, hiddens, positions, num_drafts, grammar_bitmasks, return_logits,
-                 min_logprob, stream, device_results, single: bool, idx=None) -> list[DraftResult]:
+                 min_logprob, stream, device_results, single: bool, idx=None) -> DraftBatch:
         k, gpu = int(num_drafts), self.gpu
         with self._ordered(stream):
             toks = host_ints(tokens, gpu, "token" if single else "tokens", self.stream, as_array=not single)
@@ -519,17 +522,21 @@ class MtpProposerBase:
         gpu.record(ready, self.stream)
         return {"device_ids": ids, "device_logits": lg, "ready": ready}
 
-    def _finish(self, states, rows0, positions, k: int, out: dict, min_logprob, idx=None, c=None) -> list[DraftResult]:
-        """Every sequence's state update (rows, positions, last drafts; a confidence stop trims its rows) and its
-        DraftResult, from the chain's outputs. With the batch's mirror rows `idx` and counters `c` the counters
+    def _finish(self, states, rows0, positions, k: int, out: dict, min_logprob, idx=None, c=None) -> DraftBatch:
+        """Every sequence's state update (rows, positions, drafts; a confidence stop trims its rows) and the call's
+        DraftBatch, from the chain's outputs. With the batch's mirror rows `idx` and counters `c` the counters
         are scattered back as one array, and only sequences that start a run of positions or stop early take a
         Python step."""
-        lps, res, B = out.get("lps"), [], len(states)
-        done = [k] * B
+        lps, B = out.get("lps"), len(states)
+        done = None   # drafts kept per sequence: all k unless a confidence stop
         if lps is not None:
-            for s in range(B):
-                low = np.flatnonzero(lps[:, s] < min_logprob)
-                done[s] = int(low[0]) + 1 if low.size else k
+            low = lps < min_logprob   # [k, B]
+            if np.count_nonzero(low):
+                done = np.where(low.any(axis=0), low.argmax(axis=0) + 1, k).astype(np.int64)
+        kept = k if done is None else done
+        dev = "device_ids" in out   # nothing read back: the drafts live on the device (no grammar warnings)
+        toks = None if dev else out["ids"].T.copy()   # int32 [B, k]
+        drafts = self._drafts_rows()
         if idx is not None:
             if self.drafter_context:   # checked: every position is its sequence's next one, so only a first row
                 new_run = None if np.count_nonzero(rows0) == len(rows0) else rows0 == 0   # starts a run
@@ -537,45 +544,50 @@ class MtpProposerBase:
                 new_run = (positions != c[:, OFF] + rows0) | (rows0 == 0)   # a later position, or a first row
             cols = self.kv._cols.ravel()   # (put at the rows' flat indices: a scatter cheaper than cols[idx] = c)
             cols.put(self._memo.at(ROWS), rows0 + k)
-            cols.put(self._memo.at(DRAFTED), k if lps is None else done)
+            cols.put(self._memo.at(DRAFTED), kept)
+            cols.put(self._memo.at(LAST), 0 if dev else kept)
+            if toks is not None:
+                drafts[idx, :k] = toks
             if new_run is not None and np.count_nonzero(new_run):
                 for s in np.flatnonzero(new_run).tolist():
                     states[s]._extend(int(rows0[s]), int(positions[s]))
-        else:
+        else:   # a few sequences: scalar stores beat fancy indexing
             cols = self.kv._cols
-            for st, r0, p, d in zip(states, rows0, positions, done):
+            for s, (st, r0, p, d) in enumerate(zip(states, rows0, positions,
+                                                   [kept] * B if done is None else done.tolist())):
                 row = st.blocks.row
                 if not r0 or p != cols.item(row, OFF) + r0:   # not the next position of its last run
                     st._extend(r0, p)
-                cols[row, ROWS], cols[row, DRAFTED] = r0 + k, d
+                cols[row, ROWS], cols[row, DRAFTED], cols[row, LAST] = r0 + k, d, 0 if dev else d
+                if toks is not None:
+                    drafts[row, :k] = toks[s]
+        if done is not None:
+            for s in np.flatnonzero(done < k).tolist():   # a confidence stop: the rows past its last kept draft go
+                states[s].blocks.truncate(int(rows0[s]) + int(done[s]))
+        if dev:
+            return DraftBatch(B, k, vocab=self.vocab_size, device_tokens=out["device_ids"],
+                              device_logits=out["device_logits"], ready=out["ready"], stream=self.stream)
+        flags = out["flags"]
+        if flags is not None:
+            for s, i in np.argwhere(flags.T).tolist():
+                if done is None or i < done[s]:
+                    log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0", i,
+                                int(positions[s]) + i)
+        lp = None
         if lps is not None:
-            for s in range(B):
-                if done[s] < k:   # a confidence stop: the rows past its last kept draft go
-                    states[s].blocks.truncate(int(rows0[s]) + done[s])
-        if "device_ids" in out:   # nothing read back: the drafts live on the device (no grammar warnings)
-            for st in states:
-                st.last_drafts = []
-            lg = out["device_logits"]
-            return [DraftResult(None, device_tokens=out["device_ids"][s], ready=out["ready"], stream=self.stream,
-                                device_logits=None if lg is None else lg[s]) for s in range(B)]
-        # (a C-ordered copy lists about twice as fast as the transposed view)
-        cols_out, flags, logits = out["ids"].T.copy().tolist(), out["flags"], out["logits"]
-        if flags is None and logits is None and lps is None:   # the plain case: drafts only
-            for st, toks in zip(states, cols_out):
-                st.last_drafts = toks
-            return list(map(DraftResult, cols_out))
-        for s, (st, p, d) in enumerate(zip(states, positions, done)):
-            toks = st.last_drafts = cols_out[s] if d == k else cols_out[s][:d]
-            if flags is not None:
-                for i in np.flatnonzero(flags[:d, s]):
-                    log.warning("grammar mask allowed no token at draft %d (position %d); drafting pad id 0", i, p + i)
-            lg = None
-            if logits is not None:
-                lg = np.ascontiguousarray(logits[:d, s])
-                if self.vocab_eff < self.vocab_size:
-                    lg = np.pad(lg, ((0, 0), (0, self.vocab_size - self.vocab_eff)), constant_values=-np.inf)
-            res.append(DraftResult(toks, lg, lps[:d, s].tolist() if lps is not None else None))
-        return res
+            lp = lps.T.copy()
+            if done is not None:
+                past = np.arange(k) >= done[:, None]
+                toks[past], lp[past] = -1, np.nan
+        return DraftBatch(B, k, toks, done, out["logits"], self.vocab_size, lp)
+
+    def _drafts_rows(self) -> np.ndarray:
+        """int32 [mirror rows, max_drafts]: row r holds the last drafts of the sequence at mirror row r
+        (ProposerState.last_drafts; how many: its LAST counter), grown with the mirror."""
+        d, n = self._drafts, self.kv._cols.shape[0]
+        if d.shape[0] < n:
+            d = self._drafts = np.concatenate([d, np.zeros((n - d.shape[0], self.max_drafts), np.int32)])
+        return d
 
     # -- streams ---------------------------------------------------------------------------------
     def _ordered(self, stream):

@@ -4,6 +4,7 @@ Row/position model: drafter KV rows are dense (row r is the r-th row written); `
 position the caller gives. A row at position p pairs the target's hidden at p with embed(token at p+1)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -34,24 +35,107 @@ class DraftResult:
         """Fill `tokens` (and `logits`) from the device arrays: copied on the proposer's stream, waiting for that
         stream only. Returns self."""
         if self.tokens is None and self.device_tokens is not None:
-            self.tokens = [int(t) for t in self._read(self.device_tokens)]
+            self.tokens = [int(t) for t in _to_host(self.device_tokens, self.stream)]
             if self.device_logits is not None:
-                self.logits = self._read(self.device_logits).astype(np.float32, copy=False)
+                self.logits = _to_host(self.device_logits, self.stream).astype(np.float32, copy=False)
         return self
 
-    def _read(self, a) -> np.ndarray:
-        if isinstance(a, np.ndarray):
-            return a
-        out = a.get(stream=self.stream)
-        if self.stream is not None:
-            self.stream.synchronize()
+
+def _to_host(a, stream) -> np.ndarray:
+    """A device result array on the host: copied on `stream`, waiting for that stream only."""
+    if isinstance(a, np.ndarray):
+        return a
+    out = a.get(stream=stream)
+    if stream is not None:
+        stream.synchronize()
+    return out
+
+
+class DraftBatch(Sequence):
+    """The drafts of one `propose_batch` call: a sequence of B DraftResults in the batch's order (each made when
+    first read) over the batch's own arrays, which a serving loop can also take whole.
+
+    Attributes
+    ----------
+    tokens : int32 [B, k] host array (host results; None with device results until `host()`). A sequence that
+        stopped early (min_logprob) holds -1 past its drafts.
+    num_drafts : int64 [B], each sequence's drafts (k unless it stopped early).
+    logprobs : float32 [B, k] top-1 log-probabilities when measured (min_logprob), else None.
+    logits : float32 [B, k, vocab] host array with return_logits (-inf past mtp_vocab_size; made when read),
+        else None.
+    device_tokens, device_logits, ready, stream : device results (`device_results=True`), as DraftResult's for
+        the whole batch: int32 [B, k] and float32 [B, k, vocab] arrays of their own on the proposer's device."""
+    __slots__ = ("tokens", "logprobs", "device_tokens", "device_logits", "ready", "stream", "_n", "_k", "_done",
+                 "_lg", "_vocab", "_items")
+
+    def __init__(self, n: int, k: int, tokens=None, done=None, lg=None, vocab: int = 0, logprobs=None,
+                 device_tokens=None, device_logits=None, ready=None, stream=None):
+        """`done`: int [B] drafts kept per sequence, or None (all k); `lg`: host logits as [k, B, V] (V <= vocab:
+        padded with -inf per sequence when read)."""
+        self._n, self._k, self.tokens, self._done, self._lg, self._vocab = n, k, tokens, done, lg, vocab
+        self.logprobs, self.device_tokens, self.device_logits = logprobs, device_tokens, device_logits
+        self.ready, self.stream, self._items = ready, stream, [None] * n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __repr__(self) -> str:
+        return f"DraftBatch({self._n} sequences, {self._k} drafts{', on the device' if self.tokens is None else ''})"
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._n))]
+        r = self._items[i]
+        if r is None:
+            r = self._items[i] = self._item(range(self._n)[i])
+        return r
+
+    def __iter__(self):
+        for i in range(self._n):
+            yield self[i]
+
+    @property
+    def num_drafts(self) -> np.ndarray:
+        return np.full(self._n, self._k, np.int64) if self._done is None else self._done.copy()
+
+    @property
+    def logits(self) -> np.ndarray | None:
+        if self._lg is None:
+            return None
+        out = np.full((self._n, self._k, self._vocab), -np.inf, np.float32)
+        out[:, :, :self._lg.shape[2]] = self._lg.transpose(1, 0, 2)
         return out
+
+    def host(self) -> "DraftBatch":
+        """Fill `tokens` (and `logits`) from the device arrays: copied on the proposer's stream, waiting for that
+        stream only. Returns self."""
+        if self.tokens is None and self.device_tokens is not None:
+            self.tokens = _to_host(self.device_tokens, self.stream).astype(np.int32, copy=False)
+            if self.device_logits is not None:
+                self._lg = _to_host(self.device_logits, self.stream).astype(np.float32, copy=False).transpose(1, 0, 2)
+        return self
+
+    def _item(self, s: int) -> DraftResult:
+        dt, dl = self.device_tokens, self.device_logits
+        dev = {} if dt is None else {"device_tokens": dt[s], "device_logits": None if dl is None else dl[s],
+                                     "ready": self.ready, "stream": self.stream}
+        if self.tokens is None:
+            return DraftResult(None, **dev)
+        d = self._k if self._done is None else int(self._done[s])
+        lg = None
+        if self._lg is not None:
+            lg = np.ascontiguousarray(self._lg[:d, s])
+            if lg.shape[1] < self._vocab:
+                lg = np.pad(lg, ((0, 0), (0, self._vocab - lg.shape[1])), constant_values=-np.inf)
+        lp = None if self.logprobs is None else self.logprobs[s, :d].tolist()
+        return DraftResult(self.tokens[s, :d].tolist(), lg, lp, **dev)
 
 
 # ProposerState's counters in its blocks' mirror row (cache.paged: one gather / scatter for a batch): the last
 # run's offset (its row r holds position r + OFF, so OFF + rows is the next position; 0 with no rows), the row
-# it starts at, and the drafts of the last propose
-OFF, RUN0, DRAFTED = OWNER, OWNER + 1, OWNER + 2
+# it starts at, the drafts of the last propose not yet verified, and the drafts the last propose kept (its
+# tokens: the owner's `_drafts[row]`, ProposerState.last_drafts)
+OFF, RUN0, DRAFTED, LAST = OWNER, OWNER + 1, OWNER + 2, OWNER + 3
 
 
 class ProposerState:
@@ -63,10 +147,10 @@ class ProposerState:
     the drafts of the last propose, in the blocks' mirror row, so a batch call checks and updates every
     sequence as arrays."""
 
-    def __init__(self, blocks=None):
+    def __init__(self, blocks=None, owner=None):
         self.blocks = blocks
+        self.owner = owner   # the proposer (its `_drafts` [mirror rows, max_drafts] holds last_drafts)
         self.runs: list[tuple[int, int]] = []
-        self.last_drafts: list[int] = []
         self.released = False
 
     def __repr__(self) -> str:
@@ -105,6 +189,16 @@ class ProposerState:
         """The position of the newest row (None before any)."""
         p = self.newest_position
         return None if p < 0 else p
+
+    @property
+    def last_drafts(self) -> list[int]:
+        """The drafts of the last propose (host results), kept through after_verify; [] before any, after
+        device results and after free_state."""
+        b = self.blocks
+        if b is None or b.row is None or self.owner is None:
+            return []
+        n = b.cache._cols.item(b.row, LAST)
+        return self.owner._drafts[b.row, :n].tolist() if n else []
 
     @property
     def last_num_drafted(self) -> int:
