@@ -62,8 +62,9 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     if most is None:
         most = int(lens.max()) if isinstance(lens, np.ndarray) else max(lens)
     if B == 1:                                   # propose's case: a few scalar stores beat the array plan
+        table = np.asarray(tables[0][:lens[0]], np.int32)
         _check_fits(1, most, slab, stage.shape[1])
-        _stage_one(stage, k, int(positions[0]), int(rows0[0]), tables[0][:lens[0]], block_size)
+        OneStager(stage, slab)(k, int(positions[0]), int(rows0[0]), table, block_size)
         return
     if not isinstance(tables, np.ndarray):
         tab = np.zeros((B, most), np.int32)
@@ -137,13 +138,24 @@ class SlabStager:
         self.tab[:, :, :most] = tables[:, :most]
 
 
-def _stage_one(stage: np.ndarray, k: int, position: int, rows0: int, table, bs: int) -> None:
-    s32, s64 = stage.view(np.int32), stage.view(np.int64)
-    s32[:k, _TABLE32:_TABLE32 + len(table)] = table
-    for i in range(k):
-        row = rows0 + i
-        s64[i, _POS64], s64[i, _SEQ_LEN64] = position + i, row + 1
-        s64[i, _SLOT64] = table[row // bs] * bs + row % bs
+class OneStager:
+    """stage_mtp_meta for one sequence (propose's case) into the uint8 stage [steps, bytes] (its slab at byte 0 of
+    each row), the views made once: a few scalar stores beat the array plan."""
+    __slots__ = ("s32", "s64", "slab", "row_bytes")
+
+    def __init__(self, stage: np.ndarray, stride: int = 0):
+        self.s32, self.s64 = stage.view(np.int32), stage.view(np.int64)
+        self.slab, self.row_bytes = stride or stage.shape[1], stage.shape[1]
+
+    def __call__(self, k: int, position: int, rows0: int, table: np.ndarray, bs: int) -> None:
+        """Steps 0..k-1 of a sequence at `position` / drafter row `rows0` with block table `table` (int32)."""
+        n, s64 = len(table), self.s64
+        _check_fits(1, n, self.slab, self.row_bytes)
+        self.s32[:k, _TABLE32:_TABLE32 + n] = table
+        for i in range(k):
+            row = rows0 + i
+            s64[i, _POS64], s64[i, _SEQ_LEN64] = position + i, row + 1
+            s64[i, _SLOT64] = table.item(row // bs) * bs + row % bs
 
 
 def unpack_mtp_attn_meta(raw: bytes | np.ndarray, num_blocks: int) -> tuple[int, int, int, list[int]]:

@@ -51,7 +51,7 @@ from ..cache import PagedKvCache, SeqBlocks
 from ..cache.paged import NBLOCKS, ROWS
 from ..errors import CapacityError, ConfigError, InputError
 from ..runtime import slab as slab_spec
-from ..runtime.arena import ForwardBuffers, SlabStager, pack_mtp_attn_meta, stage_mtp_meta
+from ..runtime.arena import ForwardBuffers, OneStager, SlabStager, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.dtypes import BF16
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
@@ -131,7 +131,7 @@ class MtpProposerBase:
         # chain copies both in itself (inside the graph: no copy call per propose); made on first use
         self._stage = None
         self._steps = {}   # (k, W) -> the [k, W * meta_stride] view of the stage's slabs
-        self._stagers = {}   # (k, W, B) -> the SlabStager of a wide batch's B slabs in that view
+        self._stagers = {}   # (k, W, B) -> the SlabStager of a wide batch's B slabs in that view (B = 1: a OneStager)
         self._inbox = None
         self._hmax = hmax
         self._all_logits = None   # f32 [max_drafts, max_batch, vocab_eff], made on the first return_logits
@@ -657,8 +657,10 @@ class MtpProposerBase:
         if steps is None:
             steps = self._steps[k, W] = self._staging()[self._meta_off:self._meta_off + k * W * S].reshape(k, W * S)
         if B == 1:
-            table = states[0].blocks.table_view()
-            stage_mtp_meta(steps, k, positions, rows0, (table,), self.kv.block_size, S, lens=(len(table),))
+            one = self._stagers.get((k, W, 1))
+            if one is None:
+                one = self._stagers[k, W, 1] = OneStager(steps, S)
+            one(k, int(positions[0]), int(rows0[0]), states[0].blocks.table_view(), self.kv.block_size)
         elif idx is not None:   # the mirror's tables are read in place (entry 0 of row r at r * width)
             kv, nblocks = self.kv, c[:, NBLOCKS]
             most = int(nblocks.max())
