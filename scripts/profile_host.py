@@ -26,9 +26,11 @@ from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.runtime.ptr import DevicePtr
 
 
-def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | None = None, hidden_on: str = "host"):
+def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | None = None, hidden_on: str = "host",
+          room: int = 64):
+    """`room`: rows past ctx each sequence may grow by (a catch-up loop advances one position a call)."""
     gpu = mtp_cupy.device(device)
-    p = mtp_cupy.load_proposer(checkpoint or mtp_cupy.EMBEDDED[fam], gpu, max_seq_len=ctx + 64, max_drafts=k,
+    p = mtp_cupy.load_proposer(checkpoint or mtp_cupy.EMBEDDED[fam], gpu, max_seq_len=ctx + room, max_drafts=k,
                                max_batch=B)
     rng = np.random.default_rng(0)
     shape = p._hidden_shapes()[0]
@@ -68,6 +70,24 @@ def call_of(p, states, toks, h, ctx: int, k: int):
         for st in states:
             p.after_verify(st, 0)
     return batch if hasattr(p, "after_verify_batch") else batch_loop
+
+
+def catch_up_of(p, states, toks, h, ctx: int, k: int):
+    """A serving step's drafter calls: every draft rejected (after_verify_batch), the dropped row caught up from
+    the target's hidden (prefill_batch, one row each), the next propose_batch one position on. Each call advances
+    every sequence by one row (the proposer was built with room for the calls)."""
+    B = len(states)
+    if not isinstance(h, np.ndarray):
+        h = h.ptr
+    zeros, ones, pos = [0] * B, [1] * B, [ctx]
+    p.propose_batch(states, toks, h, [ctx] * B, k)
+
+    def step():
+        p.after_verify_batch(states, zeros)
+        p.prefill_batch(states, toks, h, ones)
+        pos[0] += 1
+        p.propose_batch(states, toks, h, [pos[0]] * B, k)
+    return step
 
 
 def phases(p, fn, calls: int) -> str:
@@ -126,10 +146,13 @@ def main() -> int:
     ap.add_argument("--ctx", type=positive_int, default=64, help="prefilled rows per sequence")
     ap.add_argument("--calls", type=positive_int, default=1000, help="timed calls (and as many profiled)")
     ap.add_argument("--top", type=positive_int, default=25, help="functions listed by own time")
-    ap.add_argument("--skip-chain", action="store_true", help="launch nothing (host bookkeeping only)")
+    ap.add_argument("--skip-chain", action="store_true", help="launch nothing (host bookkeeping only; on CUDA the "
+                    "prefill's copies still run)")
     ap.add_argument("--hidden-on", choices=("host", "device"), default="host", help="where each call's hiddens "
                     "live: host (NumPy, checked and copied every call) or device (a device pointer read in place)")
     ap.add_argument("--no-profile", action="store_true", help="phases only, no cProfile listing")
+    ap.add_argument("--catch-up", action="store_true", help="time a serving step instead: after_verify_batch, the "
+                    "dropped row caught up by prefill_batch, propose_batch one position on (--batch > 1)")
     a = ap.parse_args()
     if a.hidden_size and a.checkpoint:
         ap.error("--hidden-size makes its own model; it does not take --checkpoint")
@@ -138,10 +161,13 @@ def main() -> int:
         from mtp_cupy.families import family
         ckpt = family(a.family).write_tiny_checkpoint(tempfile.mkdtemp(prefix="profile_host_"), seed=0,
                                                       hidden_size=a.hidden_size, vocab_size=256)
-    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt, a.hidden_on)
-    if a.skip_chain:
-        p._chain = lambda *args, **kw: None
-    fn = call_of(p, states, toks, h, a.ctx, a.k)
+    if a.catch_up and a.batch == 1:
+        ap.error("--catch-up times the batch calls: give --batch > 1")
+    room = 64 + (3 * a.calls + 40 if a.catch_up else 0)   # warm-up, timed, phased and profiled calls
+    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt, a.hidden_on, room)
+    if a.skip_chain:   # no launches: the chain, and the rows prefill_batch writes
+        p._chain = p._write_rows = lambda *args, **kw: None
+    fn = (catch_up_of if a.catch_up else call_of)(p, states, toks, h, a.ctx, a.k)
     for _ in range(20):
         fn()
     t0 = time.perf_counter()
@@ -149,7 +175,8 @@ def main() -> int:
         fn()
     us = 1e6 * (time.perf_counter() - t0) / a.calls
     print(f"{a.family} device={a.device} batch={a.batch} k={a.k} graphs={p.cuda_graphs and p.graph_safe} "
-          f"skip_chain={a.skip_chain} hidden_on={a.hidden_on}: {us:.1f} µs wall per call (propose + after_verify)")
+          f"skip_chain={a.skip_chain} hidden_on={a.hidden_on}: {us:.1f} µs wall per call "
+          f"({'after_verify + catch-up prefill + propose' if a.catch_up else 'propose + after_verify'})")
     print(phases(p, fn, a.calls))
     if a.no_profile:
         return 0

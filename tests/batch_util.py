@@ -3,6 +3,7 @@ prefilled alike into several proposers, and one verify round (ragged accepted co
 the last accepted token, from the 'target')."""
 from __future__ import annotations
 
+import hashlib
 import tempfile
 
 import numpy as np
@@ -115,3 +116,14 @@ class _Margins(list):
     def clear(self) -> None:
         super().clear()
         self.rows.clear()
+
+
+def rows_digest(prop, st) -> str:
+    """A digest of every cache row the sequence holds (all caches of the pool), in row order, read through its own
+    slots (two proposers may give a sequence different blocks)."""
+    h = hashlib.sha256()
+    for name, spec in prop.kv.specs.items():
+        base = prop.kv.base(name)
+        for r in range(st.blocks.rows):
+            h.update(prop.gpu.read(base.offset(st.blocks.slot(r) * spec.row_bytes), np.uint8, spec.row_bytes))
+    return h.hexdigest()

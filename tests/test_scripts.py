@@ -259,3 +259,8 @@ def test_profile_host_ref_smoke():
     dev = ok(run("profile_host.py", "--family", "deepseek_v4", "--device", "ref", "--calls", "3", "--batch", "5",
                  "--hidden-on", "device", "--no-profile"))
     assert "batch=5 k=1" in dev and "hidden_on=device" in dev
+    step = ok(run("profile_host.py", "--family", "glm5", "--device", "ref", "--calls", "4", "--batch", "6", "--k", "2",
+                  "--catch-up", "--no-profile"))   # the rows are really written (no --skip-chain)
+    assert "after_verify + catch-up prefill + propose" in step and "batch=6 k=2" in step
+    bad = run("profile_host.py", "--device", "ref", "--catch-up")
+    assert bad.returncode != 0 and "give --batch > 1" in bad.stderr and "Traceback" not in bad.stderr

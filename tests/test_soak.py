@@ -4,15 +4,16 @@ leave, with bad calls in between. After every operation: no KV block leaked or s
 are exactly the positions this test derives from the calls it made, and the KV contents of every sequence
 an operation did not touch are unchanged. Batches run up to 8 sequences, so both the per-sequence path and the
 array path (ARRAY_MIN_BATCH and more) of the batch calls are driven; each family also runs loaded without
-drafter context, where positions may skip ahead (runs of positions start and are trimmed away). CI runs 10^4
+drafter context, where positions may skip ahead (runs of positions start and are trimmed away). Rows are
+written one sequence at a time (prefill) and for several at once (prefill_batch). CI runs 10^4
 operations; `-m slow` runs 10^5."""
-import hashlib
 import tempfile
 
 import numpy as np
 import pytest
 
 import mtp_cupy
+from batch_util import rows_digest
 from helpers import check_pool
 from mtp_cupy.errors import CapacityError, InputError
 from mtp_cupy.families import family
@@ -32,16 +33,6 @@ SMALL = {
                  moe_intermediate_size=32, vocab_size=128),
 }
 SEQ, LIVE, K, BATCH = 64, 10, 3, 8
-
-
-def kv_digest(prop, st) -> str:
-    """A digest of every cache row the sequence holds (all caches of the pool)."""
-    h = hashlib.sha256()
-    for name, spec in prop.kv.specs.items():
-        base = prop.kv.base(name)
-        for r in range(st.blocks.rows):
-            h.update(prop.gpu.read(base.offset(st.blocks.slot(r) * spec.row_bytes), np.uint8, spec.row_bytes))
-    return h.hexdigest()
 
 
 class Soak:
@@ -79,6 +70,19 @@ class Soak:
             p.free_state(st)
             p.free_state(st)                       # idempotent
             del self.keys[id(st)], self.digest[id(st)]
+        elif op == "prefill" and self.live and rng.random() < 0.4:   # several sequences' rows in one pass
+            sts = [self.live[i] for i in rng.choice(len(self.live), int(rng.integers(1, len(self.live) + 1)),
+                                                     replace=False)]
+            n = [int(x) for x in rng.integers(0, 4, len(sts))]
+            starts = [self.at(st) for st in sts]
+            if all(q + m <= SEQ for q, m in zip(starts, n)):
+                try:
+                    p.prefill_batch(sts, rng.integers(0, p.vocab_size, sum(n)), self.hid(sum(n)), n, starts)
+                    for st, q, m in zip(sts, starts, n):
+                        self.keys[id(st)] += list(range(q, q + m))
+                        touched.add(id(st))
+                except CapacityError:
+                    self.counts["capacity"] += 1
         elif op == "prefill" and self.live:
             st = self.live[int(rng.integers(len(self.live)))]
             n, start = int(rng.integers(1, 13)), self.at(st)
@@ -127,6 +131,7 @@ class Soak:
                    lambda: p.propose(st, 1, self.hid(1)[0], q + (-1 if self.holes else 1), 1),  # a hole / overlap
                    lambda: p.propose_batch([st, st], [1, 1], self.hid(2), [q, q], 1),  # a state twice
                    lambda: p.prefill(st, [1, 2], self.hid(2)),                          # hiddens of the wrong count
+                   lambda: p.prefill_batch([st], [1], self.hid(1), [1], [q + (-1 if self.holes else 1)]),
                    lambda: p.after_verify(st, st.last_num_drafted + 1)]
             with pytest.raises(InputError):
                 bad[int(rng.integers(len(bad)))]()
@@ -144,7 +149,7 @@ class Soak:
             c = self.p.kv._cols[st.blocks.row]      # the mirror the wide calls check with says the same
             assert c[OFF] + c[ROWS] == self.nxt(st) and c[ROWS] == len(keys), (c, keys)
             self.runs += len(st.runs) > 1
-            d = kv_digest(self.p, st) if id(st) in touched or id(st) not in self.digest or self.rng.random() < .1 \
+            d = rows_digest(self.p, st) if id(st) in touched or id(st) not in self.digest or self.rng.random() < .1 \
                 else None
             if d is not None:
                 if id(st) not in touched and id(st) in self.digest:

@@ -175,7 +175,7 @@ class DeepseekV3MtpProposer(MtpProposerBase):
         self._block(ids, hidden, m, meta, meta_stride, self.bufs.xn)
         ops.linear(self.gpu, self.bufs.xn, self.head, logits, m, out_dtype="f32", invariant=self.inv)
 
-    def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
+    def _write_rows(self, tokens_dev, hiddens, positions, slots, n) -> None:
         # row r pairs embed(tokens[r + 1]) with hiddens[r]
         b = self.bufs
         self.front.forward(tokens_dev.offset(4), hiddens, b.x, n)

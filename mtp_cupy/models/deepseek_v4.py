@@ -185,7 +185,7 @@ class DeepseekV4MtpProposer(MtpProposerBase):
         self.norm("norm", b.x, b.xn, m)
         ops.linear(self.gpu, b.xn, self.head, logits, m, out_dtype="f32", invariant=self.inv)
 
-    def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
+    def _write_rows(self, tokens_dev, hiddens, positions, slots, n) -> None:
         # one pass over n <= max_prefill_rows rows; row r pairs embed(tokens[r + 1]) with hiddens[r]
         b = self.bufs
         self._front(tokens_dev.offset(4), hiddens, n, self._prefill_streams)

@@ -197,7 +197,7 @@ class Qwen3NextMtpProposer(MtpProposerBase):
         self.norm.add("norm", b.x, b.tmp, self.carry, m)
         ops.linear(self.gpu, self.carry, self.lm_head, logits, m, out_dtype="f32", invariant=self.inv)
 
-    def _write_rows(self, st, tokens_dev, hiddens, positions, slots, row_base, n) -> None:
+    def _write_rows(self, tokens_dev, hiddens, positions, slots, n) -> None:
         # row r pairs embed(tokens[r + 1]) with hiddens[r]
         self.front.forward(tokens_dev.offset(4), hiddens, self.bufs.x, n)
         self.norm("input_layernorm", self.bufs.x, self.bufs.xn, n)

@@ -6,8 +6,9 @@ A family subclass sets `family`, `Options` (its options dataclass), `config_clas
         the i32 token ids at `ids`, combine them with the bf16 hiddens at `hidden`, run the block (row s's KV
         row and RoPE position come from its metadata slab at meta + s * meta_stride), write f32 logits
         [m, vocab_eff] at `logits`, and leave the carried hiddens [m, ...] at `self.carry`.
-    _write_rows(st, tokens_dev, hiddens, positions, slots, row_base, n)   prefill / catch-up: n drafter KV
-        rows pairing embed(tokens[r+1]) with hiddens[r] at the u32 positions / i64 slots given (no attention).
+    _write_rows(tokens_dev, hiddens, positions, slots, n)   prefill / catch-up (speculative/prefill.py): n
+        drafter KV rows pairing embed(tokens[r+1]) with hiddens[r] at the u32 positions / i64 slots given, rows
+        of any sequences (no attention).
 It sets `self.carry` after super().__init__ and may override `_hidden_shapes` (V4 accepts [D] and [hc, D]),
 `_pick` (GLM's cross-rank argmax) and `_graph_variant`.
 
@@ -52,12 +53,12 @@ from ..cache.paged import NBLOCKS, ROWS
 from ..errors import CapacityError, ConfigError, InputError
 from ..runtime import slab as slab_spec
 from ..runtime.arena import ForwardBuffers, OneStager, SlabStager, pack_mtp_attn_meta, stage_mtp_meta
-from ..runtime.dtypes import BF16
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
 from .batch_inputs import ARRAY_MIN_BATCH, BatchMemo, batch_masks, check_sequences, mirror_rows, state_list
-from .inputs import check_position, check_token, host_ints, is_device_pointer, stage_hidden, take_hidden
+from .inputs import host_ints, stage_hidden, take_hidden
 from .options import ProposerOptions
+from .prefill import Prefill
 from .proposer import (DRAFTED, LAST, OFF, RUN0, DraftBatch, DraftResult, ProposerState, mtp_rows_to_trim,
                        mtp_rows_to_trim_batch)
 
@@ -67,7 +68,7 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _NO_STREAM = contextlib.nullcontext()
 
 
-class MtpProposerBase:
+class MtpProposerBase(Prefill):
     family = "base"
     Options: type[ProposerOptions] = ProposerOptions
     config_class: type[ModelConfig] = ModelConfig
@@ -121,8 +122,7 @@ class MtpProposerBase:
         regions = {"ids": 4 * B * (k + 1), "hidden_in": 2 * hmax * B, "logits": 4 * self.vocab_eff * B,
                    "flags": 4 * B * k, "lp": 4 * B * k, "mask": 4 * words * B * k,
                    "call_in": self._meta_off + k * B * self.meta_stride,
-                   "prefill_ids": 4 * (self.max_prefill_rows + 1),
-                   "prefill_pos": 4 * self.max_prefill_rows, "prefill_slots": 8 * self.max_prefill_rows,
+                   "prefill_in": 16 * self.max_prefill_rows + 4,   # speculative/prefill.py's staged rows
                    "prefill_hidden": 2 * self.hidden_size * self.max_prefill_rows}
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
@@ -133,6 +133,8 @@ class MtpProposerBase:
         self._steps = {}   # (k, W) -> the [k, W * meta_stride] view of the stage's slabs
         self._stagers = {}   # (k, W, B) -> the SlabStager of a wide batch's B slabs in that view (B = 1: a OneStager)
         self._inbox = None
+        self._prefill_stage = None   # pinned twin of prefill_in (made on first use) and its copy's event
+        self._prefill_copied = None
         self._hmax = hmax
         self._all_logits = None   # f32 [max_drafts, max_batch, vocab_eff], made on the first return_logits
         # the pad sequences' one KV row, in a block of their own, so a full pool never fails a bucketed call
@@ -196,8 +198,8 @@ class MtpProposerBase:
                  logits: DevicePtr) -> None:
         raise NotImplementedError
 
-    def _write_rows(self, st, tokens_dev: DevicePtr, hiddens: DevicePtr, positions: DevicePtr,
-                    slots: DevicePtr, row_base: int, n: int) -> None:
+    def _write_rows(self, tokens_dev: DevicePtr, hiddens: DevicePtr, positions: DevicePtr, slots: DevicePtr,
+                    n: int) -> None:
         raise NotImplementedError
 
     def _pick(self, step: int, W: int, logits: DevicePtr, masked: bool, want_lp: bool, keep: bool = False) -> None:
@@ -234,15 +236,16 @@ class MtpProposerBase:
             raise CapacityError(f"drafter would hold {rows} rows; it was sized for {self.max_seq_len}")
         st.blocks.reserve(rows)
 
-    def _reserve_drafts(self, states, k: int, idx=None, c=None) -> list[int] | np.ndarray:
+    def _reserve_drafts(self, states, k, idx=None, c=None) -> list[int] | np.ndarray:
         """Room for k more rows in every sequence (all or none: CapacityError with every table as it was); the
         row counts before (an array when the batch's mirror rows `idx` and counters `c` are given: c's NBLOCKS
-        follow the growth). Most calls need no new block: one comparison per sequence, or one array comparison
-        for the batch, whose sequences that need one block more get it in one pool call."""
+        follow the growth, and k may be an int array, rows per sequence). Most calls need no new block: one
+        comparison per sequence, or one array comparison for the batch, whose sequences that need one block more
+        get it in one pool call."""
         room, ones = self.kv.block_size, None
         if c is not None:   # rows0 + k <= max_seq_len: every position checked is at least its row count
             rows0 = c[:, ROWS]   # (c's own; the mirror's column is updated when the call finishes)
-            need = self._blocks_of[k:].take(rows0)
+            need = self._blocks_of[k:].take(rows0) if isinstance(k, int) else self._blocks_of.take(rows0 + k)
             need -= c[:, NBLOCKS]   # >= 0: a table holds its rows' blocks
             n = np.count_nonzero(need)
             if not n:
@@ -270,7 +273,7 @@ class MtpProposerBase:
         done = []
         try:
             for s in todo:
-                self._reserve(states[s], int(rows0[s]) + k)
+                self._reserve(states[s], int(rows0[s]) + (k if isinstance(k, int) else int(k[s])))
                 done.append(s)
         except Exception:
             for s in done + ([] if ones is None else ones.tolist()):
@@ -280,99 +283,6 @@ class MtpProposerBase:
             for s in done:
                 c[s, NBLOCKS] = states[s].blocks.nblocks
         return rows0
-
-    # -- prefill / catch-up ----------------------------------------------------------------------
-    def prefill(self, st: ProposerState, tokens, hiddens, start_position: int | None = None, stream=None) -> int:
-        """Write drafter rows pairing embed(tokens[r+1]) with hiddens[r] at positions start_position + r.
-
-        Parameters
-        ----------
-        st : ProposerState
-        tokens : n + 1 token ids (ints, an array or a DLPack tensor)
-        hiddens : [n, D] (V4 also [n, hc, D]) float32, float16 or bfloat16: a NumPy array, any DLPack tensor (a
-            C-contiguous bf16 CUDA one is read in place), or a device pointer to n bf16 rows
-        start_position : int, optional
-            Must be the next position after the newest row (the default): no hole, no overwrite.
-        stream : optional; a caller's stream the call is ordered after (and that waits for the call's work)
-
-        Returns
-        -------
-        int : rows written (n).
-
-        Raises InputError (bad ids, shapes, positions) or CapacityError (KV pool or max_seq_len); the state is
-        unchanged on failure."""
-        self._live(st)
-        with self._ordered(stream):
-            toks = np.asarray(host_ints(tokens, self.gpu, "tokens", self.stream), dtype=np.int64)
-            n = toks.size - 1
-            if n < 1:
-                raise InputError("prefill needs at least two tokens (one row)")
-            for t in toks:
-                check_token(t, self.vocab_size)
-            nxt = st.next_position
-            start = nxt if start_position is None else int(start_position)
-            if start != nxt and (self.drafter_context or start < nxt):
-                raise InputError(f"prefill at position {start} would leave a hole or overwrite: the next drafter "
-                                 f"position is {nxt}")
-            check_position(start + n - 1, self.max_seq_len)
-            h, keep = self._prefill_hiddens(hiddens, n)
-            rows0 = st.blocks.rows
-            self._reserve(st, rows0 + n)
-            try:
-                with self.gpu.using(self.stream):
-                    self._prefill_chunks(st, toks, h, start, rows0, n)
-            except Exception:
-                st.blocks.truncate(rows0)
-                raise
-            del keep   # converted copies go back to the pool in stream order
-            st._extend(rows0, start)
-        return n
-
-    def _prefill_hiddens(self, hiddens, n: int):
-        """(what `_host_hiddens` takes, what keeps converted device rows alive): a bare pointer as it is; a
-        DLPack / NumPy input checked by `take_hidden`. A device tensor in the form a pointer carries
-        (`_hidden_shapes()[0]`) is read in place; one in another accepted form is read back to the host."""
-        if is_device_pointer(hiddens):
-            return self._host_hiddens(hiddens, n), None
-        shapes = self._hidden_shapes()
-        hid = take_hidden(self.gpu, hiddens, n, shapes, "hiddens", self.stream,
-                          check_device=self.options.check_device_finite)
-        if hid.host is not None:
-            return self._host_hiddens(hid.host, n), hid
-        if hid.row_shape != shapes[0]:
-            return self._host_hiddens(self.gpu.read(hid.ptr, "bf16", hid.shape, stream=self.stream), n), hid
-        return self._host_hiddens(hid.ptr, n), hid
-
-    def _prefill_chunks(self, st, toks, h, start: int, rows0: int, n: int) -> None:
-        for c0 in range(0, n, self.max_prefill_rows):
-            c = min(self.max_prefill_rows, n - c0)
-            pos = np.arange(start + c0, start + c0 + c, dtype=np.uint32)
-            slots = st.blocks.slots(rows0 + c0, c)
-            # on the proposer's stream (pageable sources are staged before the call returns): no device-wide sync
-            self.gpu.copy_h2d_async(self.bufs.prefill_ids, toks[c0:c0 + c + 1].astype(np.int32))
-            self.gpu.copy_h2d_async(self.bufs.prefill_pos, pos)
-            self.gpu.copy_h2d_async(self.bufs.prefill_slots, slots)
-            if isinstance(h, np.ndarray):
-                self.gpu.copy_h2d_async(self.bufs.prefill_hidden, h[c0:c0 + c])
-                hp = self.bufs.prefill_hidden
-            else:
-                hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
-            self._write_rows(st, self.bufs.prefill_ids, hp, self.bufs.prefill_pos, self.bufs.prefill_slots,
-                             rows0 + c0, c)
-            st.blocks.rows = rows0 + c0 + c
-
-    def _host_hiddens(self, hiddens, n: int):
-        if isinstance(hiddens, (DevicePtr, int)) and not isinstance(hiddens, np.ndarray):
-            if int(hiddens) == 0:
-                raise InputError("hiddens is a NULL device pointer")
-            return DevicePtr(int(hiddens))
-        h = np.asarray(hiddens)
-        if h.dtype not in (np.float32, BF16):
-            raise InputError(f"hiddens must be float32 or bfloat16, got {h.dtype}")
-        if h.shape != (n, self.hidden_size):
-            raise InputError(f"hiddens has shape {h.shape}; expected ({n}, {self.hidden_size}) "
-                             "(one per token but the last)")
-        return np.ascontiguousarray(h.astype(BF16, copy=False))
 
     # -- propose ---------------------------------------------------------------------------------
     def propose(self, st: ProposerState, token, hidden, position, num_drafts: int, grammar_bitmask=None,

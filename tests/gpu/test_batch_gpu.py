@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round, watch_ties
+from batch_util import FAMILIES, ckpt, hidden, prefill_alike, rows_digest, verify_round, watch_ties
 
 pytestmark = pytest.mark.gpu
 BATCHES = [1, 2, 5, 16, 33, 64]
@@ -88,3 +88,43 @@ def test_cuda_graph_replay_equals_eager(fam, B, rng):
         assert [r.tokens for r in rg] == [r.tokens for r in re], call
         pos, toks = verify_round(rng, (g, e), (sg, se), rg)
     assert g._graphs, "no chain was captured"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_cuda_prefill_batch_equals_prefill(fam, rng):
+    """prefill_batch on CUDA writes the rows prefill writes one sequence at a time, bit for bit (the row writes
+    are batch-invariant up to 64 rows: N <= 60 here), and a serving loop's catch-up through it (propose_batch,
+    after_verify_batch, one row each, propose_batch) drafts what the per-sequence catch-up drafts."""
+    gpu = mtp_cupy.device("cuda")
+    a, b = load(fam, gpu), load(fam, gpu)
+    B = 6
+    lens = [int(n) if rng.random() < 0.8 else 0 for n in rng.integers(2, 40, B)]
+    lens[0] = max(lens[0], 2)
+    sa, sb = prefill_alike(rng, (a, b), lens)
+    n = [int(x) if rng.random() < 0.8 else 0 for x in rng.integers(1, 11, B)]
+    toks, hs = rng.integers(0, a.vocab_size, sum(n)), hidden(rng, a, sum(n))
+    a.prefill_batch(sa, toks, hs, n)
+    j = 0
+    for s in range(B):
+        if n[s]:
+            b.prefill(sb[s], np.concatenate([[0], toks[j:j + n[s]]]), hs[j:j + n[s]])
+        j += n[s]
+    for x, y in zip(sa, sb):
+        assert x.keys == y.keys and rows_digest(a, x) == rows_digest(b, y)
+    live = [s for s in range(B) if sa[s].blocks.rows]
+    sa, sb = [sa[s] for s in live], [sb[s] for s in live]
+    pos = [st.next_position for st in sa]
+    nxt = [int(t) for t in rng.integers(0, a.vocab_size, len(live))]
+    for _ in range(4):   # eager, capture, replays
+        h = hidden(rng, a, len(live))
+        ra, rb = a.propose_batch(sa, nxt, h, pos, 3), b.propose_batch(sb, nxt, h, pos, 3)
+        assert np.array_equal(ra.tokens, rb.tokens)
+        acc = [int(x) for x in rng.integers(0, 4, len(live))]
+        a.after_verify_batch(sa, acc)
+        b.after_verify_batch(sb, acc)
+        gap = [p + x for p, x in zip(pos, acc)]
+        rt, rh = rng.integers(0, a.vocab_size, len(live)), hidden(rng, a, len(live))
+        a.prefill_batch(sa, rt, rh, [1] * len(live))
+        for s, st in enumerate(sb):
+            b.prefill(st, [0, int(rt[s])], rh[s:s + 1], start_position=gap[s])
+        pos, nxt = [g + 1 for g in gap], [int(t) for t in rt]

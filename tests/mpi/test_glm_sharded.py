@@ -270,8 +270,9 @@ def test_device_exchange_n_ranks(dev_comm, rank, world, exchange):
 
 @pytest.mark.parametrize("exchange", ["digits", "pairs"])
 def test_sharded_batch_equals_sharded_one_at_a_time(dev_comm, world, exchange):
-    """propose_batch of B ragged sequences on the sharded proposer (one exchange for all B rows per step) drafts
-    exactly what it drafts for each sequence alone (logits bit for bit), and every rank gets the same B winners.
+    """propose_batch of B ragged sequences on the sharded proposer (one exchange for all B rows per step; their
+    rows written by one prefill_batch) drafts exactly what it drafts for each sequence alone (prefilled one at a
+    time; logits bit for bit), and every rank gets the same B winners.
     With test_sharded_equals_unsharded (sharded == unsharded per sequence, tie-aware) and tests/test_batch.py
     (unsharded batch == unsharded one at a time) this makes the sharded batch the unsharded one."""
     _needs_even_split(world)
@@ -282,10 +283,10 @@ def test_sharded_batch_equals_sharded_one_at_a_time(dev_comm, world, exchange):
     B = 5
     lens = [int(n) for n in rng.integers(3, 30, B)]
     sts = [[p.alloc_state() for _ in lens] for p in (a, b)]
-    for s, n in enumerate(lens):
-        toks, hs, _, _ = inputs(rng, n)
-        for p, st in zip((a, b), sts):
-            p.prefill(st[s], toks, hs)
+    rows = [inputs(rng, n)[:2] for n in lens]
+    for s, (toks, hs) in enumerate(rows):   # b one sequence at a time, a all in one prefill_batch
+        b.prefill(sts[1][s], toks, hs)
+    a.prefill_batch(sts[0], np.concatenate([t[1:] for t, _ in rows]), np.concatenate([h for _, h in rows]), lens)
     toks, hs = [int(t) for t in rng.integers(0, V, B)], bf16_round(rng.standard_normal((B, D)))
     for logits in (False, True):          # the device exchange, and the gathered f32 logits
         got = a.propose_batch(sts[0], toks, hs, lens, K, return_logits=logits)

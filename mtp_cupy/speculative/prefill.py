@@ -1,0 +1,227 @@
+"""Writing drafter rows from the target's hiddens without drafting: a prompt's prefill, and the catch-up a serving
+loop runs every step (the rows `after_verify` dropped, which a propose at the next position needs: no hole).
+
+`prefill` writes one sequence's rows; `prefill_batch` the rows of B sequences in one pass, each row carrying its
+own position and cache slot, so the families' `_write_rows` (embed, combine with the hidden, write the KV row: no
+attention) runs once per chunk of `max_prefill_rows` rows for the whole batch."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..cache.paged import ROWS, SEQ_COLUMNS
+from ..errors import InputError
+from ..runtime.dtypes import BF16
+from ..runtime.ptr import DevicePtr
+from .batch_inputs import mirror_rows, state_list
+from .inputs import check_position, host_ints, is_device_pointer, take_hidden
+from .proposer import OFF, ProposerState
+
+
+class Prefill:
+    """MtpProposerBase's prefill calls (a mixin: it uses the base's buffers, stream, checks and `_write_rows`)."""
+
+    def prefill(self, st: ProposerState, tokens, hiddens, start_position: int | None = None, stream=None) -> int:
+        """Write drafter rows pairing embed(tokens[r+1]) with hiddens[r] at positions start_position + r.
+
+        Parameters
+        ----------
+        st : ProposerState
+        tokens : n + 1 token ids (ints, an array or a DLPack tensor)
+        hiddens : [n, D] (V4 also [n, hc, D]) float32, float16 or bfloat16: a NumPy array, any DLPack tensor (a
+            C-contiguous bf16 CUDA one is read in place), or a device pointer to n bf16 rows
+        start_position : int, optional
+            Must be the next position after the newest row (the default): no hole, no overwrite.
+        stream : optional; a caller's stream the call is ordered after (and that waits for the call's work)
+
+        Returns
+        -------
+        int : rows written (n).
+
+        Raises InputError (bad ids, shapes, positions) or CapacityError (KV pool or max_seq_len); the state is
+        unchanged on failure."""
+        self._live(st)
+        with self._ordered(stream):
+            toks = host_ints(tokens, self.gpu, "tokens", self.stream, as_array=True)
+            n = toks.size - 1
+            if n < 1:
+                raise InputError("prefill needs at least two tokens (one row)")
+            _check_ids(toks, self.vocab_size, "tokens")
+            nxt = st.next_position
+            start = nxt if start_position is None else int(start_position)
+            if start != nxt and (self.drafter_context or start < nxt):
+                raise InputError(f"prefill at position {start} would leave a hole or overwrite: the next drafter "
+                                 f"position is {nxt}")
+            check_position(start + n - 1, self.max_seq_len)
+            h, keep = self._prefill_hiddens(hiddens, n)
+            rows0 = st.blocks.rows
+            self._reserve(st, rows0 + n)
+            try:
+                pos = np.arange(start, start + n, dtype=np.uint32)
+                self._write_chunks(toks.astype(np.int32), h, pos, st.blocks.slots(rows0, n), n)
+            except Exception:
+                st.blocks.truncate(rows0)
+                raise
+            del keep   # converted copies go back to the pool in stream order
+            st.blocks.rows = rows0 + n
+            st._extend(rows0, start)
+        return n
+
+    def prefill_batch(self, states: list[ProposerState], tokens, hiddens, num_rows, start_positions=None,
+                      stream=None) -> int:
+        """Write drafter rows for B sequences in one pass: a serving loop's catch-up (after `after_verify_batch`,
+        the rows the trim rule dropped, from the target's hiddens: one row per sequence with the default rule)
+        or a batch of prompts.
+
+        Parameters
+        ----------
+        states : list of B distinct live ProposerState
+        tokens : N ids (N = sum(num_rows)), sequence by sequence: row r's token is the one that follows its
+            position (what `prefill` takes as tokens[r + 1])
+        hiddens : [N, D] (V4 also [N, hc, D]) in the same order, as `prefill` takes them (NumPy, DLPack, or a
+            device pointer to N bf16 rows)
+        num_rows : B ints >= 0, the rows of each sequence
+        start_positions : B ints, optional; sequence s's rows take positions start_positions[s] + 0, 1, ... Each
+            must be its sequence's next position (the default), or a later one for a proposer loaded without
+            drafter context.
+        stream : optional; a caller's stream the call is ordered after (and that waits for the call's work)
+
+        Returns
+        -------
+        int : rows written (N).
+
+        Raises InputError (naming the sequence: a hole, an overwrite, a position past max_seq_len; bad ids,
+        counts or shapes) or CapacityError (KV pool, max_seq_len); no sequence changes on failure."""
+        gpu, kv = self.gpu, self.kv
+        idx = self._memo.rows(states, kv)   # a serving loop passes the batch it proposes for: checked already
+        if idx is None:
+            states = state_list(states, "prefill_batch")
+            for s, st in enumerate(states):
+                if st.released:
+                    raise InputError(f"sequence {s}: proposer state was freed")
+            idx = mirror_rows(states)
+            if len(set(idx.tolist())) != len(states):
+                raise InputError("the same proposer state appears twice in one prefill_batch")
+        B = len(states)
+        with self._ordered(stream):
+            n = host_ints(num_rows, gpu, "num_rows", self.stream, as_array=True)
+            if len(n) != B:
+                raise InputError(f"{B} states but {len(n)} row counts")
+            if np.count_nonzero(n < 0):
+                raise InputError(f"sequence {int(np.argmax(n < 0))}: num_rows {int(n[n < 0][0])} is negative")
+            N = int(n.sum())
+            toks = host_ints(tokens, gpu, "tokens", self.stream, as_array=True)
+            if len(toks) != N:
+                raise InputError(f"{N} rows but {len(toks)} tokens (one per row: the token after its position)")
+            _check_ids(toks, self.vocab_size, "tokens")
+            c = kv._cols.take(idx, axis=0)
+            nxt = c[:, OFF] + c[:, ROWS]
+            starts = nxt if start_positions is None else \
+                host_ints(start_positions, gpu, "start_positions", self.stream, as_array=True)
+            if len(starts) != B:
+                raise InputError(f"{B} states but {len(starts)} start positions")
+            some = n > 0   # a sequence without rows is left alone, whatever its start
+            bad = some & ((starts != nxt) if self.drafter_context else (starts < nxt))
+            if np.count_nonzero(bad):
+                s = int(np.argmax(bad))
+                raise InputError(f"sequence {s}: prefill at position {int(starts[s])} would leave a hole or "
+                                 f"overwrite: its next drafter position is {int(nxt[s])}")
+            past = some & (starts + n > self.max_seq_len)
+            if np.count_nonzero(past):
+                s = int(np.argmax(past))
+                raise InputError(f"sequence {s}: rows up to position {int(starts[s] + n[s] - 1)} are past the sized "
+                                 f"context (max_seq_len {self.max_seq_len})")
+            if N == 0:
+                return 0
+            h, keep = self._prefill_hiddens(hiddens, N)
+            # room for every sequence's rows, all or none (rows0 + n <= starts + n <= max_seq_len: checked)
+            rows0 = self._reserve_drafts(states, n, idx, c)
+            try:
+                bs, tables = kv.block_size, kv._tables
+                if N == B and not np.count_nonzero(n != 1):   # a catch-up: one row each
+                    rows, at, pos = rows0, idx, starts
+                else:   # row j of the call is row rows0[s] + i of sequence s (i < n[s]) at position starts[s] + i
+                    local = np.arange(N, dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+                    rows, at, pos = np.repeat(rows0, n) + local, np.repeat(idx, n), np.repeat(starts, n) + local
+                blocks = tables.ravel().take(at * tables.shape[1] + rows // bs)
+                ids = np.empty(N + 1, np.int32)
+                ids[0], ids[1:] = 0, toks   # (ids[0]: never read; _write_rows pairs row j with ids[j + 1])
+                self._write_chunks(ids, h, pos.astype(np.uint32), blocks.astype(np.int64) * bs + rows % bs, N)
+            except Exception:   # the rows counters are unchanged: truncating to them gives the new blocks back
+                for st, r0 in zip(states, rows0.tolist()):
+                    st.blocks.truncate(r0)
+                raise
+            del keep
+            kv._cols.ravel().put(idx * SEQ_COLUMNS + ROWS, rows0 + n)
+            for s in np.flatnonzero(some & ((rows0 == 0) | (starts != nxt))).tolist():   # a new run of positions
+                states[s]._extend(int(rows0[s]), int(starts[s]))
+        return N
+
+    def _write_chunks(self, ids: np.ndarray, h, pos: np.ndarray, slots: np.ndarray, n: int) -> None:
+        """n rows at the u32 positions / i64 cache slots given, row j pairing embed(ids[j + 1]) with hidden row j
+        (`h`: host bf16 rows, or a device pointer to them), in passes of max_prefill_rows rows. A pass's ids,
+        positions and slots go in with one copy from pinned staging (a host hidden with one more)."""
+        b, P, gpu = self.bufs, self.max_prefill_rows, self.gpu
+        stage, st_slots, st_pos, st_ids = self._prefill_staging()
+        d_slots, d_pos, d_ids = b.prefill_in, b.prefill_in.offset(8 * P), b.prefill_in.offset(12 * P)
+        with gpu.using(self.stream):
+            for c0 in range(0, n, P):
+                c = min(P, n - c0)
+                if self._prefill_copied is not None:   # the last pass's copy must have read the stage
+                    gpu.host_wait(self._prefill_copied)
+                st_slots[:c], st_pos[:c], st_ids[:c + 1] = slots[c0:c0 + c], pos[c0:c0 + c], ids[c0:c0 + c + 1]
+                gpu.copy_h2d_async(b.prefill_in, stage)
+                if self._prefill_copied is None:
+                    self._prefill_copied = gpu.new_event(timing=False)
+                gpu.record(self._prefill_copied, self.stream)
+                if isinstance(h, np.ndarray):   # pageable: staged by the driver before the call returns
+                    gpu.copy_h2d_async(b.prefill_hidden, h[c0:c0 + c])
+                    hp = b.prefill_hidden
+                else:
+                    hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
+                self._write_rows(d_ids, hp, d_pos, d_slots, c)
+
+    def _prefill_staging(self):
+        """The pinned twin of the prefill_in region [slots i64 P | positions u32 P | ids i32 P + 1] and its three
+        views (made on first use)."""
+        if self._prefill_stage is None:
+            P = self.max_prefill_rows
+            stage = self.gpu.alloc_pinned(16 * P + 4)
+            stage[:] = 0
+            self._prefill_stage = (stage, stage[:8 * P].view(np.int64), stage[8 * P:12 * P].view(np.uint32),
+                                   stage[12 * P:].view(np.int32))
+        return self._prefill_stage
+
+    def _prefill_hiddens(self, hiddens, n: int):
+        """(what `_host_hiddens` takes, what keeps converted device rows alive): a bare pointer as it is; a
+        DLPack / NumPy input checked by `take_hidden`. A device tensor in the form a pointer carries
+        (`_hidden_shapes()[0]`) is read in place; one in another accepted form is read back to the host."""
+        if is_device_pointer(hiddens):
+            return self._host_hiddens(hiddens, n), None
+        shapes = self._hidden_shapes()
+        hid = take_hidden(self.gpu, hiddens, n, shapes, "hiddens", self.stream,
+                          check_device=self.options.check_device_finite)
+        if hid.host is not None:
+            return self._host_hiddens(hid.host, n), hid
+        if hid.row_shape != shapes[0]:
+            return self._host_hiddens(self.gpu.read(hid.ptr, "bf16", hid.shape, stream=self.stream), n), hid
+        return self._host_hiddens(hid.ptr, n), hid
+
+    def _host_hiddens(self, hiddens, n: int):
+        if isinstance(hiddens, (DevicePtr, int)) and not isinstance(hiddens, np.ndarray):
+            if int(hiddens) == 0:
+                raise InputError("hiddens is a NULL device pointer")
+            return DevicePtr(int(hiddens))
+        h = np.asarray(hiddens)
+        if h.dtype not in (np.float32, BF16):
+            raise InputError(f"hiddens must be float32 or bfloat16, got {h.dtype}")
+        if h.shape != (n, self.hidden_size):
+            raise InputError(f"hiddens has shape {h.shape}; expected ({n}, {self.hidden_size}) "
+                             "(one per token but the last)")
+        return np.ascontiguousarray(h.astype(BF16, copy=False))
+
+
+def _check_ids(toks: np.ndarray, vocab: int, what: str) -> None:
+    """InputError naming the first id outside [0, vocab)."""
+    bad = toks.view(np.uint64) >= vocab   # as uint64 a negative id is huge: one comparison checks both ends
+    if np.count_nonzero(bad):
+        raise InputError(f"{what}: id {int(toks[np.argmax(bad)])} is out of range [0, {vocab})")
