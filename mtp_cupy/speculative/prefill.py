@@ -120,8 +120,8 @@ class Prefill:
             if len(starts) != B:
                 raise InputError(f"{B} states but {len(starts)} start positions")
             some = n > 0   # a sequence without rows is left alone, whatever its start
-            bad = some & ((starts != nxt) if self.drafter_context else (starts < nxt))
-            if np.count_nonzero(bad):
+            bad = None if starts is nxt else some & ((starts != nxt) if self.drafter_context else (starts < nxt))
+            if bad is not None and np.count_nonzero(bad):
                 s = int(np.argmax(bad))
                 raise InputError(f"sequence {s}: prefill at position {int(starts[s])} would leave a hole or "
                                  f"overwrite: its next drafter position is {int(nxt[s])}")
@@ -152,7 +152,8 @@ class Prefill:
                 raise
             del keep
             kv._cols.ravel().put(idx * SEQ_COLUMNS + ROWS, rows0 + n)
-            for s in np.flatnonzero(some & ((rows0 == 0) | (starts != nxt))).tolist():   # a new run of positions
+            new_run = rows0 == 0 if starts is nxt else (rows0 == 0) | (starts != nxt)   # a new run of positions
+            for s in np.flatnonzero(some & new_run).tolist():
                 states[s]._extend(int(rows0[s]), int(starts[s]))
         return N
 
