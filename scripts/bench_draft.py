@@ -93,6 +93,9 @@ def parse_args():
     p.add_argument("--flush", choices=FLUSHES, default="memset", help="how L2 is emptied before each timed call: "
                    "memset leaves it full of dirty lines of the flush buffer, read (a sum of it) of clean ones "
                    "(default: memset)")
+    p.add_argument("--catch-up", action="store_true", help="time ours as a serving step: after_verify_batch, the "
+                   "row it dropped caught up by prefill_batch (one row a sequence), propose_batch; the floor stays "
+                   "the draft step's (it does not count the catch-up's front pass)")
     p.add_argument("--hidden-on", choices=("host", "device"), default="host", help="where each call's hiddens "
                    "live: host (a NumPy array, checked for NaN and copied every call) or device (a device pointer "
                    "read in place, as a GPU target hands them over) (default: host)")
@@ -134,7 +137,7 @@ def main() -> int:
     cfg = DraftBenchConfig(ctx=a.ctx, ks=a.ks, batches=a.batches, iters=a.iters, seed=a.seed, tiny=a.tiny,
                            qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, no_torch=a.no_torch,
                            torch_cpu=a.torch_cpu, torch_moe=a.torch_moe, batch_invariant=not a.no_batch_invariant,
-                           flush=a.flush, hidden_on=a.hidden_on)
+                           flush=a.flush, hidden_on=a.hidden_on, catch_up=a.catch_up)
     t_start = time.perf_counter()
     gpu = mtp_cupy.device(a.device, pdl=not a.no_pdl)
     bw = copy_bandwidth(gpu)
@@ -143,7 +146,8 @@ def main() -> int:
     header = dict(device=name, date=datetime.datetime.now().isoformat(timespec="seconds"),
                   copy_gbs=bw / 1e9 if bw else None, iters=a.iters, ctx=a.ctx, ks=a.ks, batches=a.batches,
                   torch=tstat[1], argv=sys.argv[1:], qwen_quant=a.qwen_quant, glm_head_fp8=a.glm_head_fp8, tiny=a.tiny,
-                  torch_moe=a.torch_moe, pdl=not a.no_pdl, flush=a.flush, hidden_on=a.hidden_on)
+                  torch_moe=a.torch_moe, pdl=not a.no_pdl, flush=a.flush, hidden_on=a.hidden_on,
+                  catch_up=a.catch_up)
     print(f"# bench_draft: {name}; {header['date']}; copy bandwidth {fmt(header['copy_gbs'], 0)} GB/s; "
           f"families {', '.join(fams)}; ctx {a.ctx}; ks {a.ks}; batches {a.batches}; iters {a.iters}; "
           f"torch: {tstat[1]}", flush=True)

@@ -119,6 +119,16 @@ def test_bench_draft_tiny_ref(tmp_path):
     assert again.count("\n| 3 | 2 | ") == 8 and "# bench_draft" not in again
 
 
+def test_bench_draft_catch_up_ref():
+    """--catch-up times serving steps (the sequences rewound to ctx before each point, a row a call after):
+    every family at batch 1 and 3 runs, and the header says what was timed."""
+    text = ok(run("bench_draft.py", "--family", "all", "--device", "ref", "--tiny", "--ks", "2", "--batches", "1,3",
+                  "--iters", "3", "--no-torch", "--catch-up"))
+    assert text.count("ours timed as serving steps") == 4 and "FAILED" not in text
+    for B in (1, 3):
+        assert text.count(f"\n| {B} | 2 | ") == 4, text
+
+
 def have_grouped_mm() -> bool:
     from mtp_cupy.testing.torch_peers import grouped_mm_works
     return grouped_mm_works("cpu")[0]

@@ -32,6 +32,7 @@ class DraftBenchConfig:
     batch_invariant: bool = True
     flush: str = "memset"
     hidden_on: str = "host"   # "device": the step's hiddens handed over as a device pointer (read in place)
+    catch_up: bool = False    # time a serving step: after_verify_batch, prefill_batch of one row each, propose_batch
 
 
 def per_step(gpu_us, wall_us, k: int) -> dict:
@@ -42,10 +43,12 @@ def per_step(gpu_us, wall_us, k: int) -> dict:
                 gpu_us_calls=gpu_us, wall_us_calls=wall_us)
 
 
-def measure_ours(o: Drafter, timer: EventTimer, k: int, B: int, iters: int, notes: list) -> dict:
-    """Graph on (warm-up: eager, capture, replay; CUDA only) and graph off, per draft step."""
+def measure_ours(o: Drafter, timer: EventTimer, k: int, B: int, iters: int, notes: list,
+                 catch_up: bool = False) -> dict:
+    """Graph on (warm-up: eager, capture, replay; CUDA only) and graph off, per draft step (`catch_up`: of a
+    serving step's calls, see Drafter.call; the graph alone is the draft chain's either way)."""
     p, cuda = o.prop, o.gpu.is_cuda
-    fn = o.call(k, B)
+    fn = o.call(k, B, catch_up=catch_up)
     out = {"graph_on": None, "graph_off": None}
     if cuda:
         p.cuda_graphs = True
@@ -143,7 +146,8 @@ def _ours(fam: str, gpu, a: DraftBenchConfig, bw: float | None, res: dict) -> di
         timer = EventTimer.for_device(gpu, a.flush)
         o = Drafter(fam, gpu, a.ctx, kmax, bmax, tiny=a.tiny, seed=a.seed, qwen_quant=a.qwen_quant,
                     batch_invariant=a.batch_invariant,
-                    glm_head_fp8=a.glm_head_fp8, hidden_on=a.hidden_on)
+                    glm_head_fp8=a.glm_head_fp8, hidden_on=a.hidden_on,
+                    catch_up_room=2 * a.iters + 64 if a.catch_up else 0)
         res.update(build_s=o.build_s, prefill_s=o.prefill_s, formats=o.formats, kv_rows=o.kv_rows,
                    kv_row_bytes=o.kv_row_bytes,
                    dims={k: v for k, v in o.cfgd.items() if isinstance(v, (int, float, str))})
@@ -153,7 +157,7 @@ def _ours(fam: str, gpu, a: DraftBenchConfig, bw: float | None, res: dict) -> di
         for B in a.batches:
             for k in a.ks:
                 t0 = time.perf_counter()
-                m = measure_ours(o, timer, k, B, a.iters, res["notes"])
+                m = measure_ours(o, timer, k, B, a.iters, res["notes"], a.catch_up)
                 # the floor counts the distinct experts the (last) step really selected, not an estimate
                 experts = o.experts_selected(B)
                 wb, kvb = o.weight_bytes(B, experts), o.kv_bytes(B)

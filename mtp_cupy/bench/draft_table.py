@@ -71,7 +71,9 @@ def table(res: dict, header: dict) -> str:
     L = [f"### {res['title']} ({res['family']}), ctx {res['ctx']}"]
     L.append(f"device {header['device']}; {header['date']}; D2D copy {fmt(header['copy_gbs'], 0)} GB/s (read+write); "
              f"iters {header['iters']}; cold L2 (256 MB {header.get('flush', 'memset')} before each call); "
-             f"hiddens on the {header.get('hidden_on', 'host')}")
+             f"hiddens on the {header.get('hidden_on', 'host')}" +
+             ("; ours timed as serving steps (after_verify_batch, one catch-up row a sequence by prefill_batch, "
+              "propose_batch: the floor does not count the catch-up)" if header.get("catch_up") else ""))
     if res.get("formats"):
         r0 = next((r for r in res["rows"] if r.get("weight_bytes")), None)
         L.append(f"ours: {res['formats']}; built {res['build_s']:.1f} s" +

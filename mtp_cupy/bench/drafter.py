@@ -102,9 +102,11 @@ class Drafter:
 
     def __init__(self, fam: str, gpu, ctx: int, kmax: int, bmax: int, tiny: bool = False, seed: int = 0,
                  batch_invariant: bool = True,
-                 qwen_quant: str = "bf16", glm_head_fp8: bool = False, hidden_on: str = "host"):
+                 qwen_quant: str = "bf16", glm_head_fp8: bool = False, hidden_on: str = "host",
+                 catch_up_room: int = 0):
+        """`catch_up_room`: rows past ctx a sequence may grow by between rewinds (`call(..., catch_up=True)`)."""
         self.fam, self.gpu, self.ctx = fam, gpu, ctx
-        max_seq = ctx + kmax + 16
+        max_seq = ctx + kmax + 16 + catch_up_room
         t0 = time.perf_counter()
         self.cfgd = real_config(fam, tiny)
         self.prop, self.hshape = _build(fam, gpu, self.cfgd, seed, max_seq, kmax, bmax, qwen_quant, glm_head_fp8,
@@ -133,11 +135,16 @@ class Drafter:
         # hidden_on="device": the rows as a device pointer, what a GPU target hands over (read in place, unchecked)
         self._hdev = gpu.upload(self.h) if hidden_on == "device" else None
 
-    def call(self, k: int, B: int):
+    def call(self, k: int, B: int, catch_up: bool = False):
         """A callable: ``propose_batch`` of k drafts for B sequences, then ``after_verify_batch`` of none accepted
-        (``propose`` and ``after_verify`` when B = 1)."""
+        (``propose`` and ``after_verify`` when B = 1). `catch_up`: a serving step instead, the sequences first
+        rewound to ctx rows: ``after_verify_batch`` of none accepted, the dropped row caught up
+        (``prefill_batch``, one row each), ``propose_batch`` one position on; each call advances every sequence
+        a row."""
         p, ctx = self.prop, self.ctx
         dev = self._hdev.ptr if self._hdev is not None else None
+        if catch_up:
+            return self._serving_step(k, B, dev)
         if B == 1:
             st, tok, h = self.states[0], self.toks[0], self.h[0] if dev is None else dev
 
@@ -152,6 +159,24 @@ class Drafter:
             p.propose_batch(sts, toks, h, [ctx] * B, k)
             p.after_verify_batch(sts, none)
         return run_batch
+
+    def _serving_step(self, k: int, B: int, dev):
+        p, sts = self.prop, self.states[:B]
+        for st in sts:   # rewind: the rows past ctx go (a benchmark's reset, not a serving call)
+            if st.blocks.rows > self.ctx:
+                st.blocks.truncate(self.ctx)
+                st._cut(self.ctx)
+            st.last_num_drafted = 0
+        toks, none, one = self.toks[:B], [0] * B, [1] * B
+        h = np.ascontiguousarray(self.h[:B]) if dev is None else dev
+        pos = [self.ctx]
+
+        def step():
+            p.after_verify_batch(sts, none)
+            p.prefill_batch(sts, toks, h, one)
+            pos[0] += 1
+            p.propose_batch(sts, toks, h, [pos[0]] * B, k)
+        return step
 
     def experts_selected(self, B: int) -> int | None:
         """Distinct routed experts the last step's B real rows chose (None for a dense-FFN head)."""

@@ -236,12 +236,12 @@ class MtpProposerBase(Prefill):
             raise CapacityError(f"drafter would hold {rows} rows; it was sized for {self.max_seq_len}")
         st.blocks.reserve(rows)
 
-    def _reserve_drafts(self, states, k, idx=None, c=None) -> list[int] | np.ndarray:
-        """Room for k more rows in every sequence (all or none: CapacityError with every table as it was); the
-        row counts before (an array when the batch's mirror rows `idx` and counters `c` are given: c's NBLOCKS
-        follow the growth, and k may be an int array, rows per sequence). Most calls need no new block: one
-        comparison per sequence, or one array comparison for the batch, whose sequences that need one block more
-        get it in one pool call."""
+    def _reserve_rows(self, states, k, idx=None, c=None) -> list[int] | np.ndarray:
+        """Room for k more rows in every sequence (a propose's drafts, or a prefill_batch's rows: then k is an
+        int array, rows per sequence), all or none (CapacityError with every table as it was); returns the row
+        counts before (an array when the batch's mirror rows `idx` and counters `c` are given: c's NBLOCKS follow
+        the growth). Most calls need no new block: one comparison per sequence, or one array comparison for the
+        batch, whose sequences that need one block more get it in one pool call."""
         room, ones = self.kv.block_size, None
         if c is not None:   # rows0 + k <= max_seq_len: every position checked is at least its row count
             rows0 = c[:, ROWS]   # (c's own; the mirror's column is updated when the call finishes)
@@ -356,7 +356,7 @@ class MtpProposerBase(Prefill):
             hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
                               self.stream, single=single, check_device=self.options.check_device_finite,
                               defer_check=self._defer_nan_check)
-            rows0 = self._reserve_drafts(states, k, idx, cols)
+            rows0 = self._reserve_rows(states, k, idx, cols)
             want_lp = min_logprob is not None
             try:
                 with gpu.using(self.stream):

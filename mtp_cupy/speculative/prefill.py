@@ -134,7 +134,7 @@ class Prefill:
                 return 0
             h, keep = self._prefill_hiddens(hiddens, N)
             # room for every sequence's rows, all or none (rows0 + n <= starts + n <= max_seq_len: checked)
-            rows0 = self._reserve_drafts(states, n, idx, c)
+            rows0 = self._reserve_rows(states, n, idx, c)
             try:
                 bs, tables = kv.block_size, kv._tables
                 if N == B and not np.count_nonzero(n != 1):   # a catch-up: one row each

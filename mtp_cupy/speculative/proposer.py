@@ -66,7 +66,7 @@ class DraftBatch(Sequence):
     device_tokens, device_logits, ready, stream : device results (`device_results=True`), as DraftResult's for
         the whole batch: int32 [B, k] and float32 [B, k, vocab] arrays of their own on the proposer's device."""
     __slots__ = ("tokens", "logprobs", "device_tokens", "device_logits", "ready", "stream", "_n", "_k", "_done",
-                 "_lg", "_vocab", "_items")
+                 "_lg", "_vocab", "_items", "_logits")
 
     def __init__(self, n: int, k: int, tokens=None, done=None, lg=None, vocab: int = 0, logprobs=None,
                  device_tokens=None, device_logits=None, ready=None, stream=None):
@@ -74,7 +74,7 @@ class DraftBatch(Sequence):
         padded with -inf per sequence when read)."""
         self._n, self._k, self.tokens, self._done, self._lg, self._vocab = n, k, tokens, done, lg, vocab
         self.logprobs, self.device_tokens, self.device_logits = logprobs, device_tokens, device_logits
-        self.ready, self.stream, self._items = ready, stream, [None] * n
+        self.ready, self.stream, self._items, self._logits = ready, stream, [None] * n, None
 
     def __len__(self) -> int:
         return self._n
@@ -100,11 +100,11 @@ class DraftBatch(Sequence):
 
     @property
     def logits(self) -> np.ndarray | None:
-        if self._lg is None:
-            return None
-        out = np.full((self._n, self._k, self._vocab), -np.inf, np.float32)
-        out[:, :, :self._lg.shape[2]] = self._lg.transpose(1, 0, 2)
-        return out
+        if self._logits is None and self._lg is not None:   # made on first read, then kept
+            out = np.full((self._n, self._k, self._vocab), -np.inf, np.float32)
+            out[:, :, :self._lg.shape[2]] = self._lg.transpose(1, 0, 2)
+            self._logits = out
+        return self._logits
 
     def host(self) -> "DraftBatch":
         """Fill `tokens` (and `logits`) from the device arrays: copied on the proposer's stream, waiting for that
