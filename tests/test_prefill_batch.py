@@ -160,3 +160,23 @@ def test_errors_change_nothing(rng):
         a.prefill_batch(sts, [1] * 3, h, [1, 1, 1])
     assert a.prefill_batch([sts[0], sts[2]], [1, 2], h[:2], [1, 1]) == 2 and sts[2].keys == [0]
     assert [st.next_position for st in (sts[0], sts[2])] == [nxt[0] + 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.uint16, np.int64])
+def test_integer_inputs_of_any_dtype(dtype, rng):
+    """Ids, counts and positions as integer arrays of any width (a torch int32 tensor reads back as int32), odd
+    lengths included: the same rows as Python ints."""
+    a, b, sa, sb = start(rng, "qwen3_next", [3, 4, 6])
+    n, N = [2, 0, 3], 5
+    toks, hs = rng.integers(0, a.vocab_size, N), hidden(rng, a, N)
+    a.prefill_batch(sa, toks.astype(dtype), hs, np.array(n, dtype), np.array([3, 4, 6], dtype))
+    b.prefill_batch(sb, [int(t) for t in toks], hs, n)
+    for x, y in zip(sa, sb):
+        assert x.keys == y.keys and rows_digest(a, x) == rows_digest(b, y)
+    st = a.alloc_state()
+    a.prefill(st, rng.integers(0, a.vocab_size, 4).astype(dtype), hidden(rng, a, 3))   # 4 ids: an even count
+    a.prefill(st, rng.integers(0, a.vocab_size, 2).astype(dtype), hidden(rng, a, 1))   # 2 ids
+    a.prefill(st, rng.integers(0, a.vocab_size, 4).astype(dtype)[:3], hidden(rng, a, 2))   # 3: odd, strided
+    assert st.keys == list(range(6))
+    with pytest.raises(InputError, match="does not fit int64"):
+        a.prefill_batch([st], np.array([2**64 - 1], np.uint64), hidden(rng, a, 1), [1])

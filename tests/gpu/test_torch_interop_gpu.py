@@ -63,7 +63,7 @@ class Spy:
         g.copy_d2h_on = lambda src, n, stream: (self.d2h.append(int(src)), s["copy_d2h_on"](src, n, stream))[1]
         fwd, rows = prop._forward, prop._write_rows
         prop._forward = lambda ids, hid, *a: (self.step0.append(int(hid)), fwd(ids, hid, *a))[1]
-        prop._write_rows = lambda st, t, hid, *a: (self.rows.append(int(hid)), rows(st, t, hid, *a))[1]
+        prop._write_rows = lambda t, hid, *a: (self.rows.append(int(hid)), rows(t, hid, *a))[1]
 
     def close(self):
         for n, f in self._saved.items():
