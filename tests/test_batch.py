@@ -294,7 +294,8 @@ def test_draft_batch_arrays_and_last_drafts(fam, B, rng):
     lp_cut = float(np.median(lps[:, 1:]))
     got = batched.propose_batch(sa, toks, hs, lens, k, return_logits=True, min_logprob=lp_cut)
     assert len(got) == B and isinstance(got[-1], DraftResult) and got[1:] == [got[1 + i] for i in range(B - 1)]
-    assert got.tokens.shape == (B, k) and got.tokens.dtype == np.int32 and got.logits.shape == (B, k, batched.vocab_size)
+    assert got.tokens.shape == (B, k) and got.tokens.dtype == np.int32
+    assert got.logits.shape == (B, k, batched.vocab_size)
     for s in range(B):
         want = single.propose(sb[s], toks[s], hs[s], lens[s], k, return_logits=True, min_logprob=lp_cut)
         d = len(want.tokens)
@@ -317,3 +318,24 @@ def test_draft_batch_arrays_and_last_drafts(fam, B, rng):
     assert gone.last_drafts == []
     fresh = batched.alloc_state()
     assert fresh.blocks.row is not None and fresh.last_drafts == []
+
+
+@pytest.mark.parametrize("B", [1, 3, 7])
+def test_positions_default_to_the_next_ones(B, rng):
+    """positions None: every sequence drafts at its next position, the same drafts and state as positions given
+    (the per-sequence path below ARRAY_MIN_BATCH, the array path from it, and propose)."""
+    a, b = load("deepseek_v3"), load("deepseek_v3")
+    lens = [int(n) for n in rng.integers(1, 30, B)]
+    sa, sb = prefill_alike(rng, (a, b), lens)
+    for _ in range(2):
+        toks, hs = [int(t) for t in rng.integers(0, a.vocab_size, B)], hidden(rng, a, B)
+        got = a.propose_batch(sa, toks, hs, None, 2, return_logits=True)
+        want = b.propose_batch(sb, toks, hs, [st.next_position for st in sb], 2, return_logits=True)
+        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.logits, want.logits)
+        assert [st.keys for st in sa] == [st.keys for st in sb]
+        acc = [int(x) for x in rng.integers(0, 3, B)]
+        a.after_verify_batch(sa, acc)
+        b.after_verify_batch(sb, acc)
+    one = a.propose(sa[0], 1, hs[0], None, 1)
+    assert one.tokens == b.propose(sb[0], 1, hs[0], sb[0].next_position, 1).tokens
+    assert sa[0].keys == sb[0].keys

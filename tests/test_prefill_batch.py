@@ -126,8 +126,8 @@ def test_errors_change_nothing(rng):
         "3 states but 2 row counts": (InputError, lambda: a.prefill_batch(sts, [1] * 3, h, [2, 1])),
         "appears twice": (InputError, lambda: a.prefill_batch([sts[0], sts[0]], [1, 1], h[:2], [1, 1])),
         "hiddens has shape": (InputError, lambda: a.prefill_batch(sts, [1] * 3, h[:2], [1, 1, 1])),
-        "NaN or inf": (InputError, lambda: a.prefill_batch(sts, [1] * 3, np.where(np.arange(3)[:, None] == 2, np.nan, h),
-                                                       [1, 1, 1])),
+        "NaN or inf": (InputError, lambda: a.prefill_batch(
+            sts, [1] * 3, np.where(np.arange(3)[:, None] == 2, np.nan, h), [1, 1, 1])),
         "list of proposer states": (InputError, lambda: a.prefill_batch(sts[0], [1], h[:1], [1])),
     }
     before = snapshot(a, sts)

@@ -308,7 +308,7 @@ class MtpProposerBase(Prefill):
             C-contiguous bf16 CUDA tensor on this GPU is not copied to the host, see the module docstring), or a
             device pointer to B bf16 rows: the target's hidden at positions[s]
         positions : B ints (or an array / tensor); each must be the next position after the sequence's newest
-            drafter row
+            drafter row (a later one without drafter context). None: every sequence's next position.
         num_drafts : int, 1 <= k <= max_drafts
         grammar_bitmasks : list of B masks (int32 [words] or [k, words], None = unconstrained), optional
         return_logits : bool; DraftResult.logits is then float32 [drafts, vocab] on the host
@@ -336,9 +336,11 @@ class MtpProposerBase(Prefill):
         k, gpu = int(num_drafts), self.gpu
         with self._ordered(stream):
             toks = host_ints(tokens, gpu, "token" if single else "tokens", self.stream, as_array=not single)
-            poss = host_ints(positions, gpu, "position" if single else "positions", self.stream, as_array=not single)
-            if single and (len(toks) != 1 or len(poss) != 1):
-                raise InputError(f"propose takes one token and one position, got {len(toks)} and {len(poss)}")
+            poss = None if positions is None else \
+                host_ints(positions, gpu, "position" if single else "positions", self.stream, as_array=not single)
+            if single and (len(toks) != 1 or (poss is not None and len(poss) != 1)):
+                raise InputError(f"propose takes one token and one position, got {len(toks)} and "
+                                 f"{1 if poss is None else len(poss)}")
             if min_logprob is not None and grammar_bitmasks is not None:
                 raise InputError("min_logprob is measured by the plain argmax; it cannot be combined with "
                                  "grammar bitmasks")

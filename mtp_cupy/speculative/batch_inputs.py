@@ -82,11 +82,11 @@ def check_sequences(prop, states, tokens, positions, k: int, idx=None):
     int64 arrays, with the states' mirror rows and a copy of their counters (int64 [B, SEQ_COLUMNS]) that the
     call updates and scatters back. `idx`: the batch's mirror rows when its states are known to be live and
     distinct (BatchMemo). The per-sequence loop runs to name the first bad sequence, and for smaller batches,
-    where it is faster (mirror rows and counters None)."""
+    where it is faster (mirror rows and counters None). `positions` None: each sequence's next position."""
     B = len(states)
     if not 1 <= B <= prop.max_batch:
         raise InputError(f"{B} sequences; this proposer batches 1 to {prop.max_batch} (max_batch at load)")
-    if len(tokens) != B or len(positions) != B:
+    if len(tokens) != B or (positions is not None and len(positions) != B):
         raise InputError(f"{B} states but {len(tokens)} tokens and {len(positions)} positions")
     if not 1 <= k <= prop.max_drafts:
         raise InputError(f"num_drafts {k} outside [1, {prop.max_drafts}] (raise max_drafts at load)")
@@ -96,25 +96,28 @@ def check_sequences(prop, states, tokens, positions, k: int, idx=None):
             idx = None
     if idx is not None:
         try:
-            t, p = np.asarray(tokens, dtype=np.int64), np.asarray(positions, dtype=np.int64)
+            t = np.asarray(tokens, dtype=np.int64)
+            p = None if positions is None else np.asarray(positions, dtype=np.int64)
         except (TypeError, ValueError, OverflowError):
             t = None
-        if t is not None and t.shape == p.shape == (B,):
+        if t is not None and t.shape == (B,) and (p is None or p.shape == (B,)):
             c = prop.kv._cols.take(idx, axis=0)   # (take: a row gather a few times cheaper than c[idx])
             nxt = c[:, OFF] + c[:, ROWS]           # next_position of each sequence (>= 0)
+            if p is None:
+                p = nxt
             # as uint64 a negative id is huge: one comparison checks both ends; p >= nxt >= 0 needs no lower
             # bound (count_nonzero: the cheapest any() on a small array)
             ok = not np.count_nonzero(t.view(np.uint64) >= prop.vocab_size) and not np.count_nonzero(
                 p > prop.max_seq_len - k)
-            if ok and not np.count_nonzero(p != nxt if prop.drafter_context else p < nxt):
+            if ok and (p is nxt or not np.count_nonzero(p != nxt if prop.drafter_context else p < nxt)):
                 return t, p, idx, c
     elif 1 < B < ARRAY_MIN_BATCH and len({id(s) for s in states}) != B:
         raise InputError("the same proposer state appears twice in one batch")
     toks, poss = [], []
-    for s, (st, t, p) in enumerate(zip(states, tokens, positions)):
+    for s, (st, t, p) in enumerate(zip(states, tokens, [None] * B if positions is None else positions)):
         prop._live(st)
         toks.append(check_token(t, prop.vocab_size, "token" if B == 1 else f"sequence {s}: token"))
-        p = check_position(p, prop.max_seq_len)
+        p = check_position(st.next_position if p is None else p, prop.max_seq_len)
         if p + k > prop.max_seq_len:
             raise InputError(f"{k} drafts from position {p} run past max_seq_len {prop.max_seq_len}")
         newest = st.newest_position
