@@ -22,6 +22,7 @@ import numpy as np
 
 import mtp_cupy
 from mtp_cupy.bench.cli import Parser, positive_int, run_main
+from mtp_cupy.bench.drafter import serving_step
 from mtp_cupy.runtime.dtypes import to_bf16
 from mtp_cupy.runtime.ptr import DevicePtr
 
@@ -73,21 +74,11 @@ def call_of(p, states, toks, h, ctx: int, k: int):
 
 
 def catch_up_of(p, states, toks, h, ctx: int, k: int):
-    """A serving step's drafter calls: every draft rejected (after_verify_batch), the dropped row caught up from
-    the target's hidden (prefill_batch, one row each), the next propose_batch one position on. Each call advances
-    every sequence by one row (the proposer was built with room for the calls)."""
-    B = len(states)
+    """`serving_step` over the states (the proposer was built with room for a row a call), after a first propose."""
     if not isinstance(h, np.ndarray):
         h = h.ptr
-    zeros, ones, pos = [0] * B, [1] * B, [ctx]
-    p.propose_batch(states, toks, h, [ctx] * B, k)
-
-    def step():
-        p.after_verify_batch(states, zeros)
-        p.prefill_batch(states, toks, h, ones)
-        pos[0] += 1
-        p.propose_batch(states, toks, h, [pos[0]] * B, k)
-    return step
+    p.propose_batch(states, toks, h, [ctx] * len(states), k)
+    return serving_step(p, states, toks, h, k)
 
 
 def phases(p, fn, calls: int) -> str:

@@ -167,16 +167,7 @@ class Drafter:
                 st.blocks.truncate(self.ctx)
                 st._cut(self.ctx)
             st.last_num_drafted = 0
-        toks, none, one = self.toks[:B], [0] * B, [1] * B
-        h = np.ascontiguousarray(self.h[:B]) if dev is None else dev
-        pos = [self.ctx]
-
-        def step():
-            p.after_verify_batch(sts, none)
-            p.prefill_batch(sts, toks, h, one)
-            pos[0] += 1
-            p.propose_batch(sts, toks, h, [pos[0]] * B, k)
-        return step
+        return serving_step(p, sts, self.toks[:B], np.ascontiguousarray(self.h[:B]) if dev is None else dev, k)
 
     def experts_selected(self, B: int) -> int | None:
         """Distinct routed experts the last step's B real rows chose (None for a dense-FFN head)."""
@@ -196,3 +187,16 @@ class Drafter:
         for st in self.states:
             self.prop.free_state(st)
         self.prop = self.states = self._hdev = None
+
+
+def serving_step(p, states: list, toks: list, h, k: int):
+    """A callable: one step of a batched serving loop's drafter calls, every draft of the last step rejected:
+    ``after_verify_batch``, the row it dropped caught up (``prefill_batch``, one row a sequence, `h` row s and
+    token s), ``propose_batch`` of k drafts at the next positions. Each call advances every sequence a row."""
+    none, one = [0] * len(states), [1] * len(states)
+
+    def step():
+        p.after_verify_batch(states, none)
+        p.prefill_batch(states, toks, h, one)
+        p.propose_batch(states, toks, h, None, k)
+    return step
