@@ -280,6 +280,38 @@ def test_device_results(rng):
             assert res.host().tokens == toks_then
 
 
+def test_device_results_of_a_batch(rng):
+    """propose_batch(device_results=True): one int32 [B, K] and one f32 [B, K, vocab] CUDA array for the batch
+    (DLPack), nothing read back, each sequence's DraftResult a view of its row; equal to host results of the same
+    calls; eager, capture and replay."""
+    B = 5
+    for graphs in (False, True):
+        dev, host = load(cuda_graphs=graphs, max_batch=8), load(cuda_graphs=graphs, max_batch=8)
+        cases = [data(rng, dev, int(n)) for n in rng.integers(3, 20, B)]
+        sd, sh = [dev.alloc_state() for _ in cases], [host.alloc_state() for _ in cases]
+        for c, a, b in zip(cases, sd, sh):
+            dev.prefill(a, c[0], c[1])
+            host.prefill(b, c[0], c[1])
+        for _ in range(3):
+            toks, hs = [int(t) for t in rng.integers(0, dev.vocab_size, B)], np.stack([c[3] for c in cases])
+            want = host.propose_batch(sh, toks, hs, None, K, return_logits=True)
+            spy = Spy(dev)
+            try:
+                res = dev.propose_batch(sd, toks, cuda_bf16(hs), None, K, return_logits=True, device_results=True)
+            finally:
+                spy.close()
+            assert not spy.d2h and res.tokens is None
+            ids = torch.from_dlpack(res.device_tokens)
+            assert ids.is_cuda and ids.dtype == torch.int32 and tuple(ids.shape) == (B, K)
+            res.ready.synchronize()
+            assert np.array_equal(ids.cpu().numpy(), want.tokens)
+            assert np.array_equal(torch.from_dlpack(res.device_logits).cpu().numpy(), want.logits)
+            assert [torch.from_dlpack(r.device_tokens).tolist() for r in res] == want.tokens.tolist()
+            assert np.array_equal(res.host().tokens, want.tokens) and np.array_equal(res.logits, want.logits)
+            dev.after_verify_batch(sd, [0] * B)
+            host.after_verify_batch(sh, [0] * B)
+
+
 _HF: dict = {}
 
 
