@@ -339,3 +339,19 @@ def test_positions_default_to_the_next_ones(B, rng):
     one = a.propose(sa[0], 1, hs[0], None, 1)
     assert one.tokens == b.propose(sb[0], 1, hs[0], sb[0].next_position, 1).tokens
     assert sa[0].keys == sb[0].keys
+
+
+def test_draft_batch_logits_past_mtp_vocab_size(rng):
+    """mtp_vocab_size scores the first rows only: the batch's logits [B, k, vocab] and each DraftResult's hold -inf
+    past it, and the scored part is what a one-at-a-time propose returns."""
+    a, b = load("deepseek_v3", mtp_vocab_size=100), load("deepseek_v3", mtp_vocab_size=100)
+    B, k = 6, 2
+    lens = [int(n) for n in rng.integers(1, 30, B)]
+    sa, sb = prefill_alike(rng, (a, b), lens)
+    toks, hs = [int(t) for t in rng.integers(0, a.vocab_size, B)], hidden(rng, a, B)
+    got = a.propose_batch(sa, toks, hs, None, k, return_logits=True)
+    assert got.logits.shape == (B, k, a.vocab_size) and np.isneginf(got.logits[:, :, 100:]).all()
+    assert (got.tokens < 100).all()
+    for s in range(B):
+        want = b.propose(sb[s], toks[s], hs[s], None, k, return_logits=True)
+        assert np.array_equal(got[s].logits, want.logits) and np.array_equal(got.logits[s], want.logits)
