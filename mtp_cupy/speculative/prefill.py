@@ -152,9 +152,11 @@ class Prefill:
                 raise
             del keep
             kv._cols.ravel().put(idx * SEQ_COLUMNS + ROWS, rows0 + n)
-            new_run = rows0 == 0 if starts is nxt else (rows0 == 0) | (starts != nxt)   # a new run of positions
-            for s in np.flatnonzero(some & new_run).tolist():
-                states[s]._extend(int(rows0[s]), int(starts[s]))
+            # a sequence's first rows, or (without drafter context) rows past its next position: a new run
+            new_run = some & (rows0 == 0 if starts is nxt else (rows0 == 0) | (starts != nxt))
+            if np.count_nonzero(new_run):
+                for s in np.flatnonzero(new_run).tolist():
+                    states[s]._extend(int(rows0[s]), int(starts[s]))
         return N
 
     def _write_chunks(self, ids: np.ndarray, h, pos: np.ndarray, slots: np.ndarray, n: int) -> None:
