@@ -5,7 +5,7 @@ extra) is needed only to run over several ranks. `mtp_cupy.target` (the target r
 from .errors import (CapacityError, CollectiveTimeout, CommError, ConfigError, InputError, KernelError, MtpError,
                      WeightError)
 from .models import load_proposer
-from .speculative.generate import generate, generate_target_only
+from .speculative.generate import generate, generate_batch, generate_target_only
 from .runtime import device
 
 __version__ = "0.1.0"
@@ -29,6 +29,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'mtp_cupy' has no attribute {name!r}")
 
 
-__all__ = ["device", "load_proposer", "generate", "generate_target_only", "DEFAULT_CHECKPOINT", "EMBEDDED", "MtpError",
+__all__ = ["device", "load_proposer", "generate", "generate_batch", "generate_target_only", "DEFAULT_CHECKPOINT",
+           "EMBEDDED", "MtpError",
            "ConfigError", "WeightError", "InputError", "CapacityError", "KernelError", "CommError",
            "CollectiveTimeout"]

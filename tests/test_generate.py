@@ -4,7 +4,7 @@ import pytest
 
 import mtp_cupy
 from mtp_cupy.errors import InputError
-from mtp_cupy.speculative.generate import generate, generate_target_only
+from mtp_cupy.speculative.generate import generate, generate_batch, generate_target_only
 from mtp_cupy.speculative.metrics import SpecDecodeMetrics
 from mtp_cupy.target import DeepseekV3Target
 
@@ -118,3 +118,30 @@ def test_bad_inputs(pair):
         generate(target, drafter, [1, 300], 4)
     with pytest.raises(InputError):
         generate(target, drafter, [1, 2], 1000)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batched_loop_equals_one_at_a_time(pair, temperature):
+    """generate_batch: sequence s emits exactly generate(prompt s, seed + s)'s tokens and acceptance counts, greedy
+    and sampled (batch-invariant drafts, one generator a sequence), the sequences finishing at different steps."""
+    target, drafter = pair
+    prompts = [list(p) for p in PROMPTS[:4]]
+    got = generate_batch(target, drafter, prompts, 30, num_drafts=3, temperature=temperature, seed=11)
+    for s, (r, p) in enumerate(zip(got, prompts)):
+        want = generate(target, drafter, p, 30, num_drafts=3, temperature=temperature, seed=11 + s)
+        assert r.tokens == want.tokens and r.target_passes == want.target_passes, s
+        assert r.metrics.as_vllm() == want.metrics.as_vllm() and r.extra == {"batch": 4}
+    assert len({r.target_passes for r in got}) > 1
+
+
+def test_batched_loop_bad_inputs(pair):
+    target, drafter = pair
+    ok = list(PROMPTS[0])
+    for args, what in [(([],), "non-empty list"), (("abc",), "non-empty list"), (([ok, "x"],), "prompt 1: prompt must"),
+                       (([ok, [1]],), "prompt 1: the prompt needs at least two"),
+                       (([ok] * (drafter.max_batch + 1),), "batches at most")]:
+        with pytest.raises(InputError, match=what):
+            generate_batch(target, drafter, *args, 8)
+    with pytest.raises(InputError, match="max_drafts"):
+        generate_batch(target, drafter, [ok], 8, num_drafts=drafter.max_drafts + 1)
+    assert drafter.kv.free_count == drafter.pool_blocks   # nothing was left allocated

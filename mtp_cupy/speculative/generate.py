@@ -211,3 +211,108 @@ def generate(target, drafter, prompt, max_new_tokens: int, num_drafts: int = 3, 
         target.free(seq)
         drafter.free_state(st)
 
+
+
+def generate_batch(target, drafter, prompts, max_new_tokens: int, num_drafts: int = 3, temperature: float = 0.0,
+                   seed: int = 0) -> list[GenerateResult]:
+    """`generate` for several prompts at once, as a serving loop runs them: every step the drafter catches all live
+    sequences up in one `prefill_batch`, drafts for them in one `propose_batch` and trims them in one
+    `after_verify_batch`; the target verifies each sequence (its runner takes one sequence a pass). A sequence
+    leaves the batch when it has its tokens.
+
+    Sequence s's tokens are exactly `generate(target, drafter, prompts[s], max_new_tokens, num_drafts,
+    temperature, seed + s)`'s: the drafts of a sequence do not depend on the batch (batch-invariant drafting), and
+    each sequence samples from its own generator, seeded seed + s. Every step drafts `num_drafts` for the whole
+    batch; a sequence with fewer tokens left verifies only the first of them, as `generate` drafts only those.
+
+    Parameters
+    ----------
+    target, drafter, max_new_tokens, num_drafts, temperature
+        As for `generate`; the drafter needs max_batch >= len(prompts).
+    prompts : list of sequences of int
+        One prompt per sequence, each as `generate` takes it.
+    seed : int
+        Sequence s's sampler is seeded seed + s.
+
+    Returns
+    -------
+    list of GenerateResult
+        One per prompt, in order; `seconds` is the whole batch's wall time (the sequences ran together) and
+        `extra` holds {"batch": len(prompts)}.
+
+    Raises
+    ------
+    InputError
+        As for `generate`, naming the prompt; no prompts, or more than the drafter's max_batch.
+    CapacityError
+        A KV pool too small for the run."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InputError("prompts must be a non-empty list of token-id sequences")
+    if len(prompts) > drafter.max_batch:
+        raise InputError(f"{len(prompts)} prompts; the drafter batches at most {drafter.max_batch} (max_batch)")
+    limit = min(target.max_seq_len, drafter.max_seq_len)
+    checked = []
+    for s, p in enumerate(prompts):
+        try:
+            checked.append(_check(p, max_new_tokens, target.vocab_size, limit, temperature, num_drafts))
+        except InputError as e:
+            raise InputError(f"prompt {s}: {e}") from None
+    if num_drafts > drafter.max_drafts:
+        raise InputError(f"num_drafts {num_drafts} is more than the drafter's max_drafts {drafter.max_drafts} "
+                         "(load_proposer(..., max_drafts=...) sizes it)")
+    B, clock = len(checked), time.perf_counter
+    rngs = [np.random.default_rng(seed + s) for s in range(B)]
+    seqs, sts, ms = [], [], [SpecDecodeMetrics() for _ in range(B)]
+    toks, hid, out, pos, passes = [], [], [], [], [1] * B
+    try:
+        t0 = clock()
+        for s, prompt in enumerate(checked):
+            seqs.append(target.alloc())
+            sts.append(drafter.alloc_state())
+            lg, H = target.forward(seqs[s], prompt)
+            toks.append(list(prompt) + [_pick(lg[-1], temperature, rngs[s])])   # toks[s][p]: the token at p
+            hid.append(list(H))                                                # hid[s][p]: the hidden at p
+            out.append([toks[s][-1]])
+            pos.append(len(prompt) - 1)
+        drafter.prefill_batch(sts, [t for p in checked for t in p[1:]], np.concatenate([h[:-1] for h in hid]),
+                              [len(p) - 1 for p in checked])
+        live = [s for s in range(B) if len(out[s]) < max_new_tokens]
+        while live:
+            lst = [sts[s] for s in live]
+            # the rows after_verify dropped (one a sequence with the default rule), from the target's hiddens
+            n = [pos[s] - sts[s].next_position for s in live]
+            rows = [(s, p) for s, c in zip(live, n) for p in range(pos[s] - c, pos[s])]
+            if rows:
+                drafter.prefill_batch(lst, [toks[s][p + 1] for s, p in rows], np.stack([hid[s][p] for s, p in rows]),
+                                      n)
+            res = drafter.propose_batch(lst, [toks[s][pos[s] + 1] for s in live],
+                                        np.stack([hid[s][pos[s]] for s in live]), None, num_drafts)
+            acc = []
+            for j, s in enumerate(live):
+                k = min(num_drafts, max_new_tokens - len(out[s]))
+                drafts = res.tokens[j, :k].tolist()
+                lg, Hv = target.forward(seqs[s], [toks[s][pos[s] + 1]] + drafts)
+                passes[s] += 1
+                if temperature <= 0:
+                    a, nxt_tok = greedy_verify(lg, drafts)
+                else:
+                    a, nxt_tok = rejection_verify(softmax(lg, temperature), one_hot(drafts, lg.shape[-1]), drafts,
+                                                  rngs[s])
+                target.truncate(seqs[s], pos[s] + 2 + a)
+                ms[s].record(k, a)
+                new = drafts[:a] + [nxt_tok]
+                hid[s].extend(Hv[:a + 1])
+                toks[s].extend(new)
+                out[s].extend(new)
+                pos[s] += 1 + a
+                acc.append(a)
+            drafter.after_verify_batch(lst, acc)
+            live = [s for s in live if len(out[s]) < max_new_tokens]
+        seconds = clock() - t0
+        return [GenerateResult(out[s][:max_new_tokens], seconds, ms[s], passes[s], extra={"batch": B})
+                for s in range(B)]
+    finally:
+        for seq in seqs:
+            target.free(seq)
+        for st in sts:
+            drafter.free_state(st)
