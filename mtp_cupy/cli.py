@@ -72,7 +72,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto = CUDA when present, else the NumPy reference device")
 
     s = add("generate", "speculative decoding: the target model verifies its MTP drafter's tokens")
-    s.add_argument("--prompt", default="import os\nimport sys\n\n\ndef main(", help="prompt text (byte-level)")
+    s.add_argument("--prompt", action="append", metavar="TEXT", help="prompt text (byte-level); give it several "
+                   "times to decode the prompts together, drafting for all of them in one batch a step "
+                   "(default: 'import os\\nimport sys\\n\\n\\ndef main(')")
     s.add_argument("--max-new-tokens", type=_int_in(1), default=64, metavar="N", help="tokens to generate")
     s.add_argument("--num-drafts", type=_int_in(1, MAX_DRAFTS), default=3, metavar="K", help=drafts)
     s.add_argument("--family", choices=FAMILIES, help="run the embedded model of this family (trained on Python's "

@@ -218,3 +218,20 @@ def test_top_level_help(home):
     rc, out, err = run(home, "--help")
     assert rc == 0 and all(c in out for c in ("generate", "demo", "info", "kernels"))
     assert one_line_error(home).startswith("error: the following arguments are required: COMMAND")
+
+
+def test_generate_several_prompts_together(home, tmp_path):
+    """--prompt given several times decodes them as one batch (generate_batch): each continuation on its own
+    line, target-only's for every prompt (greedy), and the batch's counters in the metrics file."""
+    rc, out, err = run(home, "generate", "--prompt", "def main(", "--prompt", "class Foo:", "--prompt", "import ",
+                       "--max-new-tokens", "10", "--device", "ref", "--metrics-json", tmp_path / "m.json")
+    assert rc == 0, err
+    assert "[0] def main(" in out and "[1] class Foo:" in out and "[2] import " in out
+    assert any("3 prompts together" in ln for ln in err) and any("identical to target-only: 3 of 3" in ln for ln in err)
+    import json
+    rec = json.loads((tmp_path / "m.json").read_text())
+    assert rec["prompts"] == 3 and rec["num_drafts"] == 3
+    line = one_line_error(home, "generate", "--prompt", "def main(", "--prompt", "x")
+    assert "--prompt 'x' is 1 byte(s)" in line
+    line = one_line_error(home, "generate", *[a for _ in range(65) for a in ("--prompt", "ab")])
+    assert "65 --prompt given; at most 64" in line

@@ -3,13 +3,14 @@ from .deepseek_v3 import DeepseekV3Target
 from .hf import HfTargetRunner
 
 
-def load_target(path, gpu, max_seq_len: int):
-    """The target runner of a checkpoint: mtp_cupy's own DeepseekV3Target for a deepseek_v3 checkpoint, the
-    checkpoint's target through transformers (HfTargetRunner, needs torch + transformers) for the others."""
+def load_target(path, gpu, max_seq_len: int, max_sequences: int = 2):
+    """The target runner of a checkpoint: mtp_cupy's own DeepseekV3Target for a deepseek_v3 checkpoint (its cache
+    sized for `max_sequences` sequences of max_seq_len), the checkpoint's target through transformers
+    (HfTargetRunner, needs torch + transformers; a cache per sequence) for the others."""
     from ..weights.config import load_config
     from ..weights.info import checkpoint_dir
     if load_config(checkpoint_dir(path)).family == "deepseek_v3":
-        return DeepseekV3Target(gpu, path, max_seq_len=max_seq_len)
+        return DeepseekV3Target(gpu, path, max_seq_len=max_seq_len, max_sequences=max_sequences)
     from .hf import load_hf_runner
     return load_hf_runner(path, gpu, max_seq_len)
 
