@@ -336,6 +336,8 @@ def test_positions_default_to_the_next_ones(B, rng):
         acc = [int(x) for x in rng.integers(0, 3, B)]
         a.after_verify_batch(sa, acc)
         b.after_verify_batch(sb, acc)
+    with pytest.raises(InputError, match=f"{B} states but {B + 1} tokens and next positions"):
+        a.propose_batch(sa, [1] * (B + 1), hidden(rng, a, B), None, 1)
     one = a.propose(sa[0], 1, hs[0], None, 1)
     assert one.tokens == b.propose(sb[0], 1, hs[0], sb[0].next_position, 1).tokens
     assert sa[0].keys == sb[0].keys

@@ -87,7 +87,8 @@ def check_sequences(prop, states, tokens, positions, k: int, idx=None):
     if not 1 <= B <= prop.max_batch:
         raise InputError(f"{B} sequences; this proposer batches 1 to {prop.max_batch} (max_batch at load)")
     if len(tokens) != B or (positions is not None and len(positions) != B):
-        raise InputError(f"{B} states but {len(tokens)} tokens and {len(positions)} positions")
+        raise InputError(f"{B} states but {len(tokens)} tokens and "
+                         f"{'next' if positions is None else len(positions)} positions")
     if not 1 <= k <= prop.max_drafts:
         raise InputError(f"num_drafts {k} outside [1, {prop.max_drafts}] (raise max_drafts at load)")
     if idx is None and B >= ARRAY_MIN_BATCH:
