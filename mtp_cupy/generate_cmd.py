@@ -27,7 +27,7 @@ def checkpoint_of(args) -> str:
 
 
 DEFAULT_PROMPT = "import os\nimport sys\n\n\ndef main("
-MAX_PROMPTS = 64   # the drafter's largest batch
+MAX_PROMPTS = 64   # the drafter's largest batch (ProposerOptions.max_batch; tests/test_cli.py checks it)
 
 
 def plan(args, path) -> tuple[list[list[int]], int, int]:

@@ -124,10 +124,12 @@ def test_bad_numbers_are_one_line(home, args, says):
 
 
 def test_cli_draft_limit_is_the_proposers():
+    from mtp_cupy.generate_cmd import MAX_PROMPTS
     from mtp_cupy.speculative.options import ProposerOptions
-    ProposerOptions(max_drafts=cli.MAX_DRAFTS)
-    with pytest.raises(ConfigError):
-        ProposerOptions(max_drafts=cli.MAX_DRAFTS + 1)
+    ProposerOptions(max_drafts=cli.MAX_DRAFTS, max_batch=MAX_PROMPTS)
+    for bad in (dict(max_drafts=cli.MAX_DRAFTS + 1), dict(max_batch=MAX_PROMPTS + 1)):
+        with pytest.raises(ConfigError):
+            ProposerOptions(**bad)
 
 
 def test_more_drafts_than_tokens_are_capped_and_said(home, tmp_path):
