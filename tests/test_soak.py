@@ -103,7 +103,9 @@ class Soak:
             pos = [self.at(st) for st in sts]
             if sts and all(q + k <= SEQ for q in pos):
                 try:
-                    res = p.propose_batch(sts, rng.integers(0, p.vocab_size, len(sts)), self.hid(len(sts)), pos, k)
+                    nxt = all(q == self.nxt(st) for st, q in zip(sts, pos))   # then positions may be left out
+                    res = p.propose_batch(sts, rng.integers(0, p.vocab_size, len(sts)), self.hid(len(sts)),
+                                          None if nxt and rng.random() < 0.3 else pos, k)
                     self.wide += len(sts) >= ARRAY_MIN_BATCH
                     for st, r, q in zip(sts, res, pos):
                         assert len(r.tokens) == k and all(0 <= t < p.vocab_size for t in r.tokens)
