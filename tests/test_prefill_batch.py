@@ -178,5 +178,5 @@ def test_integer_inputs_of_any_dtype(dtype, rng):
     a.prefill(st, rng.integers(0, a.vocab_size, 2).astype(dtype), hidden(rng, a, 1))   # 2 ids
     a.prefill(st, rng.integers(0, a.vocab_size, 4).astype(dtype)[:3], hidden(rng, a, 2))   # 3: odd, strided
     assert st.keys == list(range(6))
-    with pytest.raises(InputError, match="does not fit int64"):
+    with pytest.raises(InputError, match="tokens: 18446744073709551615 does not fit int64"):
         a.prefill_batch([st], np.array([2**64 - 1], np.uint64), hidden(rng, a, 1), [1])

@@ -62,8 +62,7 @@ def stage_mtp_meta(stage: np.ndarray, k: int, positions, rows0, tables, block_si
     if most is None:
         most = int(lens.max()) if isinstance(lens, np.ndarray) else max(lens)
     if B == 1:                                   # propose's case: a few scalar stores beat the array plan
-        table = np.asarray(tables[0][:lens[0]], np.int32)
-        _check_fits(1, most, slab, stage.shape[1])
+        table = np.asarray(tables[0][:lens[0]], np.int32)   # (OneStager checks that it fits)
         OneStager(stage, slab)(k, int(positions[0]), int(rows0[0]), table, block_size)
         return
     if not isinstance(tables, np.ndarray):

@@ -117,7 +117,7 @@ def host_array(x, what: str) -> np.ndarray:
 
 def host_ints(x, gpu: Backend | None, what: str, stream=None, as_array: bool = False) -> list[int] | np.ndarray:
     """Integer ids or positions as host ints: an int, a sequence of ints, a NumPy array or a DLPack tensor (a
-    CUDA one is read to the host: a wait on `stream`, never on the whole device). `as_array`: as a 1-D integer
+    CUDA one is read to the host: a wait on `stream`, never on the whole device). `as_array`: as a 1-D int64
     array instead of a list (what the batch calls check and stage with)."""
     if as_array and type(x) is list and x and type(x[0]) is not bool:
         # a batch call's plain list of ints: array.array converts them faster than NumPy's type discovery and
@@ -153,7 +153,11 @@ def host_ints(x, gpu: Backend | None, what: str, stream=None, as_array: bool = F
         return np.zeros(0, np.int64) if as_array else []
     if a.dtype.kind not in "iu":
         raise InputError(f"{what} must hold integers, got dtype {a.dtype}")
-    return a.reshape(-1) if as_array else a.reshape(-1).tolist()
+    if not as_array:
+        return a.reshape(-1).tolist()
+    if a.dtype == np.uint64 and int(a.max()) >= 1 << 63:
+        raise InputError(f"{what}: {int(a.max())} does not fit int64")
+    return a.reshape(-1).astype(np.int64, copy=False)   # one dtype for the callers' arithmetic and checks
 
 
 def _int64(v, what: str) -> int:

@@ -41,7 +41,7 @@ class Prefill:
         unchanged on failure."""
         self._live(st)
         with self._ordered(stream):
-            toks = _int64(host_ints(tokens, self.gpu, "tokens", self.stream, as_array=True))
+            toks = host_ints(tokens, self.gpu, "tokens", self.stream, as_array=True)
             n = toks.size - 1
             if n < 1:
                 raise InputError("prefill needs at least two tokens (one row)")
@@ -103,20 +103,20 @@ class Prefill:
                 raise InputError("the same proposer state appears twice in one prefill_batch")
         B = len(states)
         with self._ordered(stream):
-            n = _int64(host_ints(num_rows, gpu, "num_rows", self.stream, as_array=True))
+            n = host_ints(num_rows, gpu, "num_rows", self.stream, as_array=True)
             if len(n) != B:
                 raise InputError(f"{B} states but {len(n)} row counts")
             if np.count_nonzero(n < 0):
                 raise InputError(f"sequence {int(np.argmax(n < 0))}: num_rows {int(n[n < 0][0])} is negative")
             N = int(n.sum())
-            toks = _int64(host_ints(tokens, gpu, "tokens", self.stream, as_array=True))
+            toks = host_ints(tokens, gpu, "tokens", self.stream, as_array=True)
             if len(toks) != N:
                 raise InputError(f"{N} rows but {len(toks)} tokens (one per row: the token after its position)")
             _check_ids(toks, self.vocab_size, "tokens")
             c = kv._cols.take(idx, axis=0)
             nxt = c[:, OFF] + c[:, ROWS]
             starts = nxt if start_positions is None else \
-                _int64(host_ints(start_positions, gpu, "start_positions", self.stream, as_array=True))
+                host_ints(start_positions, gpu, "start_positions", self.stream, as_array=True)
             if len(starts) != B:
                 raise InputError(f"{B} states but {len(starts)} start positions")
             some = n > 0   # a sequence without rows is left alone, whatever its start
@@ -221,13 +221,6 @@ class Prefill:
             raise InputError(f"hiddens has shape {h.shape}; expected ({n}, {self.hidden_size}) "
                              "(one per token but the last)")
         return np.ascontiguousarray(h.astype(BF16, copy=False))
-
-
-def _int64(a: np.ndarray) -> np.ndarray:
-    """host_ints' array (any integer dtype) as int64; a uint64 value past int64 is an InputError."""
-    if a.dtype == np.uint64 and a.size and int(a.max()) >= 1 << 63:
-        raise InputError(f"integer {int(a.max())} does not fit int64")
-    return a.astype(np.int64, copy=False)
 
 
 def _check_ids(toks: np.ndarray, vocab: int, what: str) -> None:
