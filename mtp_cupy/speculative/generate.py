@@ -113,6 +113,23 @@ def generate_target_only(target, prompt, max_new_tokens: int, temperature: float
         target.free(seq)
 
 
+def _accept(target, seq, lg, Hv, drafts: list[int], pos: int, temperature: float, rng, toks: list, hid: list,
+            out: list) -> tuple[int, list[int]]:
+    """The verify rule on the target's pass over [token at pos + 1, *drafts] (logits lg, hiddens Hv): a drafts
+    accepted and the target's next token. The target keeps its rows up to the last emitted token; toks / out get
+    the emitted tokens, hid the hiddens of the kept rows. Returns (a, the emitted tokens)."""
+    if temperature <= 0:
+        a, nxt_tok = greedy_verify(lg, drafts)
+    else:
+        a, nxt_tok = rejection_verify(softmax(lg, temperature), one_hot(drafts, lg.shape[-1]), drafts, rng)
+    target.truncate(seq, pos + 2 + a)
+    new = drafts[:a] + [nxt_tok]
+    hid.extend(Hv[:a + 1])
+    toks.extend(new)
+    out.extend(new)
+    return a, new
+
+
 def catch_up(drafter, st, toks, hid, pos: int) -> int:
     """Rewrite the drafter rows before position `pos` that the trim rule dropped (after_verify), from the
     target's own hiddens: row p pairs toks[p + 1] with hid[p]. A propose at `pos` then leaves no hole in the
@@ -190,18 +207,9 @@ def generate(target, drafter, prompt, max_new_tokens: int, num_drafts: int = 3, 
             verify_s += clock() - t2
             draft_s += t2 - t1
             passes += 1
-            if temperature <= 0:
-                a, nxt_tok = greedy_verify(lg, res.tokens)
-            else:
-                a, nxt_tok = rejection_verify(softmax(lg, temperature), one_hot(res.tokens, lg.shape[-1]),
-                                              res.tokens, rng)
-            target.truncate(seq, pos + 2 + a)
+            a, new = _accept(target, seq, lg, Hv, res.tokens, pos, temperature, rng, toks, hid, out)
             drafter.after_verify(st, a)
             m.record(k, a)
-            new = res.tokens[:a] + [nxt_tok]
-            hid.extend(Hv[:a + 1])
-            toks.extend(new)
-            out.extend(new)
             pos += 1 + a
             if progress:
                 progress.update(len(new))
@@ -293,17 +301,8 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, num_drafts: in
                 drafts = res.tokens[j, :k].tolist()
                 lg, Hv = target.forward(seqs[s], [toks[s][pos[s] + 1]] + drafts)
                 passes[s] += 1
-                if temperature <= 0:
-                    a, nxt_tok = greedy_verify(lg, drafts)
-                else:
-                    a, nxt_tok = rejection_verify(softmax(lg, temperature), one_hot(drafts, lg.shape[-1]), drafts,
-                                                  rngs[s])
-                target.truncate(seqs[s], pos[s] + 2 + a)
+                a, _ = _accept(target, seqs[s], lg, Hv, drafts, pos[s], temperature, rngs[s], toks[s], hid[s], out[s])
                 ms[s].record(k, a)
-                new = drafts[:a] + [nxt_tok]
-                hid[s].extend(Hv[:a + 1])
-                toks[s].extend(new)
-                out[s].extend(new)
                 pos[s] += 1 + a
                 acc.append(a)
             drafter.after_verify_batch(lst, acc)
