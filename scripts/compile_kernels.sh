@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Compile every cuda_src/*.cu for sm_90a with nvcc; fail on any error, warning or register spill.
+# Compile every cuda_src/*.cu for sm_90a with nvcc; fail on any error, warning or register spill. Then every
+# host_src/*.c with the C compiler, warnings as errors.
 # Also refuse includes NVRTC cannot satisfy (it has no host std headers): only cuda_*.h and local .cuh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,16 @@ for f in cuda_src/*.cu; do
   spills=$(grep -E '[1-9][0-9]* bytes spill (stores|loads)' "$log")
   if [ -n "$spills" ]; then echo "SPILL $f"; grep -B2 -E '[1-9][0-9]* bytes spill' "$log"; fail=1; continue; fi
   echo "ok   $f ($(grep -c 'Function properties' "$log") kernels, max $(grep -oE 'Used [0-9]+ registers' "$log" | awk '{print $2}' | sort -n | tail -1) registers)"
+done
+# host_src: the batch calls' compiled bookkeeping (speculative/batch_host.py builds it at run time with the same
+# flags, less the warning gate)
+CC=${CC:-cc}
+for f in host_src/*.c; do
+  if ! "$CC" -O2 -std=c11 -shared -fPIC -Wall -Wextra -Werror -o "$tmp/h.so" "$f" >"$tmp/h.log" 2>&1; then
+    echo "FAIL $f"; cat "$tmp/h.log"; fail=1
+  else
+    echo "ok   $f"
+  fi
 done
 # NVRTC, the compiler the runtime uses (no host std headers): the same source inlining and options
 PYBIN=${PYBIN:-python3}

@@ -2,8 +2,8 @@
 # Run on the GPU machine: GPU tests (CUDA vs twin), NCCL tests over 2 ranks, compute-sanitizer memcheck on
 # every kernel at small shapes, and optional benchmarks. Logs go to $OUT (or ./.out).
 #   bash scripts/gpu_check.sh [tests] [mpi] [sanitize] [bench] [host] [draft]
-#   host: the host path of a propose (B = 1) and of a serving step (B = 64, catch-up included), V3, real
-#   launches; draft: bench_draft for every family at B = 1..64, k = 1, 3, the plot in $OUT (several minutes)
+#   host: the host path of a propose (B = 1) and of a serving step (B = 64, catch-up included; the wide calls'
+#   bookkeeping compiled and in NumPy), V3, real launches; draft: bench_draft for every family at B = 1..64, k = 1, 3, the plot in $OUT (several minutes)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-.out}; mkdir -p "$OUT"
@@ -30,7 +30,8 @@ if [[ " $what " == *" sanitize "* ]]; then
   echo "memcheck: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1) / $(tail -1 "$OUT/sanitizer.log")" >>"$summ"
 fi
 if [[ " $what " == *" host "* ]]; then
-  for args in "--batch 1 --k 1" "--batch 1 --k 3" "--batch 64 --k 3" "--batch 64 --k 3 --catch-up"; do
+  for args in "--batch 1 --k 1" "--batch 1 --k 3" "--batch 64 --k 3 --host-path numpy" "--batch 64 --k 3" \
+              "--batch 64 --k 3 --catch-up --host-path numpy" "--batch 64 --k 3 --catch-up"; do
     "$PY" scripts/profile_host.py --family deepseek_v3 --device cuda --hidden-on device --no-profile --calls 500 \
       $args 2>&1 | tail -2 | tee -a "$OUT/host.log"
   done

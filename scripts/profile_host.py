@@ -28,11 +28,11 @@ from mtp_cupy.runtime.ptr import DevicePtr
 
 
 def build(fam: str, device: str, B: int, k: int, ctx: int, checkpoint: str | None = None, hidden_on: str = "host",
-          room: int = 64):
+          room: int = 64, host_path: str = "auto"):
     """`room`: rows past ctx each sequence may grow by (a catch-up loop advances one position a call)."""
     gpu = mtp_cupy.device(device)
     p = mtp_cupy.load_proposer(checkpoint or mtp_cupy.EMBEDDED[fam], gpu, max_seq_len=ctx + room, max_drafts=k,
-                               max_batch=B)
+                               max_batch=B, host_path=host_path)
     rng = np.random.default_rng(0)
     shape = p._hidden_shapes()[0]
     states = []
@@ -141,6 +141,8 @@ def main() -> int:
                     "prefill's copies still run)")
     ap.add_argument("--hidden-on", choices=("host", "device"), default="host", help="where each call's hiddens "
                     "live: host (NumPy, checked and copied every call) or device (a device pointer read in place)")
+    ap.add_argument("--host-path", choices=("auto", "c", "numpy"), default="auto", help="the proposer option: the "
+                    "wide batch calls' bookkeeping compiled (c) or in NumPy")
     ap.add_argument("--no-profile", action="store_true", help="phases only, no cProfile listing")
     ap.add_argument("--catch-up", action="store_true", help="time a serving step instead: after_verify_batch, the "
                     "dropped row caught up by prefill_batch, propose_batch one position on (--batch > 1)")
@@ -155,7 +157,7 @@ def main() -> int:
     if a.catch_up and a.batch == 1:
         ap.error("--catch-up times the batch calls: give --batch > 1")
     room = 64 + (3 * a.calls + 40 if a.catch_up else 0)   # warm-up, timed, phased and profiled calls
-    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt, a.hidden_on, room)
+    p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt, a.hidden_on, room, a.host_path)
     if a.skip_chain:   # no launches: the chain, and the rows prefill_batch writes
         p._chain = p._write_rows = lambda *args, **kw: None
     fn = (catch_up_of if a.catch_up else call_of)(p, states, toks, h, a.ctx, a.k)
@@ -166,7 +168,8 @@ def main() -> int:
         fn()
     us = 1e6 * (time.perf_counter() - t0) / a.calls
     print(f"{a.family} device={a.device} batch={a.batch} k={a.k} graphs={p.cuda_graphs and p.graph_safe} "
-          f"skip_chain={a.skip_chain} hidden_on={a.hidden_on}: {us:.1f} µs wall per call "
+          f"skip_chain={a.skip_chain} hidden_on={a.hidden_on} host_path={a.host_path} "
+          f"(compiled: {p._batch_host() is not None}): {us:.1f} µs wall per call "
           f"({'after_verify + catch-up prefill + propose' if a.catch_up else 'propose + after_verify'})")
     print(phases(p, fn, a.calls))
     if a.no_profile:

@@ -12,7 +12,7 @@ step "install"
 "$VENV/bin/python" -c "import mtp_cupy, mpi4py, torch, transformers" || { echo "install failed"; exit 1; }
 export OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 
-step "compile cuda_src (nvcc sm_90a, no spills; NVRTC as the runtime does)"
+step "compile cuda_src (nvcc sm_90a, no spills; NVRTC as the runtime does) and host_src (cc)"
 PYBIN="$VENV/bin/python" bash scripts/compile_kernels.sh || exit 1
 
 step "serial tests"

@@ -55,6 +55,7 @@ from ..runtime import slab as slab_spec
 from ..runtime.arena import ForwardBuffers, OneStager, SlabStager, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.config import ModelConfig, load_config
+from .batch_host import BatchHost, host_library
 from .batch_inputs import ARRAY_MIN_BATCH, BatchMemo, batch_masks, check_sequences, mirror_rows, state_list
 from .inputs import host_ints, stage_hidden, take_hidden
 from .options import ProposerOptions
@@ -162,6 +163,8 @@ class MtpProposerBase(Prefill):
         self._blocks_of = (np.arange(self.max_seq_len + 1, dtype=np.int64) + kv.block_size - 1) // kv.block_size
         self._zeros = np.zeros(self.max_batch, np.int64)
         self._drafts = np.zeros((0, self.max_drafts), np.int32)   # the last drafts of mirror row r (ProposerState)
+        # the wide batch calls' bookkeeping compiled (batch_host.py), or None: their NumPy array passes
+        self._host_lib, self._host = host_library(o.host_path), None
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
                  self.sequences_that_fit(), self.max_seq_len)
 
@@ -347,18 +350,31 @@ class MtpProposerBase(Prefill):
             if min_logprob is not None and device_results:
                 raise InputError("min_logprob stops on log-probs read on the host; it cannot be combined with "
                                  "device_results")
-            known = idx is not None
-            toks, poss, idx, cols = check_sequences(self, states, toks, poss, k, idx)
-            if idx is not None and not known:
-                self._memo.keep(states, idx, self.kv)
             B = len(states)
+            # a remembered wide batch (its states checked) with inputs of its length: the compiled bookkeeping
+            host = self._batch_host() if idx is not None and len(toks) == B and (poss is None or len(poss) == B) \
+                and 1 <= k <= self.max_drafts else None
+            if host is None:
+                known = idx is not None
+                toks, poss, idx, cols = check_sequences(self, states, toks, poss, k, idx)
+                if idx is not None and not known:
+                    self._memo.keep(states, idx, self.kv)
             graphed = self.cuda_graphs and self.graph_safe
             W = self.bucket(B) if graphed else B
             masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
             hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
                               self.stream, single=single, check_device=self.options.check_device_finite,
                               defer_check=self._defer_nan_check)
-            rows0 = self._reserve_rows(states, k, idx, cols)
+            if host is not None:   # checks, blocks and every step's slab at once (into the stage: wait first)
+                self._wait_stage()
+                staged = host.stage(idx, toks, poss, k, W)
+                if staged is None:   # nothing changed: the NumPy path names the problem or takes the rare case
+                    host = None
+                    toks, poss, idx, cols = check_sequences(self, states, toks, poss, k, idx)
+                else:
+                    rows0, poss = staged
+            if host is None:
+                rows0 = self._reserve_rows(states, k, idx, cols)
             want_lp = min_logprob is not None
             try:
                 with gpu.using(self.stream):
@@ -374,7 +390,8 @@ class MtpProposerBase(Prefill):
                     self._pad_rows(B, W, h_elems)
                     if masks is not None:
                         gpu.copy_h2d_async(self.bufs.mask, masks)
-                    self._stage_slabs(states, rows0, poss, k, W, idx, cols)
+                    if host is None:
+                        self._stage_slabs(states, rows0, poss, k, W, idx, cols)
                     inbox = 2 * W * h_elems if hid.host is not None else 0   # host hidden bytes the chain copies
                     if graphed:
                         key = (k, W, masks is not None, want_lp, return_logits, inbox, self._graph_variant())
@@ -395,7 +412,7 @@ class MtpProposerBase(Prefill):
                 hid.require_finite()   # a failure a NaN hidden caused is reported as the bad input it is
                 raise
             del hid   # a converted copy goes back to the pool in stream order
-        return self._finish(states, rows0, poss, k, out, min_logprob, idx, cols)
+        return self._finish(states, rows0, poss, k, out, min_logprob, idx, None if host is not None else cols, host)
 
     def _mark_stage_read(self) -> None:
         """Record, after the work on the stream so far, the event the next call waits for before it rewrites the
@@ -434,11 +451,12 @@ class MtpProposerBase(Prefill):
         gpu.record(ready, self.stream)
         return {"device_ids": ids, "device_logits": lg, "ready": ready}
 
-    def _finish(self, states, rows0, positions, k: int, out: dict, min_logprob, idx=None, c=None) -> DraftBatch:
+    def _finish(self, states, rows0, positions, k: int, out: dict, min_logprob, idx=None, c=None,
+                host: BatchHost | None = None) -> DraftBatch:
         """Every sequence's state update (rows, positions, drafts; a confidence stop trims its rows) and the call's
         DraftBatch, from the chain's outputs. With the batch's mirror rows `idx` and counters `c` the counters
-        are scattered back as one array, and only sequences that start a run of positions or stop early take a
-        Python step."""
+        are scattered back as one array (or by `host`, the compiled bookkeeping, when it staged the call), and
+        only sequences that start a run of positions or stop early take a Python step."""
         lps, B = out.get("lps"), len(states)
         done = None   # drafts kept per sequence: all k unless a confidence stop
         if lps is not None:
@@ -449,7 +467,10 @@ class MtpProposerBase(Prefill):
         dev = "device_ids" in out   # nothing read back: the drafts live on the device (no grammar warnings)
         toks = None if dev else out["ids"].T.copy()   # int32 [B, k]
         drafts = self._drafts_rows()
-        if idx is not None:
+        if host is not None:
+            for s in host.finish(B, k, done, toks).tolist():
+                states[s]._extend(int(rows0[s]), int(positions[s]))
+        elif idx is not None:
             if self.drafter_context:   # checked: every position is its sequence's next one, so only a first row
                 new_run = None if np.count_nonzero(rows0) == len(rows0) else rows0 == 0   # starts a run
             else:
@@ -540,9 +561,7 @@ class MtpProposerBase(Prefill):
         the pinned inbox, both of which `_chain` copies from. Hidden rows past len(toks) keep what an earlier
         call left there: finite (checked), never read back. The previous chain must have read both first (a
         wait for it only)."""
-        if self._stage_done is not None:
-            self.gpu.host_wait(self._stage_done)
-            self._stage_done = None
+        self._wait_stage()
         if self._inbox is None:
             self._inbox = self.gpu.alloc_pinned(2 * self.max_batch * self._hmax)
             self._inbox[:] = 0
@@ -552,6 +571,19 @@ class MtpProposerBase(Prefill):
         if hid.host is not None:
             src = np.ascontiguousarray(hid.host).reshape(-1).view(np.uint8)
             self._inbox[:src.size] = src
+
+    def _wait_stage(self) -> None:
+        """Wait until the last chain that has not been waited for has read the pinned stage and inbox."""
+        if self._stage_done is not None:
+            self.gpu.host_wait(self._stage_done)
+            self._stage_done = None
+
+    def _batch_host(self) -> BatchHost | None:
+        """The compiled bookkeeping of the wide batch calls (made on first use), or None (host_path numpy, or no C
+        compiler)."""
+        if self._host is None and self._host_lib is not None:
+            self._host = BatchHost(self._host_lib, self)
+        return self._host
 
     def _staging(self) -> np.ndarray:
         """The pinned host twin of the call_in region (made on first use)."""
@@ -657,6 +689,14 @@ class MtpProposerBase(Prefill):
                     idx = None
                 else:
                     self._memo.keep(states, idx, self.kv)
+        host = self._batch_host() if idx is not None and len(acc) == B else None
+        if host is not None:
+            done = host.trim(idx, acc)   # None: nothing changed, the NumPy path below names the bad count
+            if done is not None:
+                cut, rows = done
+                for s in cut.tolist():
+                    states[s]._cut(int(rows[s]))
+                return
         if idx is not None:
             a = np.asarray(acc, dtype=np.int64)
             c = self.kv._cols.take(idx, axis=0)

@@ -36,6 +36,9 @@ class ProposerOptions:
                             "then captured on a private stream and replayed on this one")
     check_device_finite: bool = opt(False, "check CUDA-tensor hiddens for NaN/inf too (one reduction and a wait on "
                                            "the proposer's stream per call); host inputs are always checked")
+    host_path: str = opt("auto", "where a wide batch call's bookkeeping runs (checks, KV blocks, slab staging, "
+                                 "counters): 'c', host_src/batch_host.c built once with the system C compiler; "
+                                 "'numpy', array passes; 'auto', c when a compiler builds it")
 
     def __post_init__(self) -> None:
         self._int("max_drafts", 1, 64)
@@ -46,6 +49,7 @@ class ProposerOptions:
         self._bool("drafter_context")
         self._bool("batch_invariant")
         self._bool("check_device_finite")
+        self._choice("host_path", ("auto", "c", "numpy"))
         try:
             check_stream(self.stream)
         except ConfigError as e:

@@ -93,6 +93,7 @@ class Prefill:
         counts or shapes) or CapacityError (KV pool, max_seq_len); no sequence changes on failure."""
         gpu, kv = self.gpu, self.kv
         idx = self._memo.rows(states, kv)   # a serving loop passes the batch it proposes for: checked already
+        known = idx is not None
         if idx is None:
             states = state_list(states, "prefill_batch")
             for s, st in enumerate(states):
@@ -112,6 +113,10 @@ class Prefill:
             toks = host_ints(tokens, gpu, "tokens", self.stream, as_array=True)
             if len(toks) != N:
                 raise InputError(f"{N} rows but {len(toks)} tokens (one per row: the token after its position)")
+            if known and N == B and not np.count_nonzero(n != 1):   # a catch-up of a remembered batch
+                done = self._catch_up(states, idx, toks, hiddens, start_positions)
+                if done is not None:
+                    return N
             _check_ids(toks, self.vocab_size, "tokens")
             c = kv._cols.take(idx, axis=0)
             nxt = c[:, OFF] + c[:, ROWS]
@@ -159,29 +164,64 @@ class Prefill:
                     states[s]._extend(int(rows0[s]), int(starts[s]))
         return N
 
+    def _catch_up(self, states, idx, toks, hiddens, start_positions):
+        """prefill_batch of one row per sequence through the compiled bookkeeping (batch_host.py); None when there
+        is none or it declined (nothing changed: the NumPy path then names the problem or takes the case)."""
+        host = self._batch_host()
+        if host is None:
+            return None
+        starts = None if start_positions is None else \
+            host_ints(start_positions, self.gpu, "start_positions", self.stream, as_array=True)
+        if starts is not None and len(starts) != len(states):
+            return None
+        h, keep = self._prefill_hiddens(hiddens, len(states))
+        self._wait_prefill_stage()
+        done = host.catch_up(idx, toks, starts)
+        if done is None:
+            return None
+        new_run, rows0, starts = done
+        try:
+            self._send_prefill(h, 0, len(states))
+        except Exception:   # the row counts went one up: truncating to rows0 gives a new block back too
+            for st, r0 in zip(states, rows0.tolist()):
+                st.blocks.truncate(r0)
+            raise
+        del keep
+        for s in new_run.tolist():
+            states[s]._extend(int(rows0[s]), int(starts[s]))
+        return len(states)
+
     def _write_chunks(self, ids: np.ndarray, h, pos: np.ndarray, slots: np.ndarray, n: int) -> None:
         """n rows at the u32 positions / i64 cache slots given, row j pairing embed(ids[j + 1]) with hidden row j
         (`h`: host bf16 rows, or a device pointer to them), in passes of max_prefill_rows rows. A pass's ids,
         positions and slots go in with one copy from pinned staging (a host hidden with one more)."""
-        b, P, gpu = self.bufs, self.max_prefill_rows, self.gpu
         stage, st_slots, st_pos, st_ids = self._prefill_staging()
-        d_slots, d_pos, d_ids = b.prefill_in, b.prefill_in.offset(8 * P), b.prefill_in.offset(12 * P)
+        for c0 in range(0, n, self.max_prefill_rows):
+            c = min(self.max_prefill_rows, n - c0)
+            self._wait_prefill_stage()
+            st_slots[:c], st_pos[:c], st_ids[:c + 1] = slots[c0:c0 + c], pos[c0:c0 + c], ids[c0:c0 + c + 1]
+            self._send_prefill(h, c0, c)
+
+    def _wait_prefill_stage(self) -> None:
+        """Wait until the last pass's copy has read the prefill stage."""
+        if self._prefill_copied is not None:
+            self.gpu.host_wait(self._prefill_copied)
+
+    def _send_prefill(self, h, c0: int, c: int) -> None:
+        """One pass of `_write_chunks`: the staged ids, positions and slots of c rows copied in, and those rows
+        written from hidden rows c0.. of `h`."""
+        b, P, gpu = self.bufs, self.max_prefill_rows, self.gpu
         with gpu.using(self.stream):
-            for c0 in range(0, n, P):
-                c = min(P, n - c0)
-                if self._prefill_copied is not None:   # the last pass's copy must have read the stage
-                    gpu.host_wait(self._prefill_copied)
-                st_slots[:c], st_pos[:c], st_ids[:c + 1] = slots[c0:c0 + c], pos[c0:c0 + c], ids[c0:c0 + c + 1]
-                gpu.copy_h2d_async(b.prefill_in, stage)
-                if self._prefill_copied is None:
-                    self._prefill_copied = gpu.new_event(timing=False)
-                gpu.record(self._prefill_copied, self.stream)
-                if isinstance(h, np.ndarray):   # pageable: staged by the driver before the call returns
-                    gpu.copy_h2d_async(b.prefill_hidden, h[c0:c0 + c])
-                    hp = b.prefill_hidden
-                else:
-                    hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
-                self._write_rows(d_ids, hp, d_pos, d_slots, c)
+            gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
+            if self._prefill_copied is None:
+                self._prefill_copied = gpu.new_event(timing=False)
+            gpu.record(self._prefill_copied, self.stream)
+            if isinstance(h, np.ndarray):   # pageable: staged by the driver before the call returns
+                gpu.copy_h2d_async(b.prefill_hidden, h[c0:c0 + c])
+                hp = b.prefill_hidden
+            else:
+                hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
+            self._write_rows(b.prefill_in.offset(12 * P), hp, b.prefill_in.offset(8 * P), b.prefill_in, c)
 
     def _prefill_staging(self):
         """The pinned twin of the prefill_in region [slots i64 P | positions u32 P | ids i32 P + 1] and its three

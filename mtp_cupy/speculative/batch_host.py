@@ -1,0 +1,216 @@
+"""The wide batch calls' host bookkeeping compiled: host_src/batch_host.c, built once per machine with the system C
+compiler (under ~/.cache/mtp_cupy/host) and called through ctypes.
+
+A propose_batch / after_verify_batch of a remembered batch (speculative.batch_inputs.BatchMemo: its states
+checked live and distinct) spends most of its host time in NumPy's per-call cost, a microsecond or so for each of
+some forty array passes over B entries. The C functions do the same passes in one call each: the token and
+position checks, the KV-block reservation, every step's slab staged, and the counters updated. They change
+nothing and return a negative code when an input is bad or a case is rare (a table to widen, a full pool); the
+proposer then runs its NumPy path, which names the problem or handles the case. That NumPy path is the twin the
+tests hold the C path to: the same cache mirror, pool, drafts and staged bytes after every call.
+
+The option `host_path` ("auto", "c", "numpy") picks it; auto uses C when a compiler builds it."""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from ..cache.paged import NBLOCKS, ROWS
+from ..errors import ConfigError
+from ..runtime.slab import TABLE_OFFSET
+from .proposer import DRAFTED, LAST, OFF, RUN0
+
+log = logging.getLogger("mtp_cupy")
+SOURCE = Path(__file__).resolve().parents[2] / "host_src" / "batch_host.c"
+CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC")
+HOST_PATHS = ("auto", "c", "numpy")
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class BatchPlan(ctypes.Structure):
+    """batch_host.c's BatchPlan (the same fields in the same order)."""
+    _fields_ = [(n, _P) for n in ("cols", "tables", "stack", "used", "drafts", "idx", "tokens", "positions",
+                                  "rows0", "counts", "listed", "stage", "pad_slab", "pre_stage")] + \
+               [(n, _I) for n in ("ncols", "width", "max_drafts", "nfree", "num_blocks", "c_rows", "c_nblocks",
+                                  "c_off", "c_run0", "c_drafted", "c_last", "block_size", "max_seq_len", "vocab",
+                                  "drafter_context", "refeed", "meta_off", "stride", "table_off", "pre_rows")]
+
+
+_LIB: dict = {}   # the loaded library (or the reason it could not be built), once per process
+
+
+def library():
+    """The compiled batch_host library (ctypes.CDLL), built on first use; ConfigError saying why it cannot be."""
+    if "lib" not in _LIB:
+        try:
+            _LIB["lib"] = _load(_build())
+        except ConfigError as e:
+            _LIB["lib"] = e
+    if isinstance(_LIB["lib"], ConfigError):
+        raise _LIB["lib"]
+    return _LIB["lib"]
+
+
+def _build() -> Path:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise ConfigError("host_path='c' needs a C compiler (cc, gcc or clang on PATH); none was found")
+    try:
+        src = SOURCE.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"host_path='c': cannot read {SOURCE} ({e.strerror})") from None
+    tag = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    root = Path(os.path.expanduser("~/.cache/mtp_cupy/host"))
+    out = root / f"batch_host-{tag}.so"
+    if out.exists():
+        return out
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=root)   # then renamed: ranks building at once never clash
+        os.close(fd)
+        r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if r.returncode:
+            os.unlink(tmp)
+            first = (r.stderr.strip().splitlines() or ["no message"])[0]
+            raise ConfigError(f"host_path='c': {cc} failed on {SOURCE.name}: {first}")
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ConfigError(f"host_path='c': cannot build under {root} ({e.strerror})") from None
+    return out
+
+
+def _load(path: Path):
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise ConfigError(f"host_path='c': cannot load {path} ({e})") from None
+    for name, args in (("mtp_batch_stage", [_P, _I, _I, _I, _I]), ("mtp_batch_finish", [_P, _I, _I, _I, _P]),
+                       ("mtp_batch_trim", [_P, _I]), ("mtp_batch_catch_up", [_P, _I, _I])):
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, _I
+    return lib
+
+
+def host_library(choice: str):
+    """The compiled library for option host_path=`choice`, or None (the NumPy path): ConfigError for "c" when it
+    cannot be built, a log line for "auto"."""
+    if choice == "numpy":
+        return None
+    try:
+        return library()
+    except ConfigError as e:
+        if choice == "c":
+            raise
+        log.info("batch calls' bookkeeping in NumPy: %s", e)
+        return None
+
+
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class BatchHost:
+    """One proposer's BatchPlan and the three calls. The plan points at arrays that the cache reallocates when it
+    grows (its mirror) and at the batch's mirror rows: `_aim` re-points it when one of them is a new object."""
+
+    def __init__(self, lib, prop):
+        self._stage_fn, self._finish_fn, self._trim_fn = lib.mtp_batch_stage, lib.mtp_batch_finish, lib.mtp_batch_trim
+        self._catch_up_fn = lib.mtp_batch_catch_up
+        kv = prop.kv
+        self.plan = p = BatchPlan()
+        self._at = ctypes.addressof(p)
+        self.bufs = np.zeros((5, prop.max_batch), np.int64)
+        self.tokens, self.positions, self.rows0, self.counts, self.listed = self.bufs
+        for name, a in zip(("tokens", "positions", "rows0", "counts", "listed"), self.bufs):
+            setattr(p, name, _addr(a))
+        p.stack, p.used, p.pad_slab = _addr(kv._stack), _addr(kv._used_np), _addr(prop._pad_slab)
+        p.num_blocks, p.block_size, p.max_seq_len = kv.num_blocks, kv.block_size, prop.max_seq_len
+        p.max_drafts, p.vocab = prop.max_drafts, prop.vocab_size
+        p.c_rows, p.c_nblocks, p.c_off, p.c_run0, p.c_drafted, p.c_last = ROWS, NBLOCKS, OFF, RUN0, DRAFTED, LAST
+        p.drafter_context, p.refeed = int(prop.drafter_context), int(prop.refeed_accepted)
+        p.meta_off, p.stride, p.table_off = prop._meta_off, prop.meta_stride, TABLE_OFFSET
+        p.pre_rows = prop.max_prefill_rows
+        self._prop, self._kv = prop, kv
+        self._aimed = (None,) * 6
+
+    def _aim(self, idx: np.ndarray) -> None:
+        """Point the plan at the cache mirror, drafts, stages and `idx` when any is a new object (one identity test
+        each, the common case)."""
+        prop, kv, a = self._prop, self._kv, self._aimed
+        drafts, stage, pre = prop._drafts_rows(), prop._staging(), prop._prefill_staging()[0]
+        if kv._cols is a[0] and kv._tables is a[1] and idx is a[2] and drafts is a[3] and stage is a[4] and pre is a[5]:
+            return
+        p, now = self.plan, (kv._cols, kv._tables, idx, drafts, stage, pre)
+        p.cols, p.tables, p.idx, p.drafts, p.stage, p.pre_stage = map(_addr, now)
+        p.ncols, p.width = kv._cols.shape[1], kv._tables.shape[1]
+        self._aimed = now
+
+    def stage(self, idx: np.ndarray, toks: np.ndarray, positions, k: int, W: int):
+        """propose_batch's checks, block reservation and slab staging for the B sequences at mirror rows `idx`
+        (int64 tokens [B]; positions [B] or None: the next ones), pad rows to W. Returns (rows0, positions) as
+        int64 [B] views that the next call reuses, or None (nothing changed: the NumPy path decides)."""
+        if self._run(self._stage_fn, idx, toks, positions, k, W) < 0:
+            return None
+        B = len(idx)
+        return self.rows0[:B], self.positions[:B]
+
+    def catch_up(self, idx: np.ndarray, toks: np.ndarray, positions):
+        """prefill_batch's one row per sequence at mirror rows `idx` (int64 tokens [B]; positions [B] or None: the
+        next ones): checked, blocks reserved, staged into the prefill stage, row counts one up. Returns (batch
+        indices that start a new run, rows0, positions) as int64 views the next call reuses, or None (nothing
+        changed: the NumPy path decides)."""
+        n = self._run(self._catch_up_fn, idx, toks, positions)
+        if n < 0:
+            return None
+        B = len(idx)
+        return self.listed[:n], self.rows0[:B], self.positions[:B]
+
+    def _run(self, fn, idx: np.ndarray, toks, positions, *args) -> int:
+        """fn(plan, B, *args, positions given) on the call's tokens and positions; negative when it declined (or
+        the batch is wider than max_batch: one an after_verify_batch remembered)."""
+        B = len(idx)
+        if B > len(self.tokens):
+            return -1
+        self._aim(idx)
+        self.tokens[:B] = toks
+        if positions is not None:
+            self.positions[:B] = positions
+        kv, p = self._kv, self.plan
+        p.nfree = kv._nfree
+        n = fn(self._at, B, *args, positions is not None)
+        if n >= 0:
+            kv._nfree = p.nfree
+        return n
+
+    def finish(self, B: int, k: int, kept, toks) -> np.ndarray:
+        """The counters and drafts after the chain (`kept`: int [B] drafts kept, or None: all k; `toks`: int32
+        [B, k] C-contiguous, or None for device results). Returns the batch indices that start a new run."""
+        if kept is not None:
+            self.counts[:B] = kept
+        n = self._finish_fn(self._at, B, k, kept is None, None if toks is None else _addr(toks))
+        return self.listed[:n]
+
+    def trim(self, idx: np.ndarray, accepted: np.ndarray):
+        """after_verify_batch for the sequences at `idx`. Returns (batch indices whose last run went, every row
+        count), views the next call reuses, or None (nothing changed: the NumPy path decides)."""
+        B = len(idx)
+        if B > len(self.counts):
+            return None
+        self._aim(idx)
+        self.counts[:B] = accepted
+        kv, p = self._kv, self.plan
+        p.nfree = kv._nfree
+        n = self._trim_fn(self._at, B)
+        if n < 0:
+            return None
+        kv._nfree = p.nfree
+        return self.listed[:n], self.rows0[:B]

@@ -1,0 +1,148 @@
+"""The wide batch calls' compiled bookkeeping (host_src/batch_host.c through speculative/batch_host.py) against
+its twin, the NumPy array path: two proposers of one checkpoint, host_path "c" and "numpy", take the same random
+serving traffic in lockstep (joins, leaves, prefills, the catch-up and propose_batch with and without positions,
+confidence stops, device results, ragged after_verify_batch, bad ids, holes, bad counts, a pool that runs full),
+and after every operation hold the same drafts and errors, and the same state byte for byte: the cache mirror's
+counters and tables, the free-block stack, the used flags, the drafts and both pinned stages the device copies
+from."""
+import numpy as np
+import pytest
+
+import mtp_cupy
+from batch_util import ckpt, hidden
+from helpers import check_pool
+from mtp_cupy.errors import CapacityError, ConfigError, InputError
+from mtp_cupy.speculative import batch_host
+
+
+def load(fam, host_path, **kw):
+    return mtp_cupy.load_proposer(ckpt(fam), gpu=mtp_cupy.device("ref"), max_seq_len=80, max_batch=8, max_drafts=4,
+                                  max_sequences=5, host_path=host_path, **kw)
+
+
+def state_of(prop, states):
+    kv = prop.kv
+    return {"seqs": [(list(s.keys), s.blocks.rows, list(s.blocks.table), s.last_num_drafted, list(s.last_drafts))
+                     for s in states],
+            "cols": kv._cols.tobytes(), "tables": kv._tables.tobytes(), "free": kv._free.tobytes(),
+            "used": bytes(kv._used), "drafts": prop._drafts_rows().tobytes(),
+            "stage": None if prop._stage is None else prop._stage.tobytes(),
+            "prefill_stage": None if prop._prefill_stage is None else prop._prefill_stage[0].tobytes()}
+
+
+def both(props, fn):
+    """fn(prop, i) on each proposer: the same result, or the same error (type and message)."""
+    outs = []
+    for i, p in enumerate(props):
+        try:
+            outs.append(("ok", fn(p, i)))
+        except (InputError, CapacityError) as e:
+            outs.append((type(e).__name__, str(e)))
+    assert outs[0] == outs[1], outs
+    return outs[0]
+
+
+def drafts_of(res):
+    if res.tokens is None:
+        return np.asarray(res.device_tokens).tolist(), None
+    return res.tokens.tolist(), res.num_drafts.tolist()
+
+
+class Counted:
+    """Counts a BatchHost method's calls that did the work (returned something other than None)."""
+
+    def __init__(self, fn):
+        self.fn, self.done, self.declined = fn, 0, 0
+
+    def __call__(self, *a):
+        out = self.fn(*a)
+        if out is None:
+            self.declined += 1
+        else:
+            self.done += 1
+        return out
+
+
+@pytest.mark.parametrize("fam,kw", [("deepseek_v3", {}), ("deepseek_v3", {"drafter_context": False}),
+                                    ("qwen3_next", {"refeed_accepted": True})])
+def test_compiled_bookkeeping_equals_numpy(fam, kw, rng):
+    props = (load(fam, "c", **kw), load(fam, "numpy", **kw))
+    assert props[0]._batch_host() is not None and props[1]._batch_host() is None
+    host = props[0]._batch_host()
+    host.stage, host.trim, host.catch_up = Counted(host.stage), Counted(host.trim), Counted(host.catch_up)
+    V, live, batch, last = props[0].vocab_size, [], None, None
+    for op in range(240):
+        r, done = rng.random(), [j for j, pair in enumerate(live) if pair[0].next_position > 72]
+        full = props[0].kv.free_count < 2 and r < 0.5
+        if done or len(live) > 5 and (r < 0.05 or full):   # leave: a finished sequence, or any when the pool is full
+            pair = live.pop(done[0] if done else int(rng.integers(len(live))))
+            for p, st in zip(props, pair):
+                p.free_state(st)
+            batch = last = None
+        elif r < 0.12 or len(live) < 5:   # join: a prompt of random length (the pool may be full)
+            n = 0 if rng.random() < 0.3 else int(rng.integers(1, 24))   # 0: its first row is a propose's
+            toks, hs = rng.integers(0, V, n + 1), hidden(rng, props[0], n)
+            pair = [p.alloc_state() for p in props]
+            if not n or both(props, lambda p, i: p.prefill(pair[i], toks, hs))[0] == "ok":
+                live.append(pair)
+            else:
+                for p, st in zip(props, pair):
+                    p.free_state(st)
+        elif last is not None and rng.random() < 0.6:   # after_verify_batch of the last propose (now and then bad)
+            acc = [int(rng.integers(0, d + 1)) for d in last]
+            if rng.random() < 0.1:
+                acc[int(rng.integers(len(acc)))] = max(last) + 1 if rng.random() < 0.5 else -1
+            both(props, lambda p, i: p.after_verify_batch([pair[i] for pair in batch], acc))
+            last = None
+        elif r < 0.35 and batch is not None:   # the catch-up: one row per sequence at its next position
+            toks, hs = rng.integers(0, V, len(batch)), hidden(rng, props[0], len(batch))
+            starts = None if rng.random() < 0.5 else [pair[0].next_position for pair in batch]
+            bad = rng.random()
+            if bad < 0.05:
+                toks[int(rng.integers(len(batch)))] = -1
+            elif starts is not None and (bad < 0.1 or not props[0].drafter_context and bad < 0.4):
+                starts[int(rng.integers(len(batch)))] += 1   # a hole (a new run without drafter context)
+            both(props, lambda p, i: p.prefill_batch([pair[i] for pair in batch], toks, hs, [1] * len(batch),
+                                                     starts))
+            last = None
+        else:   # propose_batch: the remembered batch again (the compiled path) or a new one
+            if batch is None or rng.random() < 0.25:
+                B = int(rng.integers(5, min(8, len(live)) + 1))
+                batch = [live[j] for j in rng.permutation(len(live))[:B]]
+            B, k = len(batch), int(rng.integers(1, 5))
+            toks, hs = [int(t) for t in rng.integers(0, V, B)], hidden(rng, props[0], B)
+            pos = None if rng.random() < 0.5 else [pair[0].next_position for pair in batch]
+            if pos is not None and not props[0].drafter_context and rng.random() < 0.3:
+                pos[int(rng.integers(B))] += int(rng.integers(1, 4))   # a later position: a new run
+            bad = rng.random()
+            if bad < 0.04:
+                toks[int(rng.integers(B))] = V
+            elif bad < 0.08 and pos is not None:
+                pos[int(rng.integers(B))] += 1   # a hole (allowed without drafter context)
+            stop = float(rng.uniform(-3, 0)) if rng.random() < 0.2 else None
+            dev = stop is None and rng.random() < 0.1
+            got = both(props, lambda p, i: drafts_of(p.propose_batch([pair[i] for pair in batch], toks, hs, pos, k,
+                                                                      min_logprob=stop, device_results=dev)))
+            if got[0] == "ok":
+                last = [k] * B if got[1][1] is None else got[1][1]
+        want = state_of(props[1], [pair[1] for pair in live])
+        assert state_of(props[0], [pair[0] for pair in live]) == want, f"operation {op}"
+    check_pool(props[0], [pair[0] for pair in live])
+    # the compiled path ran, and declined what the NumPy path then refused or handled
+    calls = [(f.done, f.declined) for f in (host.stage, host.trim, host.catch_up)]
+    assert calls[0][0] > 20 and calls[1][0] > 5 and calls[2][0] > 3, calls
+    assert sum(declined for _, declined in calls) > 0, calls
+
+
+def test_host_path_c_without_a_compiler_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(batch_host.shutil, "which", lambda name: None)
+    monkeypatch.setattr(batch_host, "_LIB", {})
+    with pytest.raises(ConfigError, match="needs a C compiler"):
+        load("deepseek_v3", "c")
+    prop = load("deepseek_v3", "auto")   # auto: the NumPy path, which drafts alike
+    assert prop._batch_host() is None
+
+
+def test_host_path_is_checked():
+    with pytest.raises(ConfigError, match="host_path='fortran'"):
+        load("deepseek_v3", "fortran")
