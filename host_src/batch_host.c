@@ -37,8 +37,8 @@ enum { FALL_BACK_INPUT = -1, FALL_BACK_ROOM = -2, FALL_BACK_STATE = -3 };
 static int64_t blocks_for(int64_t rows, int64_t bs) { return (rows + bs - 1) / bs; }
 
 /* propose_batch before its chain: check the B tokens and positions (as propose_batch's array checks do: a
- * negative id or position is a huge uint64), reserve one block for each
- * sequence whose k new rows cross into one, and stage every step's slab (pad rows B..W-1 get pad_slab).
+ * negative id or position is a huge uint64), reserve one block for each sequence whose k new rows cross into
+ * one, and stage step 0's token ids and every step's slab (pad rows B..W-1: id 0 and pad_slab).
  * positions[] is read when `given`, else each sequence's next position is used; positions[] and rows0[] hold
  * what the call uses on return. Returns the blocks handed out (nfree follows), or a negative code. */
 int64_t mtp_batch_stage(BatchPlan *p, int64_t B, int64_t k, int64_t W, int64_t given)
@@ -76,6 +76,9 @@ int64_t mtp_batch_stage(BatchPlan *p, int64_t B, int64_t k, int64_t W, int64_t g
         }
     }
     p->nfree -= grow;
+    int32_t *ids = (int32_t *)p->stage;   /* step 0's token ids, pad rows 0 */
+    for (int64_t s = 0; s < W; s++)
+        ids[s] = s < B ? (int32_t)p->tokens[s] : 0;
     uint8_t *slabs = p->stage + p->meta_off;
     for (int64_t s = 0; s < B; s++) {
         const int32_t *table = p->tables + p->idx[s] * p->width;

@@ -146,3 +146,30 @@ def test_host_path_c_without_a_compiler_is_a_config_error(monkeypatch):
 def test_host_path_is_checked():
     with pytest.raises(ConfigError, match="host_path='fortran'"):
         load("deepseek_v3", "fortran")
+
+
+def test_pad_rows_stage_alike(rng):
+    """A graph's bucket runs W > B rows (CUDA only): the compiled staging of the pad rows (id 0, the pad slab) and
+    of the B sequences equals the NumPy path's, checked here by staging one call both ways at every width."""
+    from types import SimpleNamespace
+
+    from batch_util import prefill_alike
+    from mtp_cupy.speculative.batch_inputs import check_sequences, mirror_rows
+    props = (load("deepseek_v3", "c"), load("deepseek_v3", "numpy"))
+    for B, W in ((5, 8), (6, 8), (8, 8)):
+        states = prefill_alike(rng, props, [int(n) for n in rng.integers(1, 40, B)])
+        k = int(rng.integers(1, 5))
+        toks = rng.integers(0, props[0].vocab_size, B).astype(np.int64)
+        c, n = props
+        c._wait_stage()
+        rows0, poss = c._batch_host().stage(mirror_rows(states[0]), toks, None, k, W)
+        t, p, idx, cols = check_sequences(n, states[1], toks, None, k)
+        n._memo.keep(states[1], idx, n.kv)
+        want_rows0 = n._reserve_rows(states[1], k, idx, cols)
+        n._stage_inputs(t, SimpleNamespace(host=None), W, 0)
+        n._stage_slabs(states[1], want_rows0, p, k, W, idx, cols)
+        assert rows0.tolist() == want_rows0.tolist() and poss.tolist() == p.tolist()
+        assert c._stage.tobytes() == n._stage.tobytes(), (B, W, k)
+        for p_, sts in zip(props, states):
+            for st in sts:
+                p_.free_state(st)

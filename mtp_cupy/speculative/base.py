@@ -383,7 +383,7 @@ class MtpProposerBase(Prefill):
                     # is captured), so the hidden is copied there (device to device when it is on the device)
                     in_place = hid.ptr is not None and not graphed
                     h_elems = math.prod(hid.row_shape)
-                    self._stage_inputs(toks, hid, W, h_elems)
+                    self._stage_inputs(None if host is not None else toks, hid, W, h_elems)
                     if hid.host is None and not in_place:
                         stage_hidden(gpu, hid, self.bufs.hidden_in)
                     hidden0 = hid.ptr if in_place else self.bufs.hidden_in
@@ -556,18 +556,19 @@ class MtpProposerBase(Prefill):
                                   2 * (self.max_batch - B) * h_elems, self.stream)
             self._pad_zeroed = True
 
-    def _stage_inputs(self, toks: list[int], hid, W: int, h_elems: int) -> None:
-        """The call's token ids (pad rows: 0) into the pinned stage and, for a host hidden, its bf16 rows into
-        the pinned inbox, both of which `_chain` copies from. Hidden rows past len(toks) keep what an earlier
+    def _stage_inputs(self, toks: list[int] | None, hid, W: int, h_elems: int) -> None:
+        """The call's token ids (pad rows: 0; None: staged already, by the compiled bookkeeping) into the pinned
+        stage and, for a host hidden, its bf16 rows into the pinned inbox, both of which `_chain` copies from. Hidden rows past len(toks) keep what an earlier
         call left there: finite (checked), never read back. The previous chain must have read both first (a
         wait for it only)."""
         self._wait_stage()
         if self._inbox is None:
             self._inbox = self.gpu.alloc_pinned(2 * self.max_batch * self._hmax)
             self._inbox[:] = 0
-        ids = self._staging()[:4 * self.max_batch].view(np.int32)
-        ids[:len(toks)] = toks
-        ids[len(toks):W] = 0
+        if toks is not None:
+            ids = self._staging()[:4 * self.max_batch].view(np.int32)
+            ids[:len(toks)] = toks
+            ids[len(toks):W] = 0
         if hid.host is not None:
             src = np.ascontiguousarray(hid.host).reshape(-1).view(np.uint8)
             self._inbox[:src.size] = src
