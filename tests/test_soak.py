@@ -40,7 +40,9 @@ class Soak:
         path = family(fam).write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"soak_{fam}_"), seed=1, **SMALL[fam])
         self.p = mtp_cupy.load_proposer(path, gpu=mtp_cupy.device("ref"), max_seq_len=SEQ, max_batch=BATCH,
                                         max_drafts=K, max_sequences=5,     # 20 blocks for up to 10 sequences
-                                        drafter_context=not holes)
+                                        drafter_context=not holes,
+                                        # the wide calls' bookkeeping compiled or in NumPy (test_batch_host: alike)
+                                        host_path=("auto", "numpy")[int(rng.integers(2))])
         self.holes = holes
         self.rng, self.live, self.keys, self.digest = rng, [], {}, {}
         self.wide = self.runs = 0   # batches on the array path; checks of a state holding several runs
@@ -166,7 +168,7 @@ def soak(rng, ops: int) -> None:
     for s in runs:
         for st in s.live:
             s.p.free_state(st)
-        what = (s.p.family, s.holes, s.counts)
+        what = (s.p.family, s.holes, s.p.options.host_path, s.counts)
         assert s.p.kv.free_count == s.p.pool_blocks, what
         assert s.counts["propose"] > ops // 80 and s.counts["capacity"] > 0 and s.wide > 0, what
         assert not s.holes or s.runs > 0, what
