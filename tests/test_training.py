@@ -1,9 +1,10 @@
 """The training export (mtp_cupy/training) writes what the proposer reads: for every family, a model trained a
 few steps on the CPU is exported, the proposer loads it (NumPy device) and its chained drafts' logits equal the
 torch head's own chained rows (training/common.py `MtpHeadMixin.chain`, the rows a chained propose computes)
-at every depth, with the weights rounded to the BF16 the export stores. A key mapped wrongly, a swapped
-projection or a carried hidden taken from the wrong place fails here; the trained embedded models' acceptance
-is tests/test_embedded.py."""
+at every depth, with the weights rounded to the BF16 the export stores. Where a depth's expert choice is a near
+tie (router_margin), the drafter's BF16 may route the other way: that depth and the later ones are printed,
+not held to the tolerance. A key mapped wrongly, a swapped projection or a carried hidden taken from the wrong
+place fails here; the trained embedded models' acceptance is tests/test_embedded.py."""
 import numpy as np
 import pytest
 
@@ -14,6 +15,31 @@ import mtp_cupy  # noqa: E402
 from mtp_cupy.training import FAMILIES, family_module  # noqa: E402
 from mtp_cupy.training.common import batches, corpus, hidden_hook, losses  # noqa: E402
 from helpers import rel_err  # noqa: E402
+
+
+TIE = 1e-2   # a router margin (in logits) below this is a near tie: the drafter's BF16 logits (~5e-3 off) may cross it
+
+
+def router_margin(gate, out, row: int, scoring: str | None) -> float:
+    """How far, in router logits, the router's choice for `row` is from changing: its weakest chosen expert's
+    selection score less the strongest unchosen one's below it (scores: the logits under the family's scoring
+    function, plus the correction bias where there is one; an expert that group routing masked off is not a
+    candidate), over the scoring function's slope there."""
+    logits, _, chosen = out
+    x = logits[row].double()
+    fn = {"sigmoid": torch.sigmoid, "sqrtsoftplus": lambda v: torch.nn.functional.softplus(v).sqrt()}.get(
+        scoring, lambda v: v)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    score = fn(x) + (0 if bias is None else bias.double())
+    picked = torch.zeros_like(score, dtype=torch.bool)
+    picked[chosen[row]] = True
+    weakest = int(torch.where(picked, score, torch.inf).argmin())
+    below = score[~picked & (score <= score[weakest])]
+    if not below.numel():
+        return float("inf")
+    h = 1e-4
+    slope = float(fn(x[weakest] + h) - fn(x[weakest] - h)) / (2 * h)
+    return float(score[weakest] - below.max()) / slope
 
 
 def spread(module, g) -> None:
@@ -58,6 +84,10 @@ def test_export_is_what_the_proposer_computes(fam, tmp_path, rng):
     # in three at random weights); tests/test_glm_mtp.py decides those ties against its reference
     L, k = int(rng.integers(12, 30) if fam == "glm5" else rng.integers(66, 90)), 3
     prompt = rng.integers(0, 256, L).tolist()
+    scoring = getattr(target.config, "scoring_func", None) or \
+        ("sigmoid" if hasattr(head.layer.mlp.gate, "e_score_correction_bias") else None)   # None: softmax (monotone)
+    routed = []   # each chained block's router outputs (logits [rows, E], weights, chosen experts [rows, top_k])
+    watch = head.layer.mlp.gate.register_forward_hook(lambda m, i, o: routed.append(o))
     with torch.no_grad():
         lg = target(input_ids=torch.tensor([prompt])).logits[0]
         H = box["h"]
@@ -68,9 +98,14 @@ def test_export_is_what_the_proposer_computes(fam, tmp_path, rng):
         drafter.prefill(st, ids[:L], H[0, :L - 1].numpy())
         res = drafter.propose(st, ids[L], H[0, L - 1].numpy(), L - 1, k, return_logits=True)
         full = torch.tensor([ids + res.tokens[:k - 1]])
+        routed.clear()
         want = [m[0, L - 1].numpy() for m in head.chain(target, full, H[:, :L], k)]
+    watch.remove()
+    tie = None   # the first depth whose expert choice is a near tie (the drafter's BF16 may pick the other side)
     for d in range(k):
         err = rel_err(res.logits[d], want[d])
-        print(f"{fam} depth {d}: rel err {err:.2e}")
-        assert err < 2e-2, f"{fam} depth {d}: rel err {err:.3g}"
+        margin = router_margin(head.layer.mlp.gate, routed[d], d * L + L - 1, scoring)
+        tie = d if tie is None and margin < TIE else tie
+        print(f"{fam} depth {d}: rel err {err:.2e}, router margin {margin:.2e}")
+        assert tie is not None or err < 2e-2, f"{fam} depth {d}: rel err {err:.3g}"
     assert not np.isnan(res.logits).any()
