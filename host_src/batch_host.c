@@ -98,11 +98,12 @@ int64_t mtp_batch_stage(BatchPlan *p, int64_t B, int64_t k, int64_t W, int64_t g
     return grow;
 }
 
-/* prefill_batch's catch-up: one row per sequence, tokens[s] at positions[s] when `given`, else at its next
- * position (the rows after_verify_batch dropped, from the target). Checks as prefill_batch does, one block more
- * for a sequence whose row starts one, the rows' slots, positions and ids into the prefill stage (ids[0] is never
- * read) and every row count one up. rows0[] holds the counts before. Returns how many sequences start a new run
- * of positions (their batch indices in listed[]), or a negative code. */
+/* prefill_batch's catch-up: one row per sequence (counts[s], the call's row counts, must all be 1), tokens[s] at
+ * positions[s] when `given`, else at its next position (the rows after_verify_batch dropped, from the target).
+ * Checks as prefill_batch does, one block more for a sequence whose row starts one, the rows' slots, positions
+ * and ids into the prefill stage (ids[0] is never read) and every row count one up. rows0[] holds the counts
+ * before. Returns how many sequences start a new run of positions (their batch indices in listed[]), or a
+ * negative code. */
 int64_t mtp_batch_catch_up(BatchPlan *p, int64_t B, int64_t given)
 {
     const int64_t bs = p->block_size;
@@ -113,7 +114,7 @@ int64_t mtp_batch_catch_up(BatchPlan *p, int64_t B, int64_t given)
         const int64_t *c = p->cols + p->idx[s] * p->ncols;
         const int64_t r0 = c[p->c_rows], nxt = c[p->c_off] + r0;
         const int64_t pos = given ? p->positions[s] : nxt;
-        if ((uint64_t)p->tokens[s] >= (uint64_t)p->vocab || pos + 1 > p->max_seq_len)
+        if (p->counts[s] != 1 || (uint64_t)p->tokens[s] >= (uint64_t)p->vocab || pos + 1 > p->max_seq_len)
             return FALL_BACK_INPUT;
         if (p->drafter_context ? pos != nxt : pos < nxt)
             return FALL_BACK_INPUT;

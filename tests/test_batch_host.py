@@ -102,8 +102,10 @@ def test_compiled_bookkeeping_equals_numpy(fam, kw, rng):
                 toks[int(rng.integers(len(batch)))] = -1
             elif starts is not None and (bad < 0.1 or not props[0].drafter_context and bad < 0.4):
                 starts[int(rng.integers(len(batch)))] += 1   # a hole (a new run without drafter context)
-            both(props, lambda p, i: p.prefill_batch([pair[i] for pair in batch], toks, hs, [1] * len(batch),
-                                                     starts))
+            rows = [1] * len(batch)
+            if rng.random() < 0.1:   # as many rows, not one each: the NumPy path's case
+                rows[0], rows[-1] = 2, 0
+            both(props, lambda p, i: p.prefill_batch([pair[i] for pair in batch], toks, hs, rows, starts))
             last = None
         else:   # propose_batch: the remembered batch again (the compiled path) or a new one
             if batch is None or rng.random() < 0.25:

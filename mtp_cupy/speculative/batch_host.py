@@ -163,11 +163,13 @@ class BatchHost:
         B = len(idx)
         return self.rows0[:B], self.positions[:B]
 
-    def catch_up(self, idx: np.ndarray, toks: np.ndarray, positions):
+    def catch_up(self, idx: np.ndarray, toks: np.ndarray, positions, rows: np.ndarray):
         """prefill_batch's one row per sequence at mirror rows `idx` (int64 tokens [B]; positions [B] or None: the
-        next ones): checked, blocks reserved, staged into the prefill stage, row counts one up. Returns (batch
-        indices that start a new run, rows0, positions) as int64 views the next call reuses, or None (nothing
-        changed: the NumPy path decides)."""
+        next ones; `rows`, the call's row counts, must all be one): checked, blocks reserved, staged into the
+        prefill stage, row counts one up. Returns (batch indices that start a new run, rows0, positions) as int64
+        views the next call reuses, or None (nothing changed: the NumPy path decides)."""
+        if len(idx) <= len(self.counts):
+            self.counts[:len(idx)] = rows
         n = self._run(self._catch_up_fn, idx, toks, positions)
         if n < 0:
             return None

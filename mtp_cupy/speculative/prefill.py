@@ -107,16 +107,15 @@ class Prefill:
             n = host_ints(num_rows, gpu, "num_rows", self.stream, as_array=True)
             if len(n) != B:
                 raise InputError(f"{B} states but {len(n)} row counts")
+            toks = host_ints(tokens, gpu, "tokens", self.stream, as_array=True)
+            # a remembered batch with a token each: the catch-up, compiled (it checks that every count is one)
+            if known and len(toks) == B and self._catch_up(states, idx, toks, n, hiddens, start_positions):
+                return B
             if np.count_nonzero(n < 0):
                 raise InputError(f"sequence {int(np.argmax(n < 0))}: num_rows {int(n[n < 0][0])} is negative")
             N = int(n.sum())
-            toks = host_ints(tokens, gpu, "tokens", self.stream, as_array=True)
             if len(toks) != N:
                 raise InputError(f"{N} rows but {len(toks)} tokens (one per row: the token after its position)")
-            if known and N == B and not np.count_nonzero(n != 1):   # a catch-up of a remembered batch
-                done = self._catch_up(states, idx, toks, hiddens, start_positions)
-                if done is not None:
-                    return N
             _check_ids(toks, self.vocab_size, "tokens")
             c = kv._cols.take(idx, axis=0)
             nxt = c[:, OFF] + c[:, ROWS]
@@ -164,21 +163,22 @@ class Prefill:
                     states[s]._extend(int(rows0[s]), int(starts[s]))
         return N
 
-    def _catch_up(self, states, idx, toks, hiddens, start_positions):
-        """prefill_batch of one row per sequence through the compiled bookkeeping (batch_host.py); None when there
-        is none or it declined (nothing changed: the NumPy path then names the problem or takes the case)."""
+    def _catch_up(self, states, idx, toks, n, hiddens, start_positions) -> bool:
+        """prefill_batch of one row per sequence (row counts `n`, all ones) through the compiled bookkeeping
+        (batch_host.py): True when done; False when there is none or it declined (nothing changed: the NumPy
+        path then names the problem or takes the case)."""
         host = self._batch_host()
         if host is None:
-            return None
+            return False
         starts = None if start_positions is None else \
             host_ints(start_positions, self.gpu, "start_positions", self.stream, as_array=True)
         if starts is not None and len(starts) != len(states):
-            return None
+            return False
         h, keep = self._prefill_hiddens(hiddens, len(states))
         self._wait_prefill_stage()
-        done = host.catch_up(idx, toks, starts)
+        done = host.catch_up(idx, toks, starts, n)
         if done is None:
-            return None
+            return False
         new_run, rows0, starts = done
         try:
             self._send_prefill(h, 0, len(states))
@@ -189,7 +189,7 @@ class Prefill:
         del keep
         for s in new_run.tolist():
             states[s]._extend(int(rows0[s]), int(starts[s]))
-        return len(states)
+        return True
 
     def _write_chunks(self, ids: np.ndarray, h, pos: np.ndarray, slots: np.ndarray, n: int) -> None:
         """n rows at the u32 positions / i64 cache slots given, row j pairing embed(ids[j + 1]) with hidden row j
