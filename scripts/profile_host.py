@@ -142,7 +142,7 @@ def main() -> int:
     ap.add_argument("--hidden-on", choices=("host", "device"), default="host", help="where each call's hiddens "
                     "live: host (NumPy, checked and copied every call) or device (a device pointer read in place)")
     ap.add_argument("--host-path", choices=("auto", "c", "numpy"), default="auto", help="the proposer option: the "
-                    "wide batch calls' bookkeeping compiled (c) or in NumPy")
+                    "calls' bookkeeping compiled (c) or in NumPy")
     ap.add_argument("--no-profile", action="store_true", help="phases only, no cProfile listing")
     ap.add_argument("--catch-up", action="store_true", help="time a serving step instead: after_verify_batch, the "
                     "dropped row caught up by prefill_batch, propose_batch one position on (--batch > 1)")

@@ -1,10 +1,10 @@
-"""The wide batch calls' compiled bookkeeping (host_src/batch_host.c through speculative/batch_host.py) against
-its twin, the NumPy array path: two proposers of one checkpoint, host_path "c" and "numpy", take the same random
-serving traffic in lockstep (joins, leaves, prefills, the catch-up and propose_batch with and without positions,
-confidence stops, device results, ragged after_verify_batch, bad ids, holes, bad counts, a pool that runs full),
-and after every operation hold the same drafts and errors, and the same state byte for byte: the cache mirror's
-counters and tables, the free-block stack, the used flags, the drafts and both pinned stages the device copies
-from."""
+"""The batch calls' compiled bookkeeping (host_src/batch_host.c through speculative/batch_host.py) against its
+twin, the NumPy path: two proposers of one checkpoint, host_path "c" and "numpy", take the same random serving
+traffic in lockstep (joins, leaves, prefills, the catch-up, propose_batch and propose with and without
+positions, confidence stops, device results, ragged after_verify_batch, bad ids, holes, bad counts, a pool that
+runs full), and after every operation hold the same drafts and errors, and the same state byte for byte: the
+cache mirror's counters and tables, the free-block stack, the used flags, the drafts and both pinned stages the
+device copies from."""
 import numpy as np
 import pytest
 
@@ -106,6 +106,15 @@ def test_compiled_bookkeeping_equals_numpy(fam, kw, rng):
             if rng.random() < 0.1:   # as many rows, not one each: the NumPy path's case
                 rows[0], rows[-1] = 2, 0
             both(props, lambda p, i: p.prefill_batch([pair[i] for pair in batch], toks, hs, rows, starts))
+            last = None
+        elif rng.random() < 0.15:   # propose for one sequence (the compiled path at B = 1), then its verify
+            pair, k = live[int(rng.integers(len(live)))], int(rng.integers(1, 5))
+            tok, h = int(rng.integers(0, V + 1 if rng.random() < 0.05 else V)), hidden(rng, props[0])
+            pos = None if rng.random() < 0.5 else pair[0].next_position + int(rng.random() < 0.1)
+            got = both(props, lambda p, i: p.propose(pair[i], tok, h, pos, k).tokens)
+            if got[0] == "ok":
+                a = int(rng.integers(0, len(got[1]) + 1))
+                both(props, lambda p, i: p.after_verify(pair[i], a))
             last = None
         else:   # propose_batch: the remembered batch again (the compiled path) or a new one
             if batch is None or rng.random() < 0.25:

@@ -41,7 +41,7 @@ class Soak:
         self.p = mtp_cupy.load_proposer(path, gpu=mtp_cupy.device("ref"), max_seq_len=SEQ, max_batch=BATCH,
                                         max_drafts=K, max_sequences=5,     # 20 blocks for up to 10 sequences
                                         drafter_context=not holes,
-                                        # the wide calls' bookkeeping compiled or in NumPy (test_batch_host: alike)
+                                        # the bookkeeping compiled or in NumPy (test_batch_host: alike)
                                         host_path=("auto", "numpy")[int(rng.integers(2))])
         self.holes = holes
         self.rng, self.live, self.keys, self.digest = rng, [], {}, {}

@@ -163,8 +163,9 @@ class MtpProposerBase(Prefill):
         self._blocks_of = (np.arange(self.max_seq_len + 1, dtype=np.int64) + kv.block_size - 1) // kv.block_size
         self._zeros = np.zeros(self.max_batch, np.int64)
         self._drafts = np.zeros((0, self.max_drafts), np.int32)   # the last drafts of mirror row r (ProposerState)
-        # the wide batch calls' bookkeeping compiled (batch_host.py), or None: their NumPy array passes
+        # the propose / batch calls' bookkeeping compiled (batch_host.py), or None: NumPy's
         self._host_lib, self._host = host_library(o.host_path), None
+        self._one_row = np.zeros(1, np.intp)   # propose's state's mirror row (the compiled path's idx)
         log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
                  self.sequences_that_fit(), self.max_seq_len)
 
@@ -351,7 +352,12 @@ class MtpProposerBase(Prefill):
                 raise InputError("min_logprob stops on log-probs read on the host; it cannot be combined with "
                                  "device_results")
             B = len(states)
-            # a remembered wide batch (its states checked) with inputs of its length: the compiled bookkeeping
+            if single and self._host_lib is not None and isinstance(states[0], ProposerState) \
+                    and not states[0].released:
+                idx = self._one_row   # propose's one live state: its mirror row, for the compiled bookkeeping
+                idx[0] = states[0].blocks.row
+            # a remembered wide batch (its states checked), or propose's state, with inputs of its length: the
+            # compiled bookkeeping
             host = self._batch_host() if idx is not None and len(toks) == B and (poss is None or len(poss) == B) \
                 and 1 <= k <= self.max_drafts else None
             if host is None:
@@ -369,8 +375,8 @@ class MtpProposerBase(Prefill):
                 self._wait_stage()
                 staged = host.stage(idx, toks, poss, k, W)
                 if staged is None:   # nothing changed: the NumPy path names the problem or takes the rare case
-                    host = None
-                    toks, poss, idx, cols = check_sequences(self, states, toks, poss, k, idx)
+                    host = None   # (propose's state takes the per-sequence path: its row is not the memo's)
+                    toks, poss, idx, cols = check_sequences(self, states, toks, poss, k, None if single else idx)
                 else:
                     rows0, poss = staged
             if host is None:
@@ -580,8 +586,8 @@ class MtpProposerBase(Prefill):
             self._stage_done = None
 
     def _batch_host(self) -> BatchHost | None:
-        """The compiled bookkeeping of the wide batch calls (made on first use), or None (host_path numpy, or no C
-        compiler)."""
+        """The compiled bookkeeping of propose and the batch calls (made on first use), or None (host_path numpy,
+        or no C compiler)."""
         if self._host is None and self._host_lib is not None:
             self._host = BatchHost(self._host_lib, self)
         return self._host

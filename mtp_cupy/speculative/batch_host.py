@@ -1,13 +1,15 @@
-"""The wide batch calls' host bookkeeping compiled: host_src/batch_host.c, built once per machine with the system C
-compiler (under ~/.cache/mtp_cupy/host) and called through ctypes.
+"""propose's and the batch calls' host bookkeeping compiled: host_src/batch_host.c, built once per machine with
+the system C compiler (under ~/.cache/mtp_cupy/host) and called through ctypes.
 
 A propose_batch / after_verify_batch of a remembered batch (speculative.batch_inputs.BatchMemo: its states
 checked live and distinct) spends most of its host time in NumPy's per-call cost, a microsecond or so for each of
 some forty array passes over B entries. The C functions do the same passes in one call each: the token and
-position checks, the KV-block reservation, every step's slab staged, and the counters updated. They change
-nothing and return a negative code when an input is bad or a case is rare (a table to widen, a full pool); the
-proposer then runs its NumPy path, which names the problem or handles the case. That NumPy path is the twin the
-tests hold the C path to: the same cache mirror, pool, drafts and staged bytes after every call.
+position checks, the KV-block reservation, step 0's ids and every step's slab staged, the counters updated; and
+the catch-up's rows (prefill_batch of one row per sequence). `propose` (B = 1) takes the same staging and
+counter calls. They change nothing and return a negative code when an input is bad or a case is rare (a table to
+widen, a full pool); the proposer then runs its NumPy path, which names the problem or handles the case. That
+NumPy path is the twin the tests hold the C path to: the same cache mirror, pool, drafts and staged bytes after
+every call.
 
 The option `host_path` ("auto", "c", "numpy") picks it; auto uses C when a compiler builds it."""
 from __future__ import annotations

@@ -36,7 +36,7 @@ class ProposerOptions:
                             "then captured on a private stream and replayed on this one")
     check_device_finite: bool = opt(False, "check CUDA-tensor hiddens for NaN/inf too (one reduction and a wait on "
                                            "the proposer's stream per call); host inputs are always checked")
-    host_path: str = opt("auto", "where a wide batch call's bookkeeping runs (checks, KV blocks, slab staging, "
+    host_path: str = opt("auto", "where propose's and the batch calls' bookkeeping runs (checks, KV blocks, slabs, "
                                  "counters): 'c', host_src/batch_host.c built once with the system C compiler; "
                                  "'numpy', array passes; 'auto', c when a compiler builds it")
 
