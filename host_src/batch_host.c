@@ -1,6 +1,7 @@
-/* The host bookkeeping of a wide propose_batch / after_verify_batch, compiled: the checks, the KV-block
- * reservation, the per-step slab staging and the counter updates that speculative/base.py otherwise runs as
- * NumPy array passes (its twin: the same state, byte for byte, after every call; tests/test_batch_host.py).
+/* The host bookkeeping of propose / propose_batch, after_verify_batch and prefill_batch's catch-up, compiled: the
+ * checks, the KV-block reservation, the per-step slab staging and the counter updates that speculative/base.py
+ * and prefill.py otherwise run in NumPy (their twin: the same state, byte for byte, after every call;
+ * tests/test_batch_host.py).
  *
  * Everything lives in arrays Python owns (speculative/batch_host.py points a BatchPlan at them): the KV cache's
  * mirror (int64 counters cols[row][ncols], int32 block tables tables[row][width]), its free-block stack and

@@ -564,9 +564,9 @@ class MtpProposerBase(Prefill):
 
     def _stage_inputs(self, toks: list[int] | None, hid, W: int, h_elems: int) -> None:
         """The call's token ids (pad rows: 0; None: staged already, by the compiled bookkeeping) into the pinned
-        stage and, for a host hidden, its bf16 rows into the pinned inbox, both of which `_chain` copies from. Hidden rows past len(toks) keep what an earlier
-        call left there: finite (checked), never read back. The previous chain must have read both first (a
-        wait for it only)."""
+        stage and, for a host hidden, its bf16 rows into the pinned inbox, both of which `_chain` copies from.
+        Hidden rows past the batch keep what an earlier call left there: finite (checked), never read back. The
+        previous chain must have read both first (a wait for it only)."""
         self._wait_stage()
         if self._inbox is None:
             self._inbox = self.gpu.alloc_pinned(2 * self.max_batch * self._hmax)

@@ -33,7 +33,6 @@ from .proposer import DRAFTED, LAST, OFF, RUN0
 log = logging.getLogger("mtp_cupy")
 SOURCE = Path(__file__).resolve().parents[2] / "host_src" / "batch_host.c"
 CFLAGS = ("-O2", "-std=c11", "-shared", "-fPIC")
-HOST_PATHS = ("auto", "c", "numpy")
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 

@@ -195,7 +195,7 @@ class Prefill:
         """n rows at the u32 positions / i64 cache slots given, row j pairing embed(ids[j + 1]) with hidden row j
         (`h`: host bf16 rows, or a device pointer to them), in passes of max_prefill_rows rows. A pass's ids,
         positions and slots go in with one copy from pinned staging (a host hidden with one more)."""
-        stage, st_slots, st_pos, st_ids = self._prefill_staging()
+        _, st_slots, st_pos, st_ids = self._prefill_staging()
         for c0 in range(0, n, self.max_prefill_rows):
             c = min(self.max_prefill_rows, n - c0)
             self._wait_prefill_stage()
