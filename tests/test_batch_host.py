@@ -184,3 +184,25 @@ def test_pad_rows_stage_alike(rng):
         for p_, sts in zip(props, states):
             for st in sts:
                 p_.free_state(st)
+
+
+def test_a_widened_mirror_is_followed(rng):
+    """Past 16 blocks a table outgrows the mirror's width: the compiled call declines, the NumPy path widens the
+    mirror (a new array), and the next compiled call works on the new one."""
+    from batch_util import prefill_alike
+    props = [mtp_cupy.load_proposer(ckpt("deepseek_v3"), gpu=mtp_cupy.device("ref"), max_seq_len=320, max_batch=8,
+                                    max_drafts=4, host_path=hp) for hp in ("c", "numpy")]
+    B, V = 5, props[0].vocab_size
+    states = prefill_alike(rng, props, [int(n) for n in rng.integers(240, 250, B)])
+    host = props[0]._batch_host()
+    host.stage = Counted(host.stage)
+    width = props[0].kv._tables.shape[1]
+    for _ in range(8):
+        toks, hs = [int(t) for t in rng.integers(0, V, B)], hidden(rng, props[0], B)
+        got = [p.propose_batch(sts, toks, hs, None, 4).tokens.tolist() for p, sts in zip(props, states)]
+        assert got[0] == got[1]
+        for p, sts in zip(props, states):
+            p.after_verify_batch(sts, [4] * B)
+        assert state_of(props[0], states[0]) == state_of(props[1], states[1])
+    assert props[0].kv._tables.shape[1] > width   # widened, and the compiled path went on after it
+    assert host.stage.declined >= 1 and host.stage.done >= 5, (host.stage.done, host.stage.declined)
