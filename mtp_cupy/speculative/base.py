@@ -471,10 +471,11 @@ class MtpProposerBase(Prefill):
                 done = np.where(low.any(axis=0), low.argmax(axis=0) + 1, k).astype(np.int64)
         kept = k if done is None else done
         dev = "device_ids" in out   # nothing read back: the drafts live on the device (no grammar warnings)
-        toks = None if dev else out["ids"].T.copy()   # int32 [B, k]
+        toks = None if dev or host is not None else out["ids"].T.copy()   # int32 [B, k]
         drafts = self._drafts_rows()
         if host is not None:
-            for s in host.finish(B, k, done, toks).tolist():
+            new_run, toks = host.finish(B, k, done, None if dev else out["ids"])
+            for s in new_run.tolist():
                 states[s]._extend(int(rows0[s]), int(positions[s]))
         elif idx is not None:
             if self.drafter_context:   # checked: every position is its sequence's next one, so only a first row

@@ -131,6 +131,8 @@ class BatchHost:
         self._at = ctypes.addressof(p)
         self.bufs = np.zeros((5, prop.max_batch), np.int64)
         self.tokens, self.positions, self.rows0, self.counts, self.listed = self.bufs
+        self._toks = np.zeros(prop.max_batch * prop.max_drafts, np.int32)   # finish's drafts, [B, k] views
+        self._toks_at, self._toks_views = _addr(self._toks), {}
         for name, a in zip(("tokens", "positions", "rows0", "counts", "listed"), self.bufs):
             setattr(p, name, _addr(a))
         p.stack, p.used, p.pad_slab = _addr(kv._stack), _addr(kv._used_np), _addr(prop._pad_slab)
@@ -141,19 +143,20 @@ class BatchHost:
         p.meta_off, p.stride, p.table_off = prop._meta_off, prop.meta_stride, TABLE_OFFSET
         p.pre_rows = prop.max_prefill_rows
         self._prop, self._kv = prop, kv
-        self._aimed = (None,) * 6
+        self._aimed = (None,) * 3
 
     def _aim(self, idx: np.ndarray) -> None:
-        """Point the plan at the cache mirror, drafts, stages and `idx` when any is a new object (one identity test
-        each, the common case)."""
-        prop, kv, a = self._prop, self._kv, self._aimed
-        drafts, stage, pre = prop._drafts_rows(), prop._staging(), prop._prefill_staging()[0]
-        if kv._cols is a[0] and kv._tables is a[1] and idx is a[2] and drafts is a[3] and stage is a[4] and pre is a[5]:
-            return
-        p, now = self.plan, (kv._cols, kv._tables, idx, drafts, stage, pre)
+        """Point the plan at the cache mirror, drafts, stages and `idx` when the mirror or `idx` is a new object (one
+        identity test each, the common case)."""
+        kv, a = self._kv, self._aimed
+        if kv._cols is a[0] and kv._tables is a[1] and idx is a[2]:
+            return   # (the drafts grow only with the mirror's rows, a new `_cols`; the stages are made once)
+        prop = self._prop
+        p, now = self.plan, (kv._cols, kv._tables, idx, prop._drafts_rows(), prop._staging(),
+                             prop._prefill_staging()[0])
         p.cols, p.tables, p.idx, p.drafts, p.stage, p.pre_stage = map(_addr, now)
         p.ncols, p.width = kv._cols.shape[1], kv._tables.shape[1]
-        self._aimed = now
+        self._aimed = now[:3]
 
     def stage(self, idx: np.ndarray, toks: np.ndarray, positions, k: int, W: int):
         """propose_batch's checks, block reservation and slab staging for the B sequences at mirror rows `idx`
@@ -194,13 +197,20 @@ class BatchHost:
             kv._nfree = p.nfree
         return n
 
-    def finish(self, B: int, k: int, kept, toks) -> np.ndarray:
-        """The counters and drafts after the chain (`kept`: int [B] drafts kept, or None: all k; `toks`: int32
-        [B, k] C-contiguous, or None for device results). Returns the batch indices that start a new run."""
+    def finish(self, B: int, k: int, kept, ids):
+        """The counters and drafts after the chain (`kept`: int [B] drafts kept, or None: all k; `ids`: the drafts
+        int32 [k, B], None for device results). Returns (the batch indices that start a new run, the drafts as a
+        new int32 [B, k] array or None)."""
         if kept is not None:
             self.counts[:B] = kept
-        n = self._finish_fn(self._at, B, k, kept is None, None if toks is None else _addr(toks))
-        return self.listed[:n]
+        toks = None
+        if ids is not None:   # through a buffer the plan knows (no pointer read per call)
+            toks = self._toks_views.get((B, k))
+            if toks is None:
+                toks = self._toks_views[B, k] = self._toks[:B * k].reshape(B, k)
+            np.copyto(toks, ids.T)
+        n = self._finish_fn(self._at, B, k, kept is None, None if ids is None else self._toks_at)
+        return self.listed[:n], None if toks is None else toks.copy()
 
     def trim(self, idx: np.ndarray, accepted: np.ndarray):
         """after_verify_batch for the sequences at `idx`. Returns (batch indices whose last run went, every row
