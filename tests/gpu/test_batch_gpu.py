@@ -128,3 +128,32 @@ def test_cuda_prefill_batch_equals_prefill(fam, rng):
         for s, st in enumerate(sb):
             b.prefill(st, [0, int(rt[s])], rh[s:s + 1], start_position=gap[s])
         pos, nxt = [g + 1 for g in gap], [int(t) for t in rt]
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_cuda_compiled_bookkeeping_equals_numpy(fam, rng):
+    """The compiled bookkeeping (host_path c: checks, blocks, slabs, pad rows, counters, the catch-up's rows) on
+    CUDA with graphs, B = 5 in a bucket of 8 (three pad rows): a serving loop of propose_batch, ragged
+    after_verify_batch and the catch-up drafts and writes what the NumPy path does, bit for bit, and leaves the
+    same mirror and pool (tests/test_batch_host.py holds the two alike on the NumPy device)."""
+    gpu = mtp_cupy.device("cuda")
+    c, n = load(fam, gpu, host_path="c"), load(fam, gpu, host_path="numpy")
+    assert c._batch_host() is not None and c.cuda_graphs
+    B = 5
+    sc, sn = prefill_alike(rng, (c, n), [int(x) for x in rng.integers(2, 40, B)])
+    nxt = [int(t) for t in rng.integers(0, c.vocab_size, B)]
+    for _ in range(5):   # eager, capture, replays
+        h = hidden(rng, c, B)
+        rc, rn = c.propose_batch(sc, nxt, h, None, 3), n.propose_batch(sn, nxt, h, None, 3)
+        assert np.array_equal(rc.tokens, rn.tokens)
+        acc = [int(x) for x in rng.integers(0, 4, B)]
+        c.after_verify_batch(sc, acc)
+        n.after_verify_batch(sn, acc)
+        rt, rh = rng.integers(0, c.vocab_size, B), hidden(rng, c, B)
+        c.prefill_batch(sc, rt, rh, [1] * B)
+        n.prefill_batch(sn, rt, rh, [1] * B)
+        nxt = [int(t) for t in rt]
+        for x, y in zip(sc, sn):
+            assert x.keys == y.keys and rows_digest(c, x) == rows_digest(n, y)
+        assert np.array_equal(c.kv._cols, n.kv._cols) and np.array_equal(c.kv._tables, n.kv._tables)
+    assert c._graphs, "no chain was captured"
