@@ -166,8 +166,9 @@ class MtpProposerBase(Prefill):
         # the propose / batch calls' bookkeeping compiled (batch_host.py), or None: NumPy's
         self._host_lib, self._host = host_library(o.host_path), None
         self._one_row = np.zeros(1, np.intp)   # propose's state's mirror row (the compiled path's idx)
-        log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows", self.family, kv.num_blocks,
-                 self.sequences_that_fit(), self.max_seq_len)
+        log.info("%s drafter: KV pool of %d blocks holds %d sequences of %d rows; batch bookkeeping %s", self.family,
+                 kv.num_blocks, self.sequences_that_fit(), self.max_seq_len,
+                 "compiled" if self._host_lib is not None else "in NumPy")
 
     def bucket(self, B: int) -> int:
         """The graph width a batch of B sequences runs at: the smallest of BUCKETS that holds it (<= max_batch)."""
