@@ -1,10 +1,10 @@
 """The batch calls' compiled bookkeeping (host_src/batch_host.c through speculative/batch_host.py) against its
 twin, the NumPy path: two proposers of one checkpoint, host_path "c" and "numpy", take the same random serving
 traffic in lockstep (joins, leaves, prefills, the catch-up, propose_batch and propose with and without
-positions, confidence stops, device results, ragged after_verify_batch, bad ids, holes, bad counts, a pool that
-runs full), and after every operation hold the same drafts and errors, and the same state byte for byte: the
-cache mirror's counters and tables, the free-block stack, the used flags, the drafts and both pinned stages the
-device copies from."""
+positions, grammar masks, confidence stops, device results, ragged after_verify_batch, bad ids, holes, bad
+counts, a pool that runs full), and after every operation hold the same drafts and errors, and the same state
+byte for byte: the cache mirror's counters and tables, the free-block stack, the used flags, the drafts and both
+pinned stages the device copies from."""
 import numpy as np
 import pytest
 
@@ -132,8 +132,14 @@ def test_compiled_bookkeeping_equals_numpy(fam, kw, rng):
                 pos[int(rng.integers(B))] += 1   # a hole (allowed without drafter context)
             stop = float(rng.uniform(-3, 0)) if rng.random() < 0.2 else None
             dev = stop is None and rng.random() < 0.1
+            masks = None   # now and then grammar masks: random allowed sets, some sequences unconstrained
+            if stop is None and rng.random() < 0.15:
+                words = (V + 31) // 32
+                masks = [None if rng.random() < 0.3 else rng.integers(-2**31, 2**31, words).astype(np.int32)
+                         for _ in range(B)]
             got = both(props, lambda p, i: drafts_of(p.propose_batch([pair[i] for pair in batch], toks, hs, pos, k,
-                                                                      min_logprob=stop, device_results=dev)))
+                                                                      grammar_bitmasks=masks, min_logprob=stop,
+                                                                      device_results=dev)))
             if got[0] == "ok":
                 last = [k] * B if got[1][1] is None else got[1][1]
         want = state_of(props[1], [pair[1] for pair in live])
