@@ -120,8 +120,9 @@ def _addr(a: np.ndarray) -> int:
 
 
 class BatchHost:
-    """One proposer's BatchPlan and the three calls. The plan points at arrays that the cache reallocates when it
-    grows (its mirror) and at the batch's mirror rows: `_aim` re-points it when one of them is a new object."""
+    """One proposer's BatchPlan and its calls (stage, finish, trim, catch_up). The plan points at arrays that the
+    cache reallocates when it grows (its mirror) and at the batch's mirror rows: `_aim` re-points it when one of
+    them is a new object."""
 
     def __init__(self, lib, prop):
         self._stage_fn, self._finish_fn, self._trim_fn = lib.mtp_batch_stage, lib.mtp_batch_finish, lib.mtp_batch_trim
