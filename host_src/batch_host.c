@@ -37,44 +37,59 @@ enum { FALL_BACK_INPUT = -1, FALL_BACK_ROOM = -2, FALL_BACK_STATE = -3 };
 
 static int64_t blocks_for(int64_t rows, int64_t bs) { return (rows + bs - 1) / bs; }
 
-/* propose_batch before its chain: check the B tokens and positions (as propose_batch's array checks do: a
- * negative id or position is a huge uint64), reserve one block for each sequence whose k new rows cross into
- * one, and stage step 0's token ids and every step's slab (pad rows B..W-1: id 0 and pad_slab).
- * positions[] is read when `given`, else each sequence's next position is used; positions[] and rows0[] hold
- * what the call uses on return. Returns the blocks handed out (nfree follows), or a negative code. */
+/* Sequence s of a call that adds k rows at its position (positions[s] when `given`, else its next one): the
+ * checks the NumPy path makes (token id, position past max_seq_len, the no-hole rule; as uint64 a negative id is
+ * huge), then positions[s] and rows0[s] set. Returns the blocks it needs more (0 or 1), or a negative code (more
+ * than one, or a table the mirror's width cannot hold: the NumPy path's cases). */
+static int64_t admit(BatchPlan *p, int64_t s, int64_t k, int64_t given)
+{
+    const int64_t *c = p->cols + p->idx[s] * p->ncols;
+    const int64_t r0 = c[p->c_rows], nxt = c[p->c_off] + r0;
+    const int64_t pos = given ? p->positions[s] : nxt;
+    if ((uint64_t)p->tokens[s] >= (uint64_t)p->vocab || pos > p->max_seq_len - k)
+        return FALL_BACK_INPUT;
+    if (p->drafter_context ? pos != nxt : pos < nxt)
+        return FALL_BACK_INPUT;
+    const int64_t need = blocks_for(r0 + k, p->block_size) - c[p->c_nblocks];
+    if (need > 1 || c[p->c_nblocks] + need > p->width)
+        return FALL_BACK_ROOM;
+    p->positions[s] = pos;
+    p->rows0[s] = r0;
+    return need;
+}
+
+/* One block more at the end of the table of the sequence at mirror row `row`: the j-th this call hands out, in
+ * the order one-at-a-time reserves in batch order would take them (nfree follows once the call is done). */
+static void take_block(BatchPlan *p, int64_t row, int64_t j)
+{
+    int64_t *c = p->cols + row * p->ncols;
+    const int32_t b = p->stack[p->nfree - 1 - j];
+    p->used[b] = 1;
+    p->tables[row * p->width + c[p->c_nblocks]] = b;
+    c[p->c_nblocks] += 1;
+}
+
+/* propose_batch before its chain: admit the B sequences, reserve the blocks they need, and stage step 0's token
+ * ids and every step's slab (pad rows B..W-1: id 0 and pad_slab). positions[] is read when `given`;
+ * positions[] and rows0[] hold what the call uses on return. Returns the blocks handed out, or a negative code. */
 int64_t mtp_batch_stage(BatchPlan *p, int64_t B, int64_t k, int64_t W, int64_t given)
 {
     const int64_t bs = p->block_size;
     int64_t most = 1, grow = 0;
     for (int64_t s = 0; s < B; s++) {
-        const int64_t *c = p->cols + p->idx[s] * p->ncols;
-        const int64_t r0 = c[p->c_rows], nxt = c[p->c_off] + r0;
-        const int64_t pos = given ? p->positions[s] : nxt;
-        if ((uint64_t)p->tokens[s] >= (uint64_t)p->vocab || pos > p->max_seq_len - k)
-            return FALL_BACK_INPUT;
-        if (p->drafter_context ? pos != nxt : pos < nxt)
-            return FALL_BACK_INPUT;
-        const int64_t need = blocks_for(r0 + k, bs) - c[p->c_nblocks];
-        if (need > 1 || c[p->c_nblocks] + need > p->width)
-            return FALL_BACK_ROOM;
+        const int64_t need = admit(p, s, k, given);
+        if (need < 0)
+            return need;
+        const int64_t nb = p->cols[p->idx[s] * p->ncols + p->c_nblocks] + need;
         grow += need;
-        if (c[p->c_nblocks] + need > most)
-            most = c[p->c_nblocks] + need;
-        p->positions[s] = pos;
-        p->rows0[s] = r0;
+        most = nb > most ? nb : most;
     }
     if (grow > p->nfree || p->table_off + 4 * most > p->stride)
         return FALL_BACK_ROOM;
-    /* the blocks, in the order one-at-a-time reserves in batch order would take them */
     for (int64_t s = 0, j = 0; s < B && j < grow; s++) {
         const int64_t row = p->idx[s];
-        int64_t *c = p->cols + row * p->ncols;
-        if (blocks_for(p->rows0[s] + k, bs) > c[p->c_nblocks]) {
-            const int32_t b = p->stack[p->nfree - 1 - j++];
-            p->used[b] = 1;
-            p->tables[row * p->width + c[p->c_nblocks]] = b;
-            c[p->c_nblocks] += 1;
-        }
+        if (blocks_for(p->rows0[s] + k, bs) > p->cols[row * p->ncols + p->c_nblocks])
+            take_block(p, row, j++);
     }
     p->nfree -= grow;
     int32_t *ids = (int32_t *)p->stage;   /* step 0's token ids, pad rows 0 */
@@ -101,10 +116,9 @@ int64_t mtp_batch_stage(BatchPlan *p, int64_t B, int64_t k, int64_t W, int64_t g
 
 /* prefill_batch's catch-up: one row per sequence (counts[s], the call's row counts, must all be 1), tokens[s] at
  * positions[s] when `given`, else at its next position (the rows after_verify_batch dropped, from the target).
- * Checks as prefill_batch does, one block more for a sequence whose row starts one, the rows' slots, positions
- * and ids into the prefill stage (ids[0] is never read) and every row count one up. rows0[] holds the counts
- * before. Returns how many sequences start a new run of positions (their batch indices in listed[]), or a
- * negative code. */
+ * Admits each, reserves the blocks, writes the rows' slots, positions and ids into the prefill stage (ids[0] is
+ * never read) and every row count one up. rows0[] holds the counts before. Returns how many sequences start a
+ * new run of positions (their batch indices in listed[]), or a negative code. */
 int64_t mtp_batch_catch_up(BatchPlan *p, int64_t B, int64_t given)
 {
     const int64_t bs = p->block_size;
@@ -112,19 +126,10 @@ int64_t mtp_batch_catch_up(BatchPlan *p, int64_t B, int64_t given)
     if (B > p->pre_rows)
         return FALL_BACK_ROOM;
     for (int64_t s = 0; s < B; s++) {
-        const int64_t *c = p->cols + p->idx[s] * p->ncols;
-        const int64_t r0 = c[p->c_rows], nxt = c[p->c_off] + r0;
-        const int64_t pos = given ? p->positions[s] : nxt;
-        if (p->counts[s] != 1 || (uint64_t)p->tokens[s] >= (uint64_t)p->vocab || pos + 1 > p->max_seq_len)
-            return FALL_BACK_INPUT;
-        if (p->drafter_context ? pos != nxt : pos < nxt)
-            return FALL_BACK_INPUT;
-        const int64_t need = blocks_for(r0 + 1, bs) - c[p->c_nblocks];
-        if (c[p->c_nblocks] + need > p->width)
-            return FALL_BACK_ROOM;
+        const int64_t need = p->counts[s] != 1 ? FALL_BACK_INPUT : admit(p, s, 1, given);
+        if (need < 0)
+            return need;
         grow += need;
-        p->positions[s] = pos;
-        p->rows0[s] = r0;
     }
     if (grow > p->nfree)
         return FALL_BACK_ROOM;
@@ -136,14 +141,9 @@ int64_t mtp_batch_catch_up(BatchPlan *p, int64_t B, int64_t given)
     for (int64_t s = 0, j = 0; s < B; s++) {
         const int64_t row = p->idx[s], r0 = p->rows0[s];
         int64_t *c = p->cols + row * p->ncols;
-        int32_t *table = p->tables + row * p->width;
-        if (blocks_for(r0 + 1, bs) > c[p->c_nblocks]) {
-            const int32_t b = p->stack[p->nfree - 1 - j++];
-            p->used[b] = 1;
-            table[c[p->c_nblocks]] = b;
-            c[p->c_nblocks] += 1;
-        }
-        slots[s] = (int64_t)table[r0 / bs] * bs + r0 % bs;
+        if (blocks_for(r0 + 1, bs) > c[p->c_nblocks])
+            take_block(p, row, j++);
+        slots[s] = (int64_t)p->tables[row * p->width + r0 / bs] * bs + r0 % bs;
         poss[s] = (uint32_t)p->positions[s];
         ids[s + 1] = (int32_t)p->tokens[s];
         c[p->c_rows] = r0 + 1;

@@ -53,7 +53,7 @@ def library():
     """The compiled batch_host library (ctypes.CDLL), built on first use; ConfigError saying why it cannot be."""
     if "lib" not in _LIB:
         try:
-            _LIB["lib"] = _load(_build())
+            _LIB["lib"] = _open(_build())
         except ConfigError as e:
             _LIB["lib"] = e
     if isinstance(_LIB["lib"], ConfigError):
@@ -89,7 +89,7 @@ def _build() -> Path:
     return out
 
 
-def _load(path: Path):
+def _open(path: Path):
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
@@ -163,9 +163,9 @@ class BatchHost:
         """propose_batch's checks, block reservation and slab staging for the B sequences at mirror rows `idx`
         (int64 tokens [B]; positions [B] or None: the next ones), pad rows to W. Returns (rows0, positions) as
         int64 [B] views that the next call reuses, or None (nothing changed: the NumPy path decides)."""
-        if self._run(self._stage_fn, idx, toks, positions, k, W) < 0:
-            return None
         B = len(idx)
+        if not self._load(idx, toks, positions) or self._call(self._stage_fn, B, k, W, positions is not None) < 0:
+            return None
         return self.rows0[:B], self.positions[:B]
 
     def catch_up(self, idx: np.ndarray, toks: np.ndarray, positions, rows: np.ndarray):
@@ -173,27 +173,41 @@ class BatchHost:
         next ones; `rows`, the call's row counts, must all be one): checked, blocks reserved, staged into the
         prefill stage, row counts one up. Returns (batch indices that start a new run, rows0, positions) as int64
         views the next call reuses, or None (nothing changed: the NumPy path decides)."""
-        if len(idx) <= len(self.counts):
-            self.counts[:len(idx)] = rows
-        n = self._run(self._catch_up_fn, idx, toks, positions)
+        B = len(idx)
+        n = self._call(self._catch_up_fn, B, positions is not None) if self._load(idx, toks, positions, rows) else -1
         if n < 0:
             return None
-        B = len(idx)
         return self.listed[:n], self.rows0[:B], self.positions[:B]
 
-    def _run(self, fn, idx: np.ndarray, toks, positions, *args) -> int:
-        """fn(plan, B, *args, positions given) on the call's tokens and positions; negative when it declined (or
-        the batch is wider than max_batch: one an after_verify_batch remembered)."""
+    def trim(self, idx: np.ndarray, accepted: np.ndarray):
+        """after_verify_batch for the sequences at `idx`. Returns (batch indices whose last run went, every row
+        count), views the next call reuses, or None (nothing changed: the NumPy path decides)."""
+        B = len(idx)
+        n = self._call(self._trim_fn, B) if self._load(idx, counts=accepted) else -1
+        if n < 0:
+            return None
+        return self.listed[:n], self.rows0[:B]
+
+    def _load(self, idx: np.ndarray, toks=None, positions=None, counts=None) -> bool:
+        """The plan aimed at `idx` and the call's inputs in its buffers; False for a batch wider than max_batch
+        (one an after_verify_batch remembered: the NumPy path refuses it)."""
         B = len(idx)
         if B > len(self.tokens):
-            return -1
+            return False
         self._aim(idx)
-        self.tokens[:B] = toks
+        if toks is not None:
+            self.tokens[:B] = toks
         if positions is not None:
             self.positions[:B] = positions
+        if counts is not None:
+            self.counts[:B] = counts
+        return True
+
+    def _call(self, fn, *args) -> int:
+        """fn(plan, *args) with the pool's free count handed over and back (kept when it declined: negative)."""
         kv, p = self._kv, self.plan
         p.nfree = kv._nfree
-        n = fn(self._at, B, *args, positions is not None)
+        n = fn(self._at, *args)
         if n >= 0:
             kv._nfree = p.nfree
         return n
@@ -212,19 +226,3 @@ class BatchHost:
             np.copyto(toks, ids.T)
         n = self._finish_fn(self._at, B, k, kept is None, None if ids is None else self._toks_at)
         return self.listed[:n], None if toks is None else toks.copy()
-
-    def trim(self, idx: np.ndarray, accepted: np.ndarray):
-        """after_verify_batch for the sequences at `idx`. Returns (batch indices whose last run went, every row
-        count), views the next call reuses, or None (nothing changed: the NumPy path decides)."""
-        B = len(idx)
-        if B > len(self.counts):
-            return None
-        self._aim(idx)
-        self.counts[:B] = accepted
-        kv, p = self._kv, self.plan
-        p.nfree = kv._nfree
-        n = self._trim_fn(self._at, B)
-        if n < 0:
-            return None
-        kv._nfree = p.nfree
-        return self.listed[:n], self.rows0[:B]

@@ -108,9 +108,14 @@ class Prefill:
             if len(n) != B:
                 raise InputError(f"{B} states but {len(n)} row counts")
             toks = host_ints(tokens, gpu, "tokens", self.stream, as_array=True)
+            given = None if start_positions is None else \
+                host_ints(start_positions, gpu, "start_positions", self.stream, as_array=True)
+            h = keep = None
             # a remembered batch with a token each: the catch-up, compiled (it checks that every count is one)
-            if known and len(toks) == B and self._catch_up(states, idx, toks, n, hiddens, start_positions):
-                return B
+            if known and len(toks) == B and self._batch_host() is not None:
+                h, keep = self._prefill_hiddens(hiddens, B)
+                if self._catch_up(states, idx, toks, n, h, given):
+                    return B
             if np.count_nonzero(n < 0):
                 raise InputError(f"sequence {int(np.argmax(n < 0))}: num_rows {int(n[n < 0][0])} is negative")
             N = int(n.sum())
@@ -119,8 +124,7 @@ class Prefill:
             _check_ids(toks, self.vocab_size, "tokens")
             c = kv._cols.take(idx, axis=0)
             nxt = c[:, OFF] + c[:, ROWS]
-            starts = nxt if start_positions is None else \
-                host_ints(start_positions, gpu, "start_positions", self.stream, as_array=True)
+            starts = nxt if given is None else given
             if len(starts) != B:
                 raise InputError(f"{B} states but {len(starts)} start positions")
             some = n > 0   # a sequence without rows is left alone, whatever its start
@@ -136,7 +140,8 @@ class Prefill:
                                  f"context (max_seq_len {self.max_seq_len})")
             if N == 0:
                 return 0
-            h, keep = self._prefill_hiddens(hiddens, N)
+            if h is None:
+                h, keep = self._prefill_hiddens(hiddens, N)
             # room for every sequence's rows, all or none (rows0 + n <= starts + n <= max_seq_len: checked)
             rows0 = self._reserve_rows(states, n, idx, c)
             try:
@@ -163,20 +168,15 @@ class Prefill:
                     states[s]._extend(int(rows0[s]), int(starts[s]))
         return N
 
-    def _catch_up(self, states, idx, toks, n, hiddens, start_positions) -> bool:
-        """prefill_batch of one row per sequence (row counts `n`, all ones) through the compiled bookkeeping
-        (batch_host.py): True when done; False when there is none or it declined (nothing changed: the NumPy
-        path then names the problem or takes the case)."""
-        host = self._batch_host()
-        if host is None:
-            return False
-        starts = None if start_positions is None else \
-            host_ints(start_positions, self.gpu, "start_positions", self.stream, as_array=True)
-        if starts is not None and len(starts) != len(states):
-            return False
-        h, keep = self._prefill_hiddens(hiddens, len(states))
-        self._wait_prefill_stage()
-        done = host.catch_up(idx, toks, starts, n)
+    def _catch_up(self, states, idx, toks, n, h, starts) -> bool:
+        """prefill_batch of one row per sequence (row counts `n`, all ones; `h` what `_prefill_hiddens` gave;
+        `starts` int64 [B] or None: the next positions) through the compiled bookkeeping (batch_host.py): True
+        when done, False when it declined (nothing changed: the NumPy path then names the problem or takes the
+        case)."""
+        done = None
+        if starts is None or len(starts) == len(states):
+            self._wait_prefill_stage()
+            done = self._batch_host().catch_up(idx, toks, starts, n)
         if done is None:
             return False
         new_run, rows0, starts = done
@@ -186,7 +186,6 @@ class Prefill:
             for st, r0 in zip(states, rows0.tolist()):
                 st.blocks.truncate(r0)
             raise
-        del keep
         for s in new_run.tolist():
             states[s]._extend(int(rows0[s]), int(starts[s]))
         return True
