@@ -130,6 +130,19 @@ def _accept(target, seq, lg, Hv, drafts: list[int], pos: int, temperature: float
     return a, new
 
 
+def _check_run(target, drafter, prompt, max_new_tokens, temperature, num_drafts):
+    """`_check` of a speculative run's prompt (the context both models hold)."""
+    return _check(prompt, max_new_tokens, target.vocab_size, min(target.max_seq_len, drafter.max_seq_len),
+                  temperature, num_drafts)
+
+
+def _check_drafts(drafter, num_drafts) -> None:
+    """num_drafts an integer >= 1 the drafter was sized for (InputError naming it)."""
+    if _count("num_drafts", num_drafts) > drafter.max_drafts:
+        raise InputError(f"num_drafts {num_drafts} is more than the drafter's max_drafts {drafter.max_drafts} "
+                         "(load_proposer(..., max_drafts=...) sizes it)")
+
+
 def catch_up(drafter, st, toks, hid, pos: int) -> int:
     """Rewrite the drafter rows before position `pos` that the trim rule dropped (after_verify), from the
     target's own hiddens: row p pairs toks[p + 1] with hid[p]. A propose at `pos` then leaves no hole in the
@@ -181,11 +194,8 @@ def generate(target, drafter, prompt, max_new_tokens: int, num_drafts: int = 3, 
         num_drafts < 1, num_drafts > drafter.max_drafts, a negative temperature, a run that does not fit.
     CapacityError
         A KV pool too small for the run."""
-    prompt = _check(prompt, max_new_tokens, target.vocab_size, min(target.max_seq_len, drafter.max_seq_len),
-                    temperature, num_drafts)
-    if num_drafts > drafter.max_drafts:
-        raise InputError(f"num_drafts {num_drafts} is more than the drafter's max_drafts {drafter.max_drafts} "
-                         "(load_proposer(..., max_drafts=...) sizes it)")
+    prompt = _check_run(target, drafter, prompt, max_new_tokens, temperature, num_drafts)
+    _check_drafts(drafter, num_drafts)
     rng = np.random.default_rng(seed)
     seq, st, m = target.alloc(), drafter.alloc_state(), SpecDecodeMetrics()
     clock = time.perf_counter
@@ -218,7 +228,6 @@ def generate(target, drafter, prompt, max_new_tokens: int, num_drafts: int = 3, 
     finally:
         target.free(seq)
         drafter.free_state(st)
-
 
 
 def generate_batch(target, drafter, prompts, max_new_tokens: int, num_drafts: int = 3, temperature: float = 0.0,
@@ -258,16 +267,13 @@ def generate_batch(target, drafter, prompts, max_new_tokens: int, num_drafts: in
         raise InputError("prompts must be a non-empty list of token-id sequences")
     if len(prompts) > drafter.max_batch:
         raise InputError(f"{len(prompts)} prompts; the drafter batches at most {drafter.max_batch} (max_batch)")
-    limit = min(target.max_seq_len, drafter.max_seq_len)
+    _check_drafts(drafter, num_drafts)
     checked = []
     for s, p in enumerate(prompts):
         try:
-            checked.append(_check(p, max_new_tokens, target.vocab_size, limit, temperature, num_drafts))
+            checked.append(_check_run(target, drafter, p, max_new_tokens, temperature, num_drafts))
         except InputError as e:
             raise InputError(f"prompt {s}: {e}") from None
-    if num_drafts > drafter.max_drafts:
-        raise InputError(f"num_drafts {num_drafts} is more than the drafter's max_drafts {drafter.max_drafts} "
-                         "(load_proposer(..., max_drafts=...) sizes it)")
     B, clock = len(checked), time.perf_counter
     rngs = [np.random.default_rng(seed + s) for s in range(B)]
     seqs, sts, ms = [], [], [SpecDecodeMetrics() for _ in range(B)]
