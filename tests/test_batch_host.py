@@ -128,7 +128,11 @@ def test_compiled_bookkeeping_equals_numpy(fam, kw, rng):
             bad = rng.random()
             if bad < 0.04:
                 toks[int(rng.integers(B))] = V
-            elif bad < 0.08 and pos is not None:
+                if rng.random() < 0.5:   # and a hidden of the wrong width: the id is named first on both paths
+                    hs = hs[:, :-1]
+            elif bad < 0.06:
+                hs = hs[:, :-1]
+            elif bad < 0.1 and pos is not None:
                 pos[int(rng.integers(B))] += 1   # a hole (allowed without drafter context)
             stop = float(rng.uniform(-3, 0)) if rng.random() < 0.2 else None
             dev = stop is None and rng.random() < 0.1

@@ -369,9 +369,14 @@ class MtpProposerBase(Prefill):
             graphed = self.cuda_graphs and self.graph_safe
             W = self.bucket(B) if graphed else B
             masks = batch_masks(grammar_bitmasks, B, W, self.vocab_size, k)
-            hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
-                              self.stream, single=single, check_device=self.options.check_device_finite,
-                              defer_check=self._defer_nan_check)
+            try:
+                hid = take_hidden(gpu, hiddens, B, self._hidden_shapes(), "hidden" if single else "hiddens",
+                                  self.stream, single=single, check_device=self.options.check_device_finite,
+                                  defer_check=self._defer_nan_check)
+            except InputError:
+                if host is not None:   # the compiled path checks the ids later: name a bad id first, as NumPy does
+                    check_sequences(self, states, toks, poss, k, None if single else idx)
+                raise
             if host is not None:   # checks, blocks and every step's slab at once (into the stage: wait first)
                 self._wait_stage()
                 staged = host.stage(idx, toks, poss, k, W)
