@@ -8,6 +8,7 @@ import tempfile
 
 import numpy as np
 
+from helpers import check_pool
 from mtp_cupy.families import family
 from mtp_cupy.runtime.dtypes import bf16_round
 from mtp_cupy.runtime.slab import SEQ_LEN_OFFSET
@@ -30,9 +31,12 @@ def hidden(rng, prop, n: int | None = None, streams: bool = False) -> np.ndarray
 
 
 def prefill_alike(rng, props, lens, streams: bool = False) -> list[list]:
-    """B sequences of lengths `lens` prefilled with the same rows into every proposer: states[p][s]."""
+    """B sequences of lengths `lens` prefilled with the same rows into every proposer: states[p][s] (a length
+    of 0 leaves its sequence empty)."""
     states = [[p.alloc_state() for _ in lens] for p in props]
     for s, n in enumerate(lens):
+        if not n:
+            continue
         toks, hs = rng.integers(0, props[0].vocab_size, n + 1), hidden(rng, props[0], n, streams)
         for p, sts in zip(props, states):
             p.prefill(sts[s], toks, hs)
@@ -127,3 +131,36 @@ def rows_digest(prop, st) -> str:
         for r in range(st.blocks.rows):
             h.update(prop.gpu.read(base.offset(st.blocks.slot(r) * spec.row_bytes), np.uint8, spec.row_bytes))
     return h.hexdigest()
+
+
+def graphed_catch_up_loop(rng, gpu, g, e, fam: str) -> None:
+    """A serving loop (propose_batch, after_verify_batch, the catch-up from device hiddens) through a graphed
+    proposer `g` and an eager one `e` of one checkpoint: `g` replays one graph per catch-up row count (copy-in
+    and row writes, the hiddens copied to a fixed buffer first) and holds e's rows and drafts, call after
+    call, as the batch shrinks and grows back."""
+    streams = fam == "deepseek_v4"   # V4's device hiddens are the target's [hc, D] streams by default
+    lens = [int(n) for n in rng.integers(2, 30, 5)]
+    sg, se = prefill_alike(rng, (g, e), lens, streams)
+    pos, toks = list(lens), [int(t) for t in rng.integers(0, g.vocab_size, 5)]
+    for call, B in enumerate([5, 5, 5, 4, 4, 5]):   # rows graphs: warm, capture, replay; 4 likewise after
+        live_g, live_e = sg[:B], se[:B]
+        hs = hidden(rng, g, B, streams)
+        rg = g.propose_batch(live_g, toks[:B], hs, pos[:B], 2, return_logits=True)
+        re = e.propose_batch(live_e, toks[:B], hs, pos[:B], 2, return_logits=True)
+        for a, b in zip(rg, re):
+            assert a.tokens == b.tokens and np.array_equal(a.logits, b.logits), f"call {call}"
+        acc = [int(a) for a in rng.integers(0, 3, B)]
+        g.after_verify_batch(live_g, acc)
+        e.after_verify_batch(live_e, acc)
+        rt = rng.integers(0, g.vocab_size, B)
+        dev = gpu.upload(hidden(rng, g, B, streams))
+        for p, live in ((g, live_g), (e, live_e)):
+            assert p.prefill_batch(live, rt, dev.ptr, [1] * B) == B
+        for x, y in zip(live_g, live_e):
+            assert x.keys == y.keys and rows_digest(g, x) == rows_digest(e, y), f"call {call}"
+        pos[:B] = [st.next_position for st in live_g]
+        toks[:B] = [int(t) for t in rt]
+    E = g._hidden_row_elems()
+    assert {("rows", 5, E), ("rows", 4, E)} <= set(g._graphs), g._graphs.keys()
+    assert not any(key[0] == "rows" for key in e._graphs)
+    check_pool(g, sg)

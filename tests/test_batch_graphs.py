@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import FAMILIES, ckpt, hidden, prefill_alike, verify_round
+from batch_util import FAMILIES, ckpt, graphed_catch_up_loop, hidden, prefill_alike, verify_round
 from helpers import check_pool
 from mtp_cupy.speculative.base import BUCKETS
 
@@ -61,3 +61,9 @@ def test_bucket_capped_at_max_batch_and_confidence_stop(ref_graphs, rng):
             for st in sts:
                 p.after_verify(st, 0)
     assert all(key[1] == 6 for key in g._graphs)     # 5 sequences in the capped bucket of 6
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_graphed_catch_up_equals_eager(ref_graphs, rng, fam):
+    """A serving loop whose catch-up takes device hiddens: one graph per row count, the eager rows and drafts."""
+    graphed_catch_up_loop(rng, ref_graphs, *pair(ref_graphs, fam), fam)

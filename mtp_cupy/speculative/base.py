@@ -124,7 +124,7 @@ class MtpProposerBase(Prefill):
                    "flags": 4 * B * k, "lp": 4 * B * k, "mask": 4 * words * B * k,
                    "call_in": self._meta_off + k * B * self.meta_stride,
                    "prefill_in": 16 * self.max_prefill_rows + 4,   # speculative/prefill.py's staged rows
-                   "prefill_hidden": 2 * self.hidden_size * self.max_prefill_rows}
+                   "prefill_hidden": 2 * hmax * self.max_prefill_rows}   # host rows, or a graphed pass's
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
         self.meta = self.bufs.call_in.offset(self._meta_off)   # step 0's slabs

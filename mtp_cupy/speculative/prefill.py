@@ -208,19 +208,37 @@ class Prefill:
 
     def _send_prefill(self, h, c0: int, c: int) -> None:
         """One pass of `_write_chunks`: the staged ids, positions and slots of c rows copied in, and those rows
-        written from hidden rows c0.. of `h`."""
+        written from hidden rows c0.. of `h`. Device hiddens of at most max_batch rows (a serving loop's
+        catch-up) go through a graph per row count when graphs are on: their rows are copied to prefill_hidden
+        first (a graph reads fixed addresses), and the copy-in and the row writes replay as one launch."""
         b, P, gpu = self.bufs, self.max_prefill_rows, self.gpu
+        E = self._hidden_row_elems()
         with gpu.using(self.stream):
+            if self.cuda_graphs and self.graph_safe and not isinstance(h, np.ndarray) and c <= self.max_batch:
+                gpu.copy_d2d_async(b.prefill_hidden, DevicePtr(int(h) + 2 * E * c0), 2 * E * c)
+                self._replay(("rows", c, E), lambda: self._rows_pass(b.prefill_hidden, c))
+                self._record_prefill_copied()   # after the graph, which copies the stage in
+                return
             gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
-            if self._prefill_copied is None:
-                self._prefill_copied = gpu.new_event(timing=False)
-            gpu.record(self._prefill_copied, self.stream)
+            self._record_prefill_copied()   # the next pass may restage while these rows are written
             if isinstance(h, np.ndarray):   # pageable: staged by the driver before the call returns
                 gpu.copy_h2d_async(b.prefill_hidden, h[c0:c0 + c])
                 hp = b.prefill_hidden
             else:
-                hp = DevicePtr(int(h) + 2 * self._hidden_row_elems() * c0)
+                hp = DevicePtr(int(h) + 2 * E * c0)
             self._write_rows(b.prefill_in.offset(12 * P), hp, b.prefill_in.offset(8 * P), b.prefill_in, c)
+
+    def _rows_pass(self, hp: DevicePtr, c: int) -> None:
+        """The launches of a graphed pass: the staged ids, positions and slots copied in, c rows written."""
+        b, P = self.bufs, self.max_prefill_rows
+        self.gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
+        self._write_rows(b.prefill_in.offset(12 * P), hp, b.prefill_in.offset(8 * P), b.prefill_in, c)
+
+    def _record_prefill_copied(self) -> None:
+        """Record, on the stream, the event the next pass waits for before it rewrites the prefill stage."""
+        if self._prefill_copied is None:
+            self._prefill_copied = self.gpu.new_event(timing=False)
+        self.gpu.record(self._prefill_copied, self.stream)
 
     def _prefill_staging(self):
         """The pinned twin of the prefill_in region [slots i64 P | positions u32 P | ids i32 P + 1] and its three

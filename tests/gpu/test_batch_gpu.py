@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import FAMILIES, ckpt, hidden, prefill_alike, rows_digest, verify_round, watch_ties
+from batch_util import (FAMILIES, ckpt, graphed_catch_up_loop, hidden, prefill_alike, rows_digest, verify_round,
+                        watch_ties)
 
 pytestmark = pytest.mark.gpu
 BATCHES = [1, 2, 5, 16, 33, 64]
@@ -157,3 +158,11 @@ def test_cuda_compiled_bookkeeping_equals_numpy(fam, rng):
             assert x.keys == y.keys and rows_digest(c, x) == rows_digest(n, y)
         assert np.array_equal(c.kv._cols, n.kv._cols) and np.array_equal(c.kv._tables, n.kv._tables)
     assert c._graphs, "no chain was captured"
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_cuda_graphed_catch_up_equals_eager(fam, rng):
+    """The catch-up from device hiddens replayed as a graph per row count (real capture) against eager launches:
+    the same rows and drafts, bit for bit, as the batch shrinks and grows back."""
+    gpu = mtp_cupy.device("cuda")
+    graphed_catch_up_loop(rng, gpu, load(fam, gpu), load(fam, gpu, cuda_graphs=False), fam)
