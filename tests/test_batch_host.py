@@ -100,6 +100,10 @@ def test_compiled_bookkeeping_equals_numpy(fam, kw, rng):
             bad = rng.random()
             if bad < 0.05:
                 toks[int(rng.integers(len(batch)))] = -1
+                if rng.random() < 0.5:   # and a hidden of the wrong width: the id is named first on both paths
+                    hs = hs[:, :-1]
+            elif bad < 0.07:
+                hs = hs[:, :-1]
             elif starts is not None and (bad < 0.1 or not props[0].drafter_context and bad < 0.4):
                 starts[int(rng.integers(len(batch)))] += 1   # a hole (a new run without drafter context)
             rows = [1] * len(batch)

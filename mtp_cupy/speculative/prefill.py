@@ -113,9 +113,13 @@ class Prefill:
             h = keep = None
             # a remembered batch with a token each: the catch-up, compiled (it checks that every count is one)
             if known and len(toks) == B and self._batch_host() is not None:
-                h, keep = self._prefill_hiddens(hiddens, B)
-                if self._catch_up(states, idx, toks, n, h, given):
-                    return B
+                try:
+                    h, keep = self._prefill_hiddens(hiddens, B)
+                except InputError:   # the NumPy path below names the first problem: ids before hiddens
+                    h = None
+                else:
+                    if self._catch_up(states, idx, toks, n, h, given):
+                        return B
             if np.count_nonzero(n < 0):
                 raise InputError(f"sequence {int(np.argmax(n < 0))}: num_rows {int(n[n < 0][0])} is negative")
             N = int(n.sum())
@@ -211,27 +215,26 @@ class Prefill:
         written from hidden rows c0.. of `h`. Device hiddens of at most max_batch rows (a serving loop's
         catch-up) go through a graph per row count when graphs are on: their rows are copied to prefill_hidden
         first (a graph reads fixed addresses), and the copy-in and the row writes replay as one launch."""
-        b, P, gpu = self.bufs, self.max_prefill_rows, self.gpu
-        E = self._hidden_row_elems()
+        b, gpu, E = self.bufs, self.gpu, self._hidden_row_elems()
         with gpu.using(self.stream):
             if self.cuda_graphs and self.graph_safe and not isinstance(h, np.ndarray) and c <= self.max_batch:
                 gpu.copy_d2d_async(b.prefill_hidden, DevicePtr(int(h) + 2 * E * c0), 2 * E * c)
                 self._replay(("rows", c, E), lambda: self._rows_pass(b.prefill_hidden, c))
                 self._record_prefill_copied()   # after the graph, which copies the stage in
-                return
-            gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
-            self._record_prefill_copied()   # the next pass may restage while these rows are written
-            if isinstance(h, np.ndarray):   # pageable: staged by the driver before the call returns
+            elif isinstance(h, np.ndarray):   # pageable: staged by the driver before the call returns
                 gpu.copy_h2d_async(b.prefill_hidden, h[c0:c0 + c])
-                hp = b.prefill_hidden
+                self._rows_pass(b.prefill_hidden, c, record=True)
             else:
-                hp = DevicePtr(int(h) + 2 * E * c0)
-            self._write_rows(b.prefill_in.offset(12 * P), hp, b.prefill_in.offset(8 * P), b.prefill_in, c)
+                self._rows_pass(DevicePtr(int(h) + 2 * E * c0), c, record=True)
 
-    def _rows_pass(self, hp: DevicePtr, c: int) -> None:
-        """The launches of a graphed pass: the staged ids, positions and slots copied in, c rows written."""
+    def _rows_pass(self, hp: DevicePtr, c: int, record: bool = False) -> None:
+        """The staged ids, positions and slots copied in, then c rows written from the hiddens at `hp`. `record`
+        (eager passes): the stage's event right after the copy, so the next pass may restage while these rows
+        are written; a graph's caller records it after the replay."""
         b, P = self.bufs, self.max_prefill_rows
         self.gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
+        if record:
+            self._record_prefill_copied()
         self._write_rows(b.prefill_in.offset(12 * P), hp, b.prefill_in.offset(8 * P), b.prefill_in, c)
 
     def _record_prefill_copied(self) -> None:
