@@ -295,8 +295,7 @@ __device__ __forceinline__ void mma_regs(const u8* W, const void* S, float scale
                         sc[h][0] = fp4_scale<F>(sv[u][r][h], 0);
                         if (F == NVFP4) sc[h][1] = fp4_scale<F>(sv[u][r][h], 1);
                     }
-                // A fresh accumulator per step: the tensor core's fp32 adds then chain over at most
-                // 8 mmas, and the running sums below are ordinary round-to-nearest adds.
+                // the sum order of chained_acc (stream_mma.cuh)
                 float tmp[MT][4] = {};
 #pragma unroll
                 for (int i = 0; i < NM; ++i) {
@@ -306,13 +305,14 @@ __device__ __forceinline__ void mma_regs(const u8* W, const void* S, float scale
                     for (int j = 0; j < MT; ++j) {
                         u32 b[2];
                         frag_b<F>(X[j], i, b);
-                        mma16816(tmp[j], a, b);
+                        mma16816(chained_acc<F>() ? acc[r][j] : tmp[j], a, b);
                     }
                 }
+                if (!chained_acc<F>())
 #pragma unroll
-                for (int j = 0; j < MT; ++j)
+                    for (int j = 0; j < MT; ++j)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) acc[r][j][e] = fmaf(tmp[j][e], f, acc[r][j][e]);
+                        for (int e = 0; e < 4; ++e) acc[r][j][e] = fmaf(tmp[j][e], f, acc[r][j][e]);
             }
         }
     }
@@ -473,7 +473,7 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
                             sc[h][0] = fp4_scale<F>(sv[s][r][h], 0);
                             if (F == NVFP4) sc[h][1] = fp4_scale<F>(sv[s][r][h], 1);
                         }
-                    // a fresh accumulator per step, as in mma_regs
+                    // the sum order of chained_acc, as in mma_regs
                     float tmp[MT][4] = {};
 #pragma unroll
                     for (int mi = 0; mi < NM; ++mi) {
@@ -483,13 +483,14 @@ __device__ __forceinline__ void mma_stream(const u8* W, const void* S, float sca
                         for (int jm = 0; jm < MT; ++jm) {
                             u32 b[2];
                             frag_b<F>(X[s][jm], mi, b);
-                            mma16816(tmp[jm], a, b);
+                            mma16816(chained_acc<F>() ? acc[r][jm] : tmp[jm], a, b);
                         }
                     }
+                    if (!chained_acc<F>())
 #pragma unroll
-                    for (int jm = 0; jm < MT; ++jm)
+                        for (int jm = 0; jm < MT; ++jm)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[r][jm][e] = fmaf(tmp[jm][e], f, acc[r][jm][e]);
+                            for (int e = 0; e < 4; ++e) acc[r][jm][e] = fmaf(tmp[jm][e], f, acc[r][jm][e]);
                 }
             }
             if (++cslot == NS) cslot = 0;
@@ -562,8 +563,8 @@ extern "C" __global__ __launch_bounds__(512) void dense_gemv_bf16_batch32(
 // XS = 1, or 2 for bf16) or in clusters (1, CB, 1) of one-slice blocks, grid (walkers, CB): the KW = XS * CB
 // warps (ks, rank r) of a walker are the KW k slices w = r * XS + ks of the 8-row kernel's plan (KS8, KB8),
 // KS8 * KB8 = KW; warp (ks, rg) owns weight rows tile * 16 XG_RG + 16 rg .. + 15 of every tile the walker
-// takes (tiles b, b + gridDim.x, ...) and slice w's units w, w + KW, ...: the units, steps, per-step
-// accumulators of mma_stream<F>. At the end of a tile slice 0 adds the other slice's sums (alone), or every
+// takes (tiles b, b + gridDim.x, ...) and slice w's units w, w + KW, ...: the units, steps and mma order of
+// mma_stream<F> (chained_acc). At the end of a tile slice 0 adds the other slice's sums (alone), or every
 // warp leaves its sums in shared memory and the cluster's warps fold them over DSMEM in the 8-row kernel's
 // order (the KS8 slices of each of its blocks in slice order, then those KB8 block sums in rank order), so a
 // row's result is bit-identical to the 8-row kernel's under that plan. `fks` is KS8.
@@ -668,27 +669,19 @@ __device__ __forceinline__ void x64_body(const u8* W, const void* S, u32 fks, co
                 const u32 pc = (4 * s + t) ^ ((g & 1) << 2);  // rows g, g + 8 and x rows 8 jm + g: g's parity
                 const uint4 wv[2] = {sw[g * CH + pc], sw[(g + 8) * CH + pc]};
                 const u32 sc[2][2] = {};
-                if constexpr (F == BF16) {     // every n-tile's chain in flight at once (registers allow)
-                    uint4 xq[MA];
+                if constexpr (F == BF16) {     // one x fragment at a time, its mmas chained (mma_stream's order)
 #pragma unroll
-                    for (u32 jm = 0; jm < MA; ++jm) xq[jm] = sx[(8 * jm + g) * XCH + pc];
-                    float tmp[MA][4] = {};     // a fresh accumulator per step, as in mma_stream
+                    for (u32 jm = 0; jm < MA; ++jm) {
+                        const uint4 q = sx[(8 * jm + g) * XCH + pc];
+                        const u32 X[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-                    for (u32 mi = 0; mi < NM; ++mi) {
-                        u32 a[4];
-                        frag_a<F>(wv, sc, mi, a);
-#pragma unroll
-                        for (u32 jm = 0; jm < MA; ++jm) {
-                            const u32 X[4] = {xq[jm].x, xq[jm].y, xq[jm].z, xq[jm].w};
-                            u32 b[2];
+                        for (u32 mi = 0; mi < NM; ++mi) {
+                            u32 a[4], b[2];
+                            frag_a<F>(wv, sc, mi, a);
                             frag_b<F>(X, mi, b);
-                            mma16816(tmp[jm], a, b);
+                            mma16816(acc[jm], a, b);
                         }
                     }
-#pragma unroll
-                    for (u32 jm = 0; jm < MA; ++jm)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[jm][e] = fmaf(tmp[jm][e], f, acc[jm][e]);
                 } else {                       // fp8: the step's A fragments decoded once, one n-tile at a time
                     u32 a[NM][4];
 #pragma unroll
@@ -702,15 +695,16 @@ __device__ __forceinline__ void x64_body(const u8* W, const void* S, u32 fks, co
                             const uint4 q = xr[(8 * s + 2 * t + v) ^ (g & 1)];
                             X[4 * v] = q.x; X[4 * v + 1] = q.y; X[4 * v + 2] = q.z; X[4 * v + 3] = q.w;
                         }
-                        float tmp[4] = {};     // a fresh accumulator per step, its mmas in mi order (mma_stream's)
+                        float tmp[4] = {};     // mma_stream's order: its mmas in mi order, chained_acc's rule
 #pragma unroll
                         for (u32 mi = 0; mi < NM; ++mi) {
                             u32 b[2];
                             frag_b<F>(X, mi, b);
-                            mma16816(tmp, a[mi], b);
+                            mma16816(chained_acc<F>() ? acc[jm] : tmp, a[mi], b);
                         }
+                        if (!chained_acc<F>())
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) acc[jm][e] = fmaf(tmp[e], f, acc[jm][e]);
+                            for (int e = 0; e < 4; ++e) acc[jm][e] = fmaf(tmp[e], f, acc[jm][e]);
                     }
                 }
             }

@@ -24,7 +24,7 @@
 // the warps an SM holds. Tile: 2 slabs of 16 weight
 // rows: gate/up = 16 gate rows + the same 16 up rows (16 outputs, SwiGLU in the epilogue); down = 32 rows
 // of one matrix. Results are scattered to the item's pairs' output rows. A pair's arithmetic (the k units of
-// each warp, the fresh accumulator per mma step, the slice order of the KS partial sums) depends on (format,
+// each warp, the mma order of chained_acc in stream_mma.cuh, the slice order of the KS partial sums) depends on (format,
 // N, K, KS) only; the launcher picks KS from (format, K): a pair's result is bit-identical whatever other
 // pairs share the call, and whichever n-tile column it lands in. plan == NULL: one weight (table entry 0)
 // for every pair, items of 8 MT consecutive pairs (the shared expert).
@@ -357,7 +357,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                             sc[h][0] = fp4_scale<F>(sv[s][r][h], 0);
                             if (F == NVFP4) sc[h][1] = fp4_scale<F>(sv[s][r][h], 1);
                         }
-                    // a fresh accumulator per step, as in mma_stream; n-tiles past the item's rows are skipped
+                    // the mma order of chained_acc, as in mma_stream; n-tiles past the item's rows are skipped
                     float tmp[MT][4] = {};
 #pragma unroll
                     for (int mi = 0; mi < NM; ++mi) {
@@ -370,18 +370,19 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                             const u32* xw = X[XS == 1 ? 0 : s][jm];
                             if (X16) {
                                 const u32 b[2] = {xw[2 * mi], xw[2 * mi + 1]};
-                                mma16816_f16(tmp[jm], a, b);
+                                mma16816_f16(chained_acc<F>() ? acc[r][jm] : tmp[jm], a, b);
                             } else {
                                 u32 b[2];
                                 frag_b<F>(xw, mi, b);
-                                mma16816(tmp[jm], a, b);
+                                mma16816(chained_acc<F>() ? acc[r][jm] : tmp[jm], a, b);
                             }
                         }
                     }
+                    if (!chained_acc<F>())
 #pragma unroll
-                    for (int jm = 0; jm < MT; ++jm)
+                        for (int jm = 0; jm < MT; ++jm)
 #pragma unroll
-                        for (int e2 = 0; e2 < 4; ++e2) acc[r][jm][e2] = fmaf(tmp[jm][e2], f[r], acc[r][jm][e2]);
+                            for (int e2 = 0; e2 < 4; ++e2) acc[r][jm][e2] = fmaf(tmp[jm][e2], f[r], acc[r][jm][e2]);
                 }
             }
             if (++cslot == NS) cslot = 0;

@@ -50,6 +50,14 @@ enum WFmt { BF16, FP8_ROW, FP8_BLOCK, FP8_BLOCK_E8M0, NVFP4, MXFP4 };
 
 template <int F> __host__ __device__ constexpr int kchunk() { return F == BF16 ? 8 : (F == NVFP4 || F == MXFP4) ? 32 : 16; }
 
+// The sum order of the tensor-core GEMVs and expert GEMMs. A format whose weights need no per-k-block multiplier
+// (bf16, fp8 with a row scale, fp4: their scales are applied at the end or inside the decode) chains its mmas
+// straight into the accumulators, as a GEMM mainloop does. The fp8 128 x 128 block formats multiply each
+// step's products by the block's scale: a fresh accumulator per step, then acc = fma(step sum, scale, acc).
+// Every kernel that must agree bit for bit with another (the 8-, 32- and 64-row GEMVs; the expert GEMMs' mma8
+// and 32-row forms) follows this one rule.
+template <int F> __host__ __device__ constexpr bool chained_acc() { return F != FP8_BLOCK && F != FP8_BLOCK_E8M0; }
+
 __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], const u32 b[2]) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};"
