@@ -24,8 +24,8 @@
 // the warps an SM holds. Tile: 2 slabs of 16 weight
 // rows: gate/up = 16 gate rows + the same 16 up rows (16 outputs, SwiGLU in the epilogue); down = 32 rows
 // of one matrix. Results are scattered to the item's pairs' output rows. A pair's arithmetic (the k units of
-// each warp, the mma order of chained_acc in stream_mma.cuh, the slice order of the KS partial sums) depends on (format,
-// N, K, KS) only; the launcher picks KS from (format, K): a pair's result is bit-identical whatever other
+// each warp, the mma order of chained_acc in stream_mma.cuh, the slice order of the KS partial sums) depends
+// on (format, N, K, KS) only; the launcher picks KS from (format, K): a pair's result is bit-identical whatever other
 // pairs share the call, and whichever n-tile column it lands in. plan == NULL: one weight (table entry 0)
 // for every pair, items of 8 MT consecutive pairs (the shared expert).
 #include "common.cuh"
