@@ -116,10 +116,9 @@ class Prefill:
                 try:
                     h, keep = self._prefill_hiddens(hiddens, B)
                 except InputError:   # the NumPy path below names the first problem: ids before hiddens
-                    h = None
-                else:
-                    if self._catch_up(states, idx, toks, n, h, given):
-                        return B
+                    pass
+                if h is not None and self._catch_up(states, idx, toks, n, h, given):
+                    return B
             if np.count_nonzero(n < 0):
                 raise InputError(f"sequence {int(np.argmax(n < 0))}: num_rows {int(n[n < 0][0])} is negative")
             N = int(n.sum())
