@@ -256,6 +256,9 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     // past dk are zeros (dk is even, so a pair is wholly inside or outside).
     const u32 hg = warp >> 2, qt = warp & 3, KS = dkp / 64;
     const u32 hA = a.h0 + hg * 16 + g, hB = hA + 8;
+    // GQA: a head group wholly past h_end (Qwen3-Next's groups of 8 heads) skips its mmas; its Sp rows, P and
+    // merges are then garbage that only its own heads, never stored, read. (MLA blocks are full but the last.)
+    const bool live = !SEPV || a.h0 + hg * 16 < a.h_end;
     const __nv_bfloat16* qs = a.q + (u64)s * a.q_seq_stride;
     u32 qf[QS ? 1 : MAX_KSTEPS][4];
     if constexpr (QS) {   // all loads in flight at once; the first tile's barrier orders the stores before any read
@@ -380,7 +383,7 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
         }
 
         // S partial = Q[16 heads, quarter] . K[32 rows, quarter]^T -> Sp[qt]
-        {
+        if (live) {
             const __nv_bfloat16* kt = Kt + bb * TILE * ks_;
             float sacc[4][4];
 #pragma unroll
@@ -455,7 +458,7 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
         __syncthreads();
 
         // O[16 heads, this warp's columns] = alpha * O + (Phi + Plo) . V
-        {
+        if (live) {
             const __nv_bfloat16* vt = SEPV ? Vt + bb * TILE * vs_ : Kt + bb * TILE * ks_;
             const u32 vstride = SEPV ? vs_ : ks_;
             const float aA = alpha_s[hg * 16 + g], aB = alpha_s[hg * 16 + g + 8];
