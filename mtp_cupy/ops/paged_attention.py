@@ -27,8 +27,10 @@ _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives 
 _COMBINE_THREADS = 128
 # walk=None's cost model, in units of one split block (scripts/bench_attention.py, H200, ctx 2048: a wave of
 # split blocks of ~2 tiles each 6-11 µs; a walk block 0.45 (V3) to 0.57 (Qwen) of that per split it walks; an
-# empty split block ~0.15 of a block's slot)
+# empty split block ~0.15 of a block's slot). GQA blocks of <= 16 heads skip their empty head group's mmas, which
+# takes ~20% off a walk and ~3% off a split block (H100, Qwen3-Next's groups of 8): 0.42 there.
 _WALK_SPLIT_COST = 0.5
+_WALK_SPLIT_COST_HALF = 0.42
 _EMPTY_SPLIT_COST = 0.15
 MAX_ROW_WIDTH = 576    # dk: nine 16-wide k-steps per head-dim quarter (kernel MAX_KSTEPS)
 MAX_HEAD_DIM = 512     # dv (and GQA head_dim): sixteen 8-wide n-tiles per quarter (kernel MAX_NTILES)
@@ -72,12 +74,14 @@ def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: i
     return 4 * num_seqs * _splits(num_seqs, head_blocks, invariant) * heads * (dv + 2)
 
 
-def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bound: int = 0) -> bool:
+def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bound: int = 0,
+           cost: float = _WALK_SPLIT_COST) -> bool:
     """The mode: `walk` if given, else (batch-invariant calls only: the non-invariant split count already shrinks
     as the batch grows) whichever the cost model says is faster. Split mode: waves of the blocks with rows, plus
     the empty ones; walk mode: waves of (head block, sequence) blocks, each walking every split with rows.
     `bound` > 0: no sequence attends more positions than that (the window, or DSA's selection), so the splits
-    past ceil(bound / _MIN_CHUNK) are empty (V4's 128-row window: 2 of 66)."""
+    past ceil(bound / _MIN_CHUNK) are empty (V4's 128-row window: 2 of 66). `cost`: a walk block's per split
+    it walks, in split blocks."""
     need(walk is None or isinstance(walk, bool), f"{name}: walk {walk!r} must be None, True or False")
     if walk is not None:
         return walk
@@ -87,7 +91,7 @@ def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bo
     used = min(splits, -(-bound // _MIN_CHUNK)) if bound > 0 else splits
     blocks = num_seqs * head_blocks
     split_waves = math.ceil((blocks * used + _EMPTY_SPLIT_COST * blocks * (splits - used)) / _TARGET_BLOCKS)
-    return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_waves
+    return -(-blocks // _TARGET_BLOCKS) * used * cost < split_waves
 
 
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
@@ -135,7 +139,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     out : bf16 [num_seqs, q_heads, head_dim].
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 34 Qwen3-Next sequences
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 27 Qwen3-Next sequences
         up), True (one block per (head block, sequence) walks the splits; no workspace) or False (split mode).
         The same bits either way.
     """
@@ -153,7 +157,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     need(q_row_stride % 2 == 0 and int(q) % 4 == 0, f"{name}: q rows must be 4-byte aligned (stride {q_row_stride})")
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
     blocks = q_heads // hpb
-    walks = _walks(name, walk, invariant, num_seqs, blocks)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, cost=_WALK_SPLIT_COST_HALF if hpb <= 16 else _WALK_SPLIT_COST)
     if num_seqs == 0:
         return
     smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
