@@ -157,7 +157,8 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     need(q_row_stride % 2 == 0 and int(q) % 4 == 0, f"{name}: q rows must be 4-byte aligned (stride {q_row_stride})")
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
     blocks = q_heads // hpb
-    walks = _walks(name, walk, invariant, num_seqs, blocks, cost=_WALK_SPLIT_COST_HALF if hpb <= 16 else _WALK_SPLIT_COST)
+    cost = _WALK_SPLIT_COST_HALF if hpb <= 16 else _WALK_SPLIT_COST   # <= 16 heads: the kernel skips a head group
+    walks = _walks(name, walk, invariant, num_seqs, blocks, cost=cost)
     if num_seqs == 0:
         return
     smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
