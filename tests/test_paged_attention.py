@@ -425,8 +425,8 @@ def test_walk_is_chosen_for_large_invariant_batches(ref, rng, monkeypatch):
         assert not any(pa._walks("t", None, False, n, hb, bound) for n in range(1, 65))
     assert choose[2][2].index(True) < choose[1][2].index(True)     # V4's window walks sooner than GLM-5
     # a GQA block of <= 16 heads skips its empty head group's mmas: its walk is cheaper, so it walks sooner
-    half = [pa._walks("t", None, True, n, 2, 0, cost=pa._WALK_SPLIT_COST_HALF) for n in range(1, 65)]
-    assert not half[0] and half[-1] and half.index(True) < choose[3][2].index(True)
+    gqa16 = [pa._walks("t", None, True, n, 2, 0, cost=pa._WALK_SPLIT_COST_GQA16) for n in range(1, 65)]
+    assert not gqa16[0] and gqa16[-1] and gqa16.index(True) < choose[3][2].index(True)
     names = _launched(monkeypatch)
     heads, rw = 40, 64                      # 2 head blocks
     w = [pa._walks("t", None, True, n, 2, 0) for n in range(1, 65)]

@@ -30,7 +30,7 @@ _COMBINE_THREADS = 128
 # empty split block ~0.15 of a block's slot). GQA blocks of <= 16 heads skip their empty head group's mmas, which
 # takes ~20% off a walk and ~3% off a split block (H100, Qwen3-Next's groups of 8): 0.42 there.
 _WALK_SPLIT_COST = 0.5
-_WALK_SPLIT_COST_HALF = 0.42
+_WALK_SPLIT_COST_GQA16 = 0.42
 _EMPTY_SPLIT_COST = 0.15
 MAX_ROW_WIDTH = 576    # dk: nine 16-wide k-steps per head-dim quarter (kernel MAX_KSTEPS)
 MAX_HEAD_DIM = 512     # dv (and GQA head_dim): sixteen 8-wide n-tiles per quarter (kernel MAX_NTILES)
@@ -80,8 +80,8 @@ def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bo
     as the batch grows) whichever the cost model says is faster. Split mode: waves of the blocks with rows, plus
     the empty ones; walk mode: waves of (head block, sequence) blocks, each walking every split with rows.
     `bound` > 0: no sequence attends more positions than that (the window, or DSA's selection), so the splits
-    past ceil(bound / _MIN_CHUNK) are empty (V4's 128-row window: 2 of 66). `cost`: a walk block's per split
-    it walks, in split blocks."""
+    past ceil(bound / _MIN_CHUNK) are empty (V4's 128-row window: 2 of 66). `cost`: what a walk block pays for
+    each split it walks, in split blocks."""
     need(walk is None or isinstance(walk, bool), f"{name}: walk {walk!r} must be None, True or False")
     if walk is not None:
         return walk
@@ -157,7 +157,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     need(q_row_stride % 2 == 0 and int(q) % 4 == 0, f"{name}: q rows must be 4-byte aligned (stride {q_row_stride})")
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
     blocks = q_heads // hpb
-    cost = _WALK_SPLIT_COST_HALF if hpb <= 16 else _WALK_SPLIT_COST   # <= 16 heads: the kernel skips a head group
+    cost = _WALK_SPLIT_COST_GQA16 if hpb <= 16 else _WALK_SPLIT_COST   # <= 16 heads: the kernel skips a head group
     walks = _walks(name, walk, invariant, num_seqs, blocks, cost=cost)
     if num_seqs == 0:
         return
