@@ -324,7 +324,7 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     u32 tin = 0;   // tile t's index inside its split (p_begin is a split's first position)
     for (u32 t = 0; t < ntiles; ++t) {
         const u32 buf = t % 3, bb = RAW ? 0 : buf;
-        const bool split_end = tin + 1 == split_tiles || t + 1 == ntiles;
+        const bool split_first = tin == 0, split_end = tin + 1 == split_tiles || t + 1 == ntiles;
         tin = split_end ? 0 : tin + 1;
         cp_wait<1>();
         __syncthreads();
@@ -462,8 +462,9 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
             const __nv_bfloat16* vt = SEPV ? Vt + bb * TILE * vs_ : Kt + bb * TILE * ks_;
             const u32 vstride = SEPV ? vs_ : ks_;
             const float aA = alpha_s[hg * 16 + g], aB = alpha_s[hg * 16 + g + 8];
-            // once the running max settles, alpha is 1 for every head of the warp: o * 1 == o, so skip it
-            if (!__all_sync(0xffffffffu, aA == 1.f && aB == 1.f)) {
+            // a split's first tile finds o = +0 (and alpha = 0: m_run was -inf), and once the running max settles
+            // alpha is 1 for every head of the warp: o * alpha == o in both cases, so skip it
+            if (!split_first && !__all_sync(0xffffffffu, aA == 1.f && aB == 1.f)) {
 #pragma unroll
                 for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
                     o[nt][0] = __fmul_rn(o[nt][0], aA); o[nt][1] = __fmul_rn(o[nt][1], aA);
