@@ -418,15 +418,12 @@ def test_walk_is_chosen_for_large_invariant_batches(ref, rng, monkeypatch):
     (their split count shrinks with the batch instead). Not monotone in between: a walk block takes all of a
     sequence's splits, so a second, part-filled wave of them costs a whole walk. The launcher runs the kernels
     of the mode chosen."""
-    choose = [(hb, bound, [pa._walks("t", None, True, n, hb, bound) for n in range(1, 65)])
-              for hb, bound in [(4, 0), (2, 2048), (2, 128), (2, 0)]]
+    choose = [(hb, bound, [pa._walks("t", None, True, n, hb, bound, pa._min_chunk(window)) for n in range(1, 65)])
+              for hb, bound, window in [(4, 0, 0), (2, 2048, 0), (2, 128, 128), (2, 0, 0)]]
     for hb, bound, w in choose:
         assert not w[0] and w[-1], (hb, bound, w)
         assert not any(pa._walks("t", None, False, n, hb, bound) for n in range(1, 65))
     assert choose[2][2].index(True) < choose[1][2].index(True)     # V4's window walks sooner than GLM-5
-    # a GQA block of <= 16 heads skips its empty head group's mmas: its walk is cheaper, so it walks sooner
-    gqa16 = [pa._walks("t", None, True, n, 2, 0, cost=pa._WALK_SPLIT_COST_GQA16) for n in range(1, 65)]
-    assert not gqa16[0] and gqa16[-1] and gqa16.index(True) < choose[3][2].index(True)
     names = _launched(monkeypatch)
     heads, rw = 40, 64                      # 2 head blocks
     w = [pa._walks("t", None, True, n, 2, 0) for n in range(1, 65)]

@@ -22,15 +22,21 @@ __all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes", "MAX_ROW_WID
 _HEADS = 32            # query heads per block (kernel HEADS)
 _THREADS = 256
 _MAX_SPLITS = 64       # kernel MAX_SPLITS
-_MIN_CHUNK = 64        # positions per split at least: below this the partials cost more than they save
+# Positions per split at least (whole 32-row tiles). A split block's fixed costs (Q, the ring's fill, its
+# partials) are about a tile's work, so 4-tile chunks beat 2-tile ones from 8 sequences up and cost at most
+# 1.4 µs for one (H100, ctx 2049: DeepSeek-V3 split mode at B = 8 105 -> 74 µs, B = 1 24.9 -> 24.7, GLM-5 B = 1
+# 27.0 -> 28.4; the walk at B = 64 331 -> 322). A window (DeepSeek-V4's 128 rows) keeps 2-tile chunks: 4-tile
+# ones leave it one split (B = 1 24.4 -> 31.1 µs).
+_MIN_CHUNK = 128
+_MIN_CHUNK_WINDOW = 64
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
 _COMBINE_THREADS = 128
-# walk=None's cost model, in units of one split block (scripts/bench_attention.py, H200, ctx 2048: a wave of
-# split blocks of ~2 tiles each 6-11 µs; a walk block 0.45 (V3) to 0.57 (Qwen) of that per split it walks; an
-# empty split block ~0.15 of a block's slot). GQA blocks of <= 16 heads skip their empty head group's mmas, which
-# takes ~20% off a walk and ~3% off a split block (H100, Qwen3-Next's groups of 8): 0.42 there.
-_WALK_SPLIT_COST = 0.5
-_WALK_SPLIT_COST_GQA16 = 0.42
+# walk=None's cost model (`_walks`), in units of one split block, for sequences of _REF_ROWS rows (the benchmarks'
+# ctx; seq_len lives on the device): a walk block pays 0.69 of a split block for each split it walks, an empty
+# split block ~0.15 of a block's slot. Fitted to where the modes cross on an H100 with 4-tile chunks (ctx 2049:
+# DeepSeek-V3 between 16 and 32 sequences, GLM-5 with its 2048-row selection and Qwen3-Next at ~32).
+_REF_ROWS = 2048
+_WALK_SPLIT_COST = 0.69
 _EMPTY_SPLIT_COST = 0.15
 MAX_ROW_WIDTH = 576    # dk: nine 16-wide k-steps per head-dim quarter (kernel MAX_KSTEPS)
 MAX_HEAD_DIM = 512     # dv (and GQA head_dim): sixteen 8-wide n-tiles per quarter (kernel MAX_NTILES)
@@ -60,6 +66,11 @@ def _smem_bytes(dk: int, dv: int, sep_v: bool, fp8: bool, stage_row: int | None 
     return b
 
 
+def _min_chunk(window: int) -> int:
+    """The kernels' `min_chunk` for a call: a function of the call's family shape only, never of the batch."""
+    return _MIN_CHUNK_WINDOW if window > 0 else _MIN_CHUNK
+
+
 def _splits(num_seqs: int, head_blocks: int, invariant: bool = False) -> int:
     """Row chunks per sequence. Batch-invariant: chosen as for one sequence, so a sequence's chunking (and
     the combine order of its partials) does not depend on how many others run beside it."""
@@ -75,23 +86,25 @@ def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: i
 
 
 def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bound: int = 0,
-           cost: float = _WALK_SPLIT_COST) -> bool:
+           min_chunk: int = _MIN_CHUNK) -> bool:
     """The mode: `walk` if given, else (batch-invariant calls only: the non-invariant split count already shrinks
-    as the batch grows) whichever the cost model says is faster. Split mode: waves of the blocks with rows, plus
-    the empty ones; walk mode: waves of (head block, sequence) blocks, each walking every split with rows.
-    `bound` > 0: no sequence attends more positions than that (the window, or DSA's selection), so the splits
-    past ceil(bound / _MIN_CHUNK) are empty (V4's 128-row window: 2 of 66). `cost`: what a walk block pays for
-    each split it walks, in split blocks."""
+    as the batch grows) whichever the cost model says is faster for sequences of _REF_ROWS rows. Split mode:
+    waves of the blocks with rows, plus the empty ones; walk mode: waves of (head block, sequence) blocks, each
+    walking every split with rows. `bound` > 0: no sequence attends more positions than that (the window, or
+    DSA's selection). Splits with rows follow the kernels' chunk rule (V3: 16 of 33; V4's 128-row window: 2 of
+    64)."""
     need(walk is None or isinstance(walk, bool), f"{name}: walk {walk!r} must be None, True or False")
     if walk is not None:
         return walk
     if not invariant or num_seqs == 0:
         return False
     splits = _splits(num_seqs, head_blocks, True)
-    used = min(splits, -(-bound // _MIN_CHUNK)) if bound > 0 else splits
+    n = min(bound, _REF_ROWS) if bound > 0 else _REF_ROWS
+    chunk = -(-max(min_chunk, -(-n // splits)) // 32) * 32
+    used = min(splits, -(-n // chunk))
     blocks = num_seqs * head_blocks
     split_waves = math.ceil((blocks * used + _EMPTY_SPLIT_COST * blocks * (splits - used)) / _TARGET_BLOCKS)
-    return -(-blocks // _TARGET_BLOCKS) * used * cost < split_waves
+    return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_waves
 
 
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
@@ -139,7 +152,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     out : bf16 [num_seqs, q_heads, head_dim].
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 27 Qwen3-Next sequences
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 32 Qwen3-Next sequences
         up), True (one block per (head block, sequence) walks the splits; no workspace) or False (split mode).
         The same bits either way.
     """
@@ -157,8 +170,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     need(q_row_stride % 2 == 0 and int(q) % 4 == 0, f"{name}: q rows must be 4-byte aligned (stride {q_row_stride})")
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
     blocks = q_heads // hpb
-    cost = _WALK_SPLIT_COST_GQA16 if hpb <= 16 else _WALK_SPLIT_COST   # <= 16 heads: the kernel skips a head group
-    walks = _walks(name, walk, invariant, num_seqs, blocks, cost=cost)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, min_chunk=_min_chunk(0))
     if num_seqs == 0:
         return
     smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
@@ -166,12 +178,12 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
         k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
         k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
             .arg_ptr(out).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim).arg_f32(scale) \
-            .arg_f32(kv_scale).arg_u32(splits).arg_u32(_MIN_CHUNK).launch(stream)
+            .arg_f32(kv_scale).arg_u32(splits).arg_u32(_min_chunk(0)).launch(stream)
         return
     k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, invariant)
     k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim) \
-        .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(_MIN_CHUNK).launch(stream)
+        .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(_min_chunk(0)).launch(stream)
     _combine(gpu, ws, ws_ml, NULL, out, num_seqs, q_heads, head_dim, splits, stream)
 
 
@@ -194,8 +206,8 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     out : bf16 [num_seqs, heads, v_width]; a sequence that attends nothing gets zeros.
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 17 DeepSeek-V3 sequences,
-        29 GLM-5 ones and 6 windowed V4 ones up), True (one block per (head block, sequence) walks
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 20 DeepSeek-V3 sequences,
+        32 GLM-5 ones and 6 windowed V4 ones up), True (one block per (head block, sequence) walks
         the splits; no workspace) or False (split mode). The same bits either way.
     """
     fp8 = kv_dtype == "fp8"
@@ -213,7 +225,8 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     need(int(q) % 4 == 0 and int(cache) % 16 == 0, f"{name}: q must be 4-byte and the cache 16-byte aligned")
     blocks = -(-heads // _HEADS)
     bound = min((b for b in (window, sel_stride if sel else 0) if b > 0), default=0)   # positions attended, at most
-    walks = _walks(name, walk, invariant, num_seqs, blocks, bound)
+    mc = _min_chunk(window)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, bound, min_chunk=mc)
     if num_seqs == 0:
         return
     stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
@@ -222,7 +235,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
         k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
         k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(sink).arg_ptr(out) \
             .arg_u32(num_seqs).arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window) \
-            .arg_ptr(sel).arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(_MIN_CHUNK)
+            .arg_ptr(sel).arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(mc)
         if fp8:
             k.arg_u32(nope)
         k.launch(stream)
@@ -230,7 +243,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, invariant)
     k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs) \
         .arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window).arg_ptr(sel) \
-        .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(_MIN_CHUNK)
+        .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(mc)
     if fp8:
         k.arg_u32(nope)
     k.launch(stream)
