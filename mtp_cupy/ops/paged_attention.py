@@ -20,6 +20,7 @@ from .kv_cache import fp8_block_layout
 __all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes", "MAX_ROW_WIDTH", "MAX_HEAD_DIM"]
 
 _HEADS = 32            # query heads per block (kernel HEADS)
+_TILE = 32             # cache rows per tile (kernel TILE); chunks are whole tiles
 _THREADS = 256
 _MAX_SPLITS = 64       # kernel MAX_SPLITS
 # Positions per split at least (whole 32-row tiles). A split block's fixed costs (Q, the ring's fill, its
@@ -71,6 +72,12 @@ def _min_chunk(window: int) -> int:
     return _MIN_CHUNK_WINDOW if window > 0 else _MIN_CHUNK
 
 
+def chunk_rows(n: int, splits: int, min_chunk: int) -> int:
+    """Positions per split of a sequence attending n positions (the kernels' rule): whole 32-row tiles, at least
+    min_chunk, few enough for `splits` chunks."""
+    return -(-max(min_chunk, -(-n // splits)) // _TILE) * _TILE
+
+
 def _splits(num_seqs: int, head_blocks: int, invariant: bool = False) -> int:
     """Row chunks per sequence. Batch-invariant: chosen as for one sequence, so a sequence's chunking (and
     the combine order of its partials) does not depend on how many others run beside it."""
@@ -100,8 +107,7 @@ def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bo
         return False
     splits = _splits(num_seqs, head_blocks, True)
     n = min(bound, _REF_ROWS) if bound > 0 else _REF_ROWS
-    chunk = -(-max(min_chunk, -(-n // splits)) // 32) * 32
-    used = min(splits, -(-n // chunk))
+    used = min(splits, -(-n // chunk_rows(n, splits, min_chunk)))
     blocks = num_seqs * head_blocks
     split_waves = math.ceil((blocks * used + _EMPTY_SPLIT_COST * blocks * (splits - used)) / _TARGET_BLOCKS)
     return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_waves
@@ -170,7 +176,8 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     need(q_row_stride % 2 == 0 and int(q) % 4 == 0, f"{name}: q rows must be 4-byte aligned (stride {q_row_stride})")
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
     blocks = q_heads // hpb
-    walks = _walks(name, walk, invariant, num_seqs, blocks, min_chunk=_min_chunk(0))
+    mc = _min_chunk(0)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, min_chunk=mc)
     if num_seqs == 0:
         return
     smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
@@ -178,12 +185,12 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
         k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
         k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
             .arg_ptr(out).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim).arg_f32(scale) \
-            .arg_f32(kv_scale).arg_u32(splits).arg_u32(_min_chunk(0)).launch(stream)
+            .arg_f32(kv_scale).arg_u32(splits).arg_u32(mc).launch(stream)
         return
     k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, invariant)
     k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim) \
-        .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(_min_chunk(0)).launch(stream)
+        .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(mc).launch(stream)
     _combine(gpu, ws, ws_ml, NULL, out, num_seqs, q_heads, head_dim, splits, stream)
 
 

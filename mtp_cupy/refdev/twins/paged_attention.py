@@ -8,12 +8,11 @@ so the only GPU-vs-twin difference is accumulation order."""
 import numpy as np
 
 from ...ops.kv_cache import fp8_block_layout
+from ...ops.paged_attention import chunk_rows
 from ...runtime.dtypes import BF16, FP8
 from ..access import kv_slots, meta_slab, slab_seq_len, slab_table
 from ..registry import twin
 from .kv_cache import decode_fp8_blocks
-
-TILE = 32  # the kernel's tile: chunks are whole tiles
 
 
 def _seq(dev, meta, meta_stride, s, window, dsa, sel_stride):
@@ -58,8 +57,7 @@ class Partials:
 def _add_splits(part, splits, min_chunk, h_sel, scores, vals):
     """The heads h_sel into `part`: scores float64 [len(h_sel), n] (-inf = masked), vals [n, dv]."""
     n = vals.shape[0]
-    per = -(-n // splits)
-    chunk = -(-max(per, min_chunk) // TILE) * TILE
+    chunk = chunk_rows(n, splits, min_chunk)
     for c in range(splits):
         p0, p1 = c * chunk, min(n, (c + 1) * chunk)
         if p0 >= p1:
