@@ -227,29 +227,33 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
         if (r < sp.lo || r >= sp.seq_len) r = -1;
         return r >= 0 ? sp.table[r >> KV_BLOCK_SHIFT] : 0;
     };
+    // per thread: its row's shared-memory addresses in buffer 0 (a buffer adds a constant), its chunk's offset
+    const u32 kdst0 = RAW ? smem_addr(stage + lrow * stage_row + 16 * lsub) : smem_addr(Kt + lrow * ks_ + 8 * lsub);
+    const u32 vdst0 = RAW ? smem_addr(stage + lrow * stage_row + dk + 16 * lsub) : smem_addr(Vt + lrow * vs_ + 8 * lsub);
+    const u32 kbuf_bytes = RAW ? TILE * stage_row : TILE * ks_ * 2, vbuf_bytes = RAW ? TILE * stage_row : TILE * vs_ * 2;
     auto load_tile = [&](u32 buf, i32 r, i32 entry) {
         if (lsub == 0) rowok[buf * TILE + lrow] = r >= 0;
-        u64 off = 0;
-        if (r >= 0) off = kv_slot_at(entry, r) * a.row_bytes + a.col_bytes;
+        u64 off = 16 * lsub;
+        if (r >= 0) off += kv_slot_at(entry, r) * a.row_bytes + a.col_bytes;
         const u32 nb = r >= 0 ? 16 : 0;
         const u32 kch = KVF == KV_FP8_BLOCK ? stage_row / 16 : dk * esz / 16, vch = dv * esz / 16;
+        // copy j: chunk lsub + 8 j, 128 j bytes on from the thread's first (source and destination alike)
+        const u8* ksrc = a.kc + off;
+        const u32 kdst = kdst0 + buf * kbuf_bytes;
 #pragma unroll
         for (u32 j = 0; j < (kch + 7) / 8; ++j) {
-            const u32 i = lsub + 8 * j;
-            if (i >= kch) break;
-            const u32 dst = RAW ? smem_addr(stage + (buf * TILE + lrow) * stage_row + 16 * i)
-                                : smem_addr(Kt + (buf * TILE + lrow) * ks_ + 8 * i);
-            cp_async16(dst, a.kc + off + 16 * i, nb);
+            if (lsub + 8 * j >= kch) break;
+            cp_async16(kdst + 128 * j, ksrc + 128 * j, nb);
         }
-        if (SEPV)
+        if (SEPV) {
+            const u8* vsrc = a.vc + off;
+            const u32 vdst = vdst0 + buf * vbuf_bytes;
 #pragma unroll
             for (u32 j = 0; j < (vch + 7) / 8; ++j) {
-                const u32 i = lsub + 8 * j;
-                if (i >= vch) break;
-                const u32 dst = RAW ? smem_addr(stage + (buf * TILE + lrow) * stage_row + dk + 16 * i)
-                                    : smem_addr(Vt + (buf * TILE + lrow) * vs_ + 8 * i);
-                cp_async16(dst, a.vc + off + 16 * i, nb);
+                if (lsub + 8 * j >= vch) break;
+                cp_async16(vdst + 128 * j, vsrc + 128 * j, nb);
             }
+        }
     };
 
     // Q fragments (mma A operand): warp (hg, qt) owns heads hg*16 .. +15 and head-dim quarter qt; columns
@@ -305,6 +309,13 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     // ldmatrix lane offsets: K (non-trans, rows = cache rows), P (A operand), V (trans, rows = cache rows).
     const u32 k_row = (lane & 7) + ((lane >> 4) << 3), k_col = ((lane >> 3) & 1) * 8;
     const u32 x_row = (lane & 7) + ((lane >> 3) & 1) * 8, x_col = (lane >> 4) * 8;
+    // their shared-memory addresses in buffer 0 at the warp's first k-step / value column (bytes; a buffer, a
+    // k-step, an n-tile pair add constants): K and Q for S, P and V for P V
+    const u32 k_lane = smem_addr(Kt + k_row * ks_ + qt * KS * 16 + k_col);
+    const u32 q_lane = smem_addr(Qsm + (hg * 16 + x_row) * ks_ + qt * KS * 16 + x_col);
+    const u32 p_lane = smem_addr(Phi + (hg * 16 + x_row) * P_STRIDE + x_col);
+    const u32 vstride = SEPV ? vs_ : ks_;
+    const u32 v_lane = smem_addr((SEPV ? Vt : Kt) + x_row * vstride + qt * VW + x_col);
 
     // Three buffers, copies two tiles ahead: tile t + 2's copies are issued after tile t's first barrier, when
     // every thread is done with tile t - 1 (the buffer they overwrite), so a tile needs no closing barrier. One
@@ -322,13 +333,14 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     i32 e_next = entry_of(r_next);
     const u32 split_tiles = chunk / TILE;
     u32 tin = 0;   // tile t's index inside its split (p_begin is a split's first position)
-    for (u32 t = 0; t < ntiles; ++t) {
-        const u32 buf = t % 3, bb = RAW ? 0 : buf;
+    u32 buf = 0, buf2 = 2;   // t % 3 and (t + 2) % 3
+    for (u32 t = 0; t < ntiles; ++t, buf = buf == 2 ? 0 : buf + 1, buf2 = buf2 == 2 ? 0 : buf2 + 1) {
+        const u32 bb = RAW ? 0 : buf;
         const bool split_first = tin == 0, split_end = tin + 1 == split_tiles || t + 1 == ntiles;
         tin = split_end ? 0 : tin + 1;
         cp_wait<1>();
         __syncthreads();
-        if (t + 2 < ntiles) load_tile((t + 2) % 3, r_next, e_next);
+        if (t + 2 < ntiles) load_tile(buf2, r_next, e_next);
         cp_commit();
         r_next = r_later;
         e_next = entry_of(r_next);
@@ -384,22 +396,20 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
 
         // S partial = Q[16 heads, quarter] . K[32 rows, quarter]^T -> Sp[qt]
         if (live) {
-            const __nv_bfloat16* kt = Kt + bb * TILE * ks_;
+            const u32 kb = k_lane + bb * (TILE * ks_ * 2);
             float sacc[4][4];
 #pragma unroll
             for (u32 nt = 0; nt < 4; ++nt) sacc[nt][0] = sacc[nt][1] = sacc[nt][2] = sacc[nt][3] = 0.f;
 #pragma unroll
             for (u32 ks = 0; ks < MAX_KSTEPS; ++ks) {
                 if (ks < KS) {
-                    const u32 col = (qt * KS + ks) * 16 + k_col;
                     u32 qa[4];
-                    if constexpr (QS)
-                        ldsm_x4(qa, smem_addr(Qsm + (hg * 16 + x_row) * ks_ + (qt * KS + ks) * 16 + x_col));
+                    if constexpr (QS) ldsm_x4(qa, q_lane + ks * 32);
                     const u32 (&qv)[4] = QS ? qa : qf[QS ? 0 : ks];
 #pragma unroll
                     for (u32 np = 0; np < 2; ++np) {
                         u32 b[4];
-                        ldsm_x4(b, smem_addr(kt + (np * 16 + k_row) * ks_ + col));
+                        ldsm_x4(b, kb + (np * 16 * ks_ + ks * 16) * 2);
                         mma_bf16(sacc[2 * np], qv, b[0], b[1]);
                         mma_bf16(sacc[2 * np + 1], qv, b[2], b[3]);
                     }
@@ -459,8 +469,7 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
 
         // O[16 heads, this warp's columns] = alpha * O + (Phi + Plo) . V
         if (live) {
-            const __nv_bfloat16* vt = SEPV ? Vt + bb * TILE * vs_ : Kt + bb * TILE * ks_;
-            const u32 vstride = SEPV ? vs_ : ks_;
+            const u32 vb = v_lane + bb * (TILE * vstride * 2);
             const float aA = alpha_s[hg * 16 + g], aB = alpha_s[hg * 16 + g + 8];
             // a split's first tile finds o = +0 (and alpha = 0: m_run was -inf), and once the running max settles
             // alpha is 1 for every head of the warp: o * alpha == o in both cases, so skip it
@@ -474,14 +483,13 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
 #pragma unroll
             for (u32 kk = 0; kk < 2; ++kk) {
                 u32 ph[4], pl[4];
-                const u32 poff = (hg * 16 + x_row) * P_STRIDE + kk * 16 + x_col;
-                ldsm_x4(ph, smem_addr(Phi + poff));
-                ldsm_x4(pl, smem_addr(Plo + poff));
+                ldsm_x4(ph, p_lane + kk * 32);
+                ldsm_x4(pl, p_lane + (HEADS * P_STRIDE + kk * 16) * 2);   // Plo = Phi + HEADS * P_STRIDE
 #pragma unroll
                 for (u32 np = 0; np < MAX_NTILES / 2; ++np) {
                     if (2 * np < NTV) {
                         u32 b[4];
-                        ldsm_x4_t(b, smem_addr(vt + (kk * 16 + x_row) * vstride + qt * VW + np * 16 + x_col));
+                        ldsm_x4_t(b, vb + (kk * 16 * vstride + np * 16) * 2);
                         mma_bf16(o[2 * np], ph, b[0], b[1]);
                         mma_bf16(o[2 * np], pl, b[0], b[1]);
                         mma_bf16(o[2 * np + 1], ph, b[2], b[3]);
