@@ -229,6 +229,8 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     u32 iw = 0, iu = 0, islot = 0, left = nwalk * nunit, in0 = 0;
     const u8* wsrc[2] = {nullptr, nullptr};
     const u8* pf = nullptr;  // fp4: the block scales of tile row `lane`, prefetched into L2 with each stage
+    bool whole = false;      // every row of the tile is below N: row 4i + cr is row cr's address + (i % 4) 4 rows
+    const u32 rb4 = 4 * (u32)rowbytes;   // < 4 GB: an expert's four rows
     auto issue = [&]() {
         if (left) {
             --left;
@@ -242,16 +244,32 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                     const u32 sr = lane >> 4, n = min(in0 + (GU ? 0u : 16u * sr) + (lane & 15), N - 1);
                     pf = (const u8*)(GU && sr ? tb[1] : ta[1]) + (u64)n * (F == NVFP4 ? K / 16 : K / 32);
                 }
+                whole = wsrc[0] && in0 + (GU ? 15u : 31u) < N;
+                if (whole) {   // from here on wsrc[s] is row cr of slab s (the same rows as the clamped path)
+                    const u8* w1 = wsrc[GU ? 1 : 0];
+                    wsrc[0] += (u64)(in0 + cr) * rowbytes;
+                    wsrc[1] = w1 + (u64)(in0 + (GU ? 0u : 16u) + cr) * rowbytes;
+                }
             }
             const u32 c0 = (ks + iu * KS) * CH, ch = c0 + cc;
             const bool ok = wsrc[0] && ch < KCH;
             uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
+            if (whole) {
 #pragma unroll
-            for (int i = 0; i < TR / 4; ++i) {
-                const int sr = i / 4;  // the slab of rows 4i + cr
-                const u32 r = 4 * i + cr, n = min(in0 + (GU ? 0u : 16u * sr) + (r & 15), N - 1);
-                const u8* src = ok ? wsrc[GU ? sr : 0] + (u64)n * rowbytes + ch * 16u : (const u8*)tab_a;
-                cp_async_stream(dst + r * CH, src, ok);
+                for (int s2 = 0; s2 < 2; ++s2) {
+                    const u8* base = wsrc[s2] + ch * 16u;
+#pragma unroll
+                    for (int i = 4 * s2; i < 4 * s2 + 4; ++i)
+                        cp_async_stream(dst + (4 * i + cr) * CH, ok ? base + (i & 3) * rb4 : (const u8*)tab_a, ok);
+                }
+            } else {
+#pragma unroll
+                for (int i = 0; i < TR / 4; ++i) {
+                    const int sr = i / 4;  // the slab of rows 4i + cr
+                    const u32 r = 4 * i + cr, n = min(in0 + (GU ? 0u : 16u * sr) + (r & 15), N - 1);
+                    const u8* src = ok ? wsrc[GU ? sr : 0] + (u64)n * rowbytes + ch * 16u : (const u8*)tab_a;
+                    cp_async_stream(dst + r * CH, src, ok);
+                }
             }
             if (FP4 && wsrc[0]) prefetch_l2(pf + c0 * (F == NVFP4 ? 2 : 1));
             if (++iu == nunit) iu = 0, ++iw;
