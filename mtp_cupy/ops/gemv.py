@@ -41,6 +41,8 @@ INFLIGHT_PER_SM = 48 * 1024  # weight bytes in flight per SM (ring stages being 
 SMEM_PER_SM = 228 * 1024   # H100/H200 shared memory per SM (1 KB of it reserved per block)
 SMEM_PER_BLOCK = 227 * 1024
 REGS_PER_SM = 65536
+SUBPARTITIONS = 4          # an SM's schedulers; each owns a quarter of the register file
+REG_ALLOC_UNIT = 256       # registers are given to a warp in units of this many
 MAX_KB = 8                 # blocks per cluster: the portable limit
 X64_GROUPS = 8    # the 64-row kernels (*_batch64): 16-row weight groups a block (kernel XG_RG), sharing its staged x
 X64_ROWS = 64     # x rows they stage a pass (kernel XG_ROWS)
@@ -159,6 +161,15 @@ def _regs(gpu: Backend, name: str) -> int:
     return _REGS[key]
 
 
+def warps_by_regs(regs: int) -> int:
+    """Warps of a kernel using `regs` registers a thread that an SM holds by registers: each warp takes its
+    registers (rounded up to REG_ALLOC_UNIT) from one scheduler's quarter of the file, so 112 registers give 4 x 4
+    warps, not 65536 / 3584 = 18 (the launch plans used that count and ran 1.12 waves of their persistent grids:
+    the tail was 7% of Qwen3-Next's expert down projection at 64 rows)."""
+    per_warp = -(-max(regs, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
+    return SUBPARTITIONS * (REGS_PER_SM // SUBPARTITIONS // per_warp)
+
+
 @functools.lru_cache(maxsize=1024)
 def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: int, passes: int = 1) -> Plan:
     g = _GEOM[name]
@@ -169,7 +180,6 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: in
     units = -(-(k // g.kchunk) // g.unit_chunks)
     stage = g.tile_rows * g.unit_chunks * 16
     want = tune.warps_per_sm or g.wps
-    regs_alloc = -(-max(regs, 1) // 8) * 8
     best = None
     # k splits across blocks only when the row tiles are fewer than the multiprocessors
     kbs = [tune.kb] if tune.kb else [kb for kb in (1, 2, 4, 8) if kb == 1 or (kb <= max_kb and tiles < sms)]
@@ -180,7 +190,7 @@ def _plan(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: in
             while s > min(2, s) and ks * s * stage + red > SMEM_PER_BLOCK:  # shrink to fit, not below 2 stages
                 s -= 1
             smem = ks * s * stage + red
-            per_sm = min(32, 64 // ks, REGS_PER_SM // (regs_alloc * 32 * ks), SMEM_PER_SM // (smem + 1024))
+            per_sm = min(32, 64 // ks, warps_by_regs(regs) // ks, SMEM_PER_SM // (smem + 1024))
             if smem > SMEM_PER_BLOCK or per_sm < 1 or kb > max_kb:
                 continue
             nb = tune.blocks or min(sms * per_sm, -(-sms * want // ks)) // kb
@@ -239,7 +249,7 @@ def _plan_x64(fmt: str, n: int, k: int, ks: int, kb: int, sms: int, regs: int, m
         part = x * X64_GROUPS * X64_PART if cb > 1 else (x - 1) * X64_GROUPS * 32 * 32 * 4   # gemv.cu PART_U4
         for s in ([stages] if stages else [6, 5, 4, 3, 2]):
             smem = part + s * stage
-            per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 2048 // threads)
+            per_sm = min(SMEM_PER_SM // (smem + 1024), warps_by_regs(regs) // (threads // 32), 2048 // threads)
             if smem > SMEM_PER_BLOCK or per_sm < 1:
                 continue
             walkers = max(1, min(tiles, sms * per_sm // cb))

@@ -14,7 +14,7 @@ import numpy as np
 from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 from ._util import blocks_for, kept_workspace, launch, need
-from .gemv import REGS_PER_SM, SMEM_PER_BLOCK, SMEM_PER_SM, _sms
+from .gemv import SMEM_PER_BLOCK, SMEM_PER_SM, _sms, warps_by_regs
 
 __all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "MAX_PLAN_PAIRS",
            "expert_table", "moe_gemv",
@@ -273,8 +273,7 @@ def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: i
     at most one block per work unit and at most `blocks`; a ring as deep as shared memory allows them (2 .. 8
     stages, at most a warp's units + 1). None of it changes a result but ks (mma_ks)."""
     ks = mma_ks(fmt, k)
-    regs = -(-_mma_regs(gpu, name, fmt) // 8) * 8
-    per_sm = max(1, min(32, 64 // ks, REGS_PER_SM // (regs * 32 * ks)))
+    per_sm = max(1, min(32, 64 // ks, warps_by_regs(_mma_regs(gpu, name, fmt)) // ks))
     units = -(-(k // CHUNK[fmt]) // 8)
     per_warp = -(-units // ks)
     red = mma_red_bytes(ks, rows)
