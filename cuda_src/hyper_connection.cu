@@ -12,36 +12,56 @@
 #define MIX_MAX ((2 + HC_MAX) * HC_MAX)   // pre | post | comb coefficients of hc_pre
 
 // part[s, r, m] = sum over columns c of chunk s of X[r, c] * fn[m, c] (m < mix); part[s, r, mix] = sum X^2.
-// grid (chunks, rows): one block per (chunk, row), so 32 decode rows keep 32x the blocks busy; fn's chunk is
-// re-read from L2 per row.
+// grid (chunks, row groups of rpb <= MIX_ROWS rows): a thread keeps fn at its (at most MIX_CPT) columns of the
+// chunk in registers for every row of its group, so fn leaves L2 once per group, not once per row (64 decode
+// rows read the 1.5 MB of V4-Flash's fn 64 times otherwise), while small batches keep a block per row. A row's
+// sums do not depend on its group: each thread adds its columns in column order, then a warp sum and the warps
+// in index order, whatever the rows beside it.
+#define MIX_CPT 2    // columns a thread owns: chunk <= MIX_CPT * blockDim (ops/hyper_connection.py)
+#define MIX_ROWS 8   // most rows a block takes
 extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const float* __restrict__ fn,
-                                  float* __restrict__ part, u32 rows, u32 k, u32 mix, u32 chunk) {
+                                  float* __restrict__ part, u32 rows, u32 k, u32 mix, u32 chunk, u32 rpb) {
     pdl_entry();
-    __shared__ float red[32][MIX_MAX + 1];
-    const u32 s = blockIdx.x, r = blockIdx.y, c0 = s * chunk, c1 = min(k, c0 + chunk);
+    __shared__ float red[2][32][MIX_MAX + 1];   // two buffers: one barrier a row
+    const u32 s = blockIdx.x, r0 = blockIdx.y * rpb, c0 = s * chunk, c1 = min(k, c0 + chunk);
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    float acc[MIX_MAX + 1];
+    const u32 nr = min(rows - r0, min(rpb, (u32)MIX_ROWS));
+    float f[MIX_CPT][MIX_MAX], xv[MIX_ROWS][MIX_CPT];
 #pragma unroll
-    for (int m = 0; m <= MIX_MAX; ++m) acc[m] = 0.f;
-    const __nv_bfloat16* xr = X + (u64)r * k;
-    for (u32 c = c0 + threadIdx.x; c < c1; c += blockDim.x) {
-        const float x = bf2f(xr[c]);
-        acc[MIX_MAX] += x * x;
+    for (int i = 0; i < MIX_CPT; ++i) {         // every load of the block's rows in flight before the math
+        const u32 c = c0 + threadIdx.x + i * blockDim.x;
 #pragma unroll
-        for (int m = 0; m < MIX_MAX; ++m)
-            if (m < (int)mix) acc[m] += x * fn[(u64)m * k + c];
+        for (int m = 0; m < MIX_MAX; ++m) f[i][m] = c < c1 && m < (int)mix ? fn[(u64)m * k + c] : 0.f;
+#pragma unroll
+        for (int j = 0; j < MIX_ROWS; ++j) xv[j][i] = c < c1 && j < (int)nr ? bf2f(X[(u64)(r0 + j) * k + c]) : 0.f;
     }
 #pragma unroll
-    for (int m = 0; m <= MIX_MAX; ++m) {
-        const float v = warp_sum(acc[m]);
-        if (lane == 0) red[wid][m] = v;
-    }
-    __syncthreads();
-    for (u32 m = threadIdx.x; m <= mix; m += blockDim.x) {
-        const int src = m == mix ? MIX_MAX : (int)m;
-        float v = 0.f;
-        for (int w = 0; w < nw; ++w) v += red[w][src];
-        part[((u64)s * rows + r) * (mix + 1) + m] = v;
+    for (int j = 0; j < MIX_ROWS; ++j) {
+        if (j >= (int)nr) break;                // block-uniform
+        float acc[MIX_MAX + 1];
+#pragma unroll
+        for (int m = 0; m <= MIX_MAX; ++m) acc[m] = 0.f;
+#pragma unroll
+        for (int i = 0; i < MIX_CPT; ++i) {
+            if (c0 + threadIdx.x + i * blockDim.x >= c1) break;
+            const float x = xv[j][i];
+            acc[MIX_MAX] += x * x;
+#pragma unroll
+            for (int m = 0; m < MIX_MAX; ++m)
+                if (m < (int)mix) acc[m] += x * f[i][m];
+        }
+#pragma unroll
+        for (int m = 0; m <= MIX_MAX; ++m) {
+            const float v = warp_sum(acc[m]);
+            if (lane == 0) red[j & 1][wid][m] = v;
+        }
+        __syncthreads();
+        for (u32 m = threadIdx.x; m <= mix; m += blockDim.x) {
+            const int src = m == mix ? MIX_MAX : (int)m;
+            float v = 0.f;
+            for (int w = 0; w < nw; ++w) v += red[j & 1][w][src];
+            part[((u64)s * rows + r0 + j) * (mix + 1) + m] = v;
+        }
     }
 }
 

@@ -98,6 +98,23 @@ def test_hc_pre_sharp_logits(dev, rng):
     assert_close(x, rx, 8e-3, "x")
 
 
+@pytest.mark.parametrize("rpb", [1, 3, 8])
+def test_hc_pre_rows_alone(dev, rng, monkeypatch, rpb):
+    """A row's coefficients and collapse are the same bits alone as among 18 others whatever rows an hc_mix block
+    takes (groups share fn's reads; 19 leaves a partial group), and match the float64 reference."""
+    monkeypatch.setattr(ops.hyper_connection, "mix_rows", lambda rows: rpb)
+    X = rand_bf16(rng, (19, 4, 512), 3.0)
+    fn, scale, base = coeffs(rng, 4, 512, 24)
+    x, post, comb = run_pre(dev, X, fn, scale, base)
+    rx, _, rcomb = hc_pre_f64(X, fn, scale, base)
+    assert_close(x, rx, 8e-3, "x")
+    np.testing.assert_allclose(comb, rcomb, rtol=1e-4, atol=1e-6)
+    for r in (0, 2, 3, 7, 8, 16, 18):
+        xr, pr, cr = run_pre(dev, X[r:r + 1], fn, scale, base)
+        for name, a, b in (("x", xr[0], x[r]), ("post", pr[0], post[r]), ("comb", cr[0], comb[r])):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"row {r}: {name} differs alone"
+
+
 @pytest.mark.parametrize("rows,hc,dim", [(1, 4, 256), (7, 4, 512), (32, 3, 256)])
 def test_hc_head(dev, rng, rows, hc, dim):
     X = rand_bf16(rng, (rows, hc, dim), 2.0)

@@ -56,7 +56,7 @@ def _sum(c: np.ndarray, axis: int) -> np.ndarray:
 
 
 @twin("hyper_connection", "hc_mix")
-def hc_mix(dev, X, fn, part, rows, k, mix, chunk):
+def hc_mix(dev, X, fn, part, rows, k, mix, chunk, rpb):   # rpb: rows a block takes (geometry only)
     x = dev.view(X, BF16, (rows, k)).astype(np.float64)
     w = dev.view(fn, np.float32, (mix, k)).astype(np.float64)
     nsplit = -(-k // chunk)
