@@ -14,9 +14,9 @@
 // part[s, r, m] = sum over columns c of chunk s of X[r, c] * fn[m, c] (m < mix); part[s, r, mix] = sum X^2.
 // grid (chunks, row groups of rpb <= MIX_ROWS rows): a thread keeps fn at its (at most MIX_CPT) columns of the
 // chunk in registers for every row of its group, so fn leaves L2 once per group, not once per row (64 decode
-// rows read the 1.5 MB of V4-Flash's fn 64 times otherwise), while small batches keep a block per row. A row's
-// sums do not depend on its group: each thread adds its columns in column order, then a warp sum and the warps
-// in index order, whatever the rows beside it.
+// rows read the 1.5 MB of V4-Flash's fn 64 times otherwise); the launcher keeps the groups small at small batches
+// (ops/hyper_connection.py mix_rows). A row's sums do not depend on its group: each thread adds its columns in
+// column order, then a warp sum and the warps in index order, whatever the rows beside it.
 #define MIX_CPT 2    // columns a thread owns: chunk <= MIX_CPT * blockDim (ops/hyper_connection.py)
 #define MIX_ROWS 8   // most rows a block takes
 extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const float* __restrict__ fn,
