@@ -164,8 +164,8 @@ def _regs(gpu: Backend, name: str) -> int:
 def warps_by_regs(regs: int) -> int:
     """Warps of a kernel using `regs` registers a thread that an SM holds by registers: each warp takes its
     registers (rounded up to REG_ALLOC_UNIT) from one scheduler's quarter of the file, so 112 registers give 4 x 4
-    warps, not 65536 / 3584 = 18 (the launch plans used that count and ran 1.12 waves of their persistent grids:
-    the tail was 7% of Qwen3-Next's expert down projection at 64 rows)."""
+    warps, not 65536 / 3584 = 18. Counting the whole file instead overplans persistent grids, whose surplus blocks
+    then run as a partial second wave."""
     per_warp = -(-max(regs, 1) * 32 // REG_ALLOC_UNIT) * REG_ALLOC_UNIT
     return SUBPARTITIONS * (REGS_PER_SM // SUBPARTITIONS // per_warp)
 
