@@ -20,14 +20,20 @@ def load(fam, host_path, **kw):
                                   max_sequences=5, host_path=host_path, **kw)
 
 
+def staged(buf):
+    """A pinned stage's bytes; None for one not made yet or made and never written (stages are made zeroed on first
+    use, and the compiled path makes them when it first aims at them, even for a call it then refuses)."""
+    return None if buf is None or not buf.any() else buf.tobytes()
+
+
 def state_of(prop, states):
     kv = prop.kv
     return {"seqs": [(list(s.keys), s.blocks.rows, list(s.blocks.table), s.last_num_drafted, list(s.last_drafts))
                      for s in states],
             "cols": kv._cols.tobytes(), "tables": kv._tables.tobytes(), "free": kv._free.tobytes(),
             "used": bytes(kv._used), "drafts": prop._drafts_rows().tobytes(),
-            "stage": None if prop._stage is None else prop._stage.tobytes(),
-            "prefill_stage": None if prop._prefill_stage is None else prop._prefill_stage[0].tobytes()}
+            "stage": staged(prop._stage),
+            "prefill_stage": staged(None if prop._prefill_stage is None else prop._prefill_stage[0])}
 
 
 def both(props, fn):
