@@ -158,8 +158,9 @@ def main() -> int:
         ap.error("--catch-up times the batch calls: give --batch > 1")
     room = 64 + (3 * a.calls + 40 if a.catch_up else 0)   # warm-up, timed, phased and profiled calls
     p, states, toks, h = build(a.family, a.device, a.batch, a.k, a.ctx, ckpt, a.hidden_on, room, a.host_path)
-    if a.skip_chain:   # no launches: the chain, and the rows prefill_batch writes
-        p._chain = p._write_rows = lambda *args, **kw: None
+    if a.skip_chain:   # no launches: the chain (its outbox marked published), and the rows prefill_batch writes
+        p._chain = lambda *args, **kw: p._outbox_words.__setitem__(0, p._seq)
+        p._write_rows = lambda *args, **kw: None
     fn = (catch_up_of if a.catch_up else call_of)(p, states, toks, h, a.ctx, a.k)
     for _ in range(20):
         fn()

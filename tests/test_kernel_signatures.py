@@ -453,6 +453,13 @@ def _vocab_argmax(dev, mem):
     ops.widen_bf16_f32(dev, mem(2 * 40), mem(4 * 40), 40)
 
 
+@exercise
+def _call_io(dev, mem):
+    stage, ctl = mem(96), mem(ops.CTL_BYTES)
+    ops.call_stage_in(dev, stage, mem(96), 96, ctl, mem(64), mem(4), hidden_bytes=64)
+    ops.call_publish(dev, mem(4 * 6), mem(4 * 6), mem(4 * 6), 6, mem(16 + 3 * 4 * 6), mem(4))
+
+
 def recorded_launches(monkeypatch):
     rec = Recorder(monkeypatch)
     dev = RefBackend()

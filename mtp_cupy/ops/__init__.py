@@ -15,3 +15,4 @@ from .grouped_gemv import *  # noqa: F401,F403
 from .hyper_connection import *  # noqa: F401,F403
 from .dsa import *  # noqa: F401,F403
 from .vocab_argmax import *  # noqa: F401,F403
+from .call_io import *  # noqa: F401,F403

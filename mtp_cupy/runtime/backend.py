@@ -203,6 +203,15 @@ class Backend:
         """Host staging memory (page-locked on CUDA: a captured copy from it reads it at replay time)."""
         return np.zeros(int(nbytes), np.uint8)
 
+    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DevicePtr]:
+        """Zeroed host memory kernels read and write in place: (the host's uint8 array, the address kernels
+        take). Page-locked and mapped on CUDA; on the NumPy device a segment of its address space."""
+        raise NotImplementedError
+
+    def stream_done(self, stream) -> bool:
+        """Whether all work queued on `stream` has run (never waits). A failed kernel raises here."""
+        return True
+
     def using(self, stream):
         """Context making `stream` the one launches with stream=None go to."""
         return contextlib.nullcontext()

@@ -168,6 +168,18 @@ class CupyBackend(Backend):
         self._pinned.append(mem)          # the array does not own the pinned block
         return arr
 
+    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DevicePtr]:
+        arr = self.alloc_pinned(nbytes)
+        arr[:] = 0
+        host = arr.ctypes.data
+        dev = int(self.cp.cuda.runtime.pointerGetAttributes(host).devicePointer)
+        if dev != host:   # unified addressing maps pinned memory at its host address (every 64-bit Linux GPU)
+            raise KernelError(f"pinned host memory at 0x{host:x} is mapped at 0x{dev:x}, not at its host address")
+        return arr, DevicePtr(dev)
+
+    def stream_done(self, stream) -> bool:
+        return bool(self._stream(stream).done)
+
     def using(self, stream):
         return stream
 

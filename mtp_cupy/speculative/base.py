@@ -14,7 +14,9 @@ It sets `self.carry` after super().__init__ and may override `_hidden_shapes` (V
 
 Batches. `propose_batch` drafts for B sequences in one chain of k steps over B rows (`propose` is a batch of
 one). Every sequence has its own slab (its position, slot, seq_len and block table), staged for all k steps
-in pinned host memory and copied in by the chain itself. A row's arithmetic does not depend on the rows
+in mapped host memory. The chain's first kernel reads the stage in (and fetches a device hidden); its last one
+writes the drafts into a mapped outbox, then the call's sequence number, which the host spins on (ops/call_io.py:
+no copy call and no stream wait on either side of the graph). A row's arithmetic does not depend on the rows
 beside it (batch-invariant launch geometry), so a sequence drafts the same whatever batch it is in.
 
 CUDA graphs: the chain is captured once per (k, bucket, masked, outputs, variant) and replayed, with the
@@ -26,16 +28,17 @@ device work on fixed buffers and read every per-call value from device memory.
 Tensors and streams (torch serving loops). Hiddens, tokens and positions may be any DLPack object (torch or
 cupy tensors, CPU or CUDA) besides NumPy arrays (`speculative/inputs.py`). A C-contiguous bf16 CUDA tensor on the
 proposer's GPU is read in place: on the eager path the chain reads the caller's pointer; on the graph path (a
-graph captures the `hidden_in` address) it is one device-to-device copy into `hidden_in`; neither touches the
-host. Other tensors are converted once (f32/f16 rounded to bf16 on the device, strided ones made contiguous; CPU
-ones on the host). Work runs on `self.stream`: the proposer's own blocking stream, or the caller's
-(`load_proposer(..., stream=s)`); a per-call `stream=s` makes the proposer's stream wait for s before the call's
-work and s wait for it after (events, no host wait). Device tokens / positions are read to the host (a wait on
-the proposer's stream: they drive the checks and the host-side metadata). The only host waits are the
-result read the caller asks for (host results, the default; `device_results=True` returns device arrays
-instead) and, before restaging the pinned slabs, a wait for this proposer's previous chain to have read them.
-Inputs are read asynchronously: keep a tensor unchanged until the call's work ran (host results: until the
-call returns; otherwise pass `stream=` or share the stream).
+graph captures the `hidden_in` address) the chain's first kernel copies it into `hidden_in` (a device-to-device
+copy call when its address is not 16-byte aligned); neither touches the host. Other tensors are converted once
+(f32/f16 rounded to bf16 on the device, strided ones made contiguous; CPU ones on the host). Work runs on
+`self.stream`: the proposer's own blocking stream, or the caller's (`load_proposer(..., stream=s)`); a per-call
+`stream=s` makes the proposer's stream wait for s before the call's work and s wait for it after (events, no host
+wait). Device tokens / positions are read to the host (a wait on the proposer's stream: they drive the checks
+and the host-side metadata). The only host waits are for the results the caller asks for (host results, the
+default: a spin on the outbox; `device_results=True` returns device arrays instead) and, before restaging the
+mapped slabs, a wait for this proposer's previous chain to have read them. Inputs are read asynchronously: keep a
+tensor unchanged until the call's work ran (host results: until the call returns; otherwise pass `stream=` or
+share the stream).
 
 State changes happen only after every check passes; a failure inside the chain rolls every row back."""
 from __future__ import annotations
@@ -50,7 +53,7 @@ import numpy as np
 from .. import ops
 from ..cache import PagedKvCache, SeqBlocks
 from ..cache.paged import NBLOCKS, ROWS
-from ..errors import CapacityError, ConfigError, InputError
+from ..errors import CapacityError, ConfigError, InputError, KernelError
 from ..runtime import slab as slab_spec
 from ..runtime.arena import ForwardBuffers, OneStager, SlabStager, pack_mtp_attn_meta, stage_mtp_meta
 from ..runtime.ptr import NULL, DevicePtr
@@ -67,6 +70,10 @@ log = logging.getLogger("mtp_cupy")
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _NO_STREAM = contextlib.nullcontext()
+
+
+def _up16(n: int) -> int:
+    return -(-int(n) // 16) * 16
 
 
 class MtpProposerBase(Prefill):
@@ -122,15 +129,18 @@ class MtpProposerBase(Prefill):
         self._meta_off = -(-4 * B // 256) * 256
         regions = {"ids": 4 * B * (k + 1), "hidden_in": 2 * hmax * B, "logits": 4 * self.vocab_eff * B,
                    "flags": 4 * B * k, "lp": 4 * B * k, "mask": 4 * words * B * k,
-                   "call_in": self._meta_off + k * B * self.meta_stride,
+                   "call_in": _up16(self._meta_off + k * B * self.meta_stride), "call_seq": 16,
                    "prefill_in": 16 * self.max_prefill_rows + 4,   # speculative/prefill.py's staged rows
                    "prefill_hidden": 2 * hmax * self.max_prefill_rows}   # host rows, or a graphed pass's
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
         self.meta = self.bufs.call_in.offset(self._meta_off)   # step 0's slabs
-        # pinned host staging of call_in, and the inbox of a call's host hiddens (bf16 [max_batch, hmax]); the
-        # chain copies both in itself (inside the graph: no copy call per propose); made on first use
+        # mapped host staging of call_in (then the call's CallCtl), and the inbox of a call's host hiddens (bf16
+        # [max_batch, hmax]); the chain reads both in itself (inside the graph: no copy call per propose); the
+        # mapped outbox the chain's last kernel publishes the drafts to; made on first use
         self._stage = None
+        self._seq = 0   # the last call's sequence number (its CallCtl's, and what its outbox says when published)
+        self._outbox = None
         self._steps = {}   # (k, W) -> the [k, W * meta_stride] view of the stage's slabs
         self._stagers = {}   # (k, W, B) -> the SlabStager of a wide batch's B slabs in that view (B = 1: a OneStager)
         self._inbox = None
@@ -396,8 +406,14 @@ class MtpProposerBase(Prefill):
                     in_place = hid.ptr is not None and not graphed
                     h_elems = math.prod(hid.row_shape)
                     self._stage_inputs(None if host is not None else toks, hid, W, h_elems)
-                    if hid.host is None and not in_place:
-                        stage_hidden(gpu, hid, self.bufs.hidden_in)
+                    fetch = 0   # 16-byte words of device hiddens the chain's first kernel copies into hidden_in
+                    if hid.host is None and not in_place and int(hid.ptr) != int(self.bufs.hidden_in):
+                        if int(hid.ptr) % 16 == 0 and 2 * B * h_elems % 16 == 0:
+                            fetch = 2 * B * h_elems // 16
+                        else:
+                            stage_hidden(gpu, hid, self.bufs.hidden_in)
+                    self._seq = self._seq % 0xFFFFFFFF + 1
+                    ops.write_ctl(self._ctl, self._seq, fetch, int(hid.ptr) if fetch else 0)
                     hidden0 = hid.ptr if in_place else self.bufs.hidden_in
                     self._pad_rows(B, W, h_elems)
                     if masks is not None:
@@ -405,17 +421,19 @@ class MtpProposerBase(Prefill):
                     if host is None:
                         self._stage_slabs(states, rows0, poss, k, W, idx, cols)
                     inbox = 2 * W * h_elems if hid.host is not None else 0   # host hidden bytes the chain copies
+                    publish = not device_results
                     if graphed:
-                        key = (k, W, masks is not None, want_lp, return_logits, inbox, self._graph_variant())
+                        key = (k, W, masks is not None, want_lp, return_logits, inbox, publish,
+                               self._graph_variant())
                         self._replay(key, lambda: self._chain(k, W, masks is not None, want_lp, return_logits,
-                                                              hidden0, inbox))
+                                                              hidden0, inbox, publish))
                     else:
-                        self._chain(k, W, masks is not None, want_lp, return_logits, hidden0, inbox)
+                        self._chain(k, W, masks is not None, want_lp, return_logits, hidden0, inbox, publish)
                     hid.require_finite()   # while the chain runs; a NaN row has only written rows dropped below
                     if device_results:
                         self._mark_stage_read()
                         out = self._device_results(k, W, B, return_logits)
-                    else:   # the read waits for the stream: the chain has read the stage (no event needed)
+                    else:   # the outbox is published after the chain read the stage (no event needed)
                         out = self._host_results(k, W, B, masks is not None, want_lp, return_logits)
             except Exception:
                 self._mark_stage_read()
@@ -435,13 +453,27 @@ class MtpProposerBase(Prefill):
         self._stage_done = self._chain_done
 
     def _host_results(self, k: int, W: int, B: int, masked: bool, want_lp: bool, logits: bool) -> dict:
-        """The chain's outputs read to the host on the proposer's stream (a wait on it, not on the device)."""
-        gpu, st = self.gpu, self.stream
-        return {"ids": gpu.read(self.bufs.ids.offset(4 * W), np.int32, (k, W), stream=st)[:, :B],
-                "flags": gpu.read(self.bufs.flags, np.int32, (k, W), stream=st)[:, :B] if masked else None,
-                "lps": gpu.read(self.bufs.lp, np.float32, (k, W), stream=st)[:, :B] if want_lp else None,
-                "logits": gpu.read(self._all_logits.ptr, np.float32, (k, W, self.vocab_eff), stream=st)[:, :B]
+        """The chain's outputs from the outbox its last kernel published (ids, flags, log-probs: [k, W] each,
+        once this call's seq is there); the logits, when asked for, read on the proposer's stream after it."""
+        n, h = k * W, ops.OUTBOX_HEAD
+        self._await_outbox()
+        got = self._outbox_words[h:h + (3 if want_lp else 2 if masked else 1) * n].copy()
+        st = self.stream
+        return {"ids": got[:n].view(np.int32).reshape(k, W)[:, :B],
+                "flags": got[n:2 * n].view(np.int32).reshape(k, W)[:, :B] if masked else None,
+                "lps": got[2 * n:3 * n].view(np.float32).reshape(k, W)[:, :B] if want_lp else None,
+                "logits": self.gpu.read(self._all_logits.ptr, np.float32, (k, W, self.vocab_eff), stream=st)[:, :B]
                 if logits else None}
+
+    def _await_outbox(self) -> None:
+        """Spin until the outbox holds this call's seq: the host sees the drafts a few µs sooner than a stream wait
+        would tell it (BENCHMARKS.md). A stream that ran dry without it means the chain failed."""
+        seq, box, polls = self._seq, self._outbox_words, 0
+        while box[0] != seq:
+            polls += 1
+            if polls % 64 == 0 and self.gpu.stream_done(self.stream) and box[0] != seq:
+                raise KernelError(f"the draft chain ran without publishing call {seq} (the outbox holds call "
+                                  f"{int(box[0])})")
 
     def _device_results(self, k: int, W: int, B: int, logits: bool) -> dict:
         """The chain's outputs copied on the proposer's stream into device arrays of this call: ids [B, k]
@@ -575,6 +607,7 @@ class MtpProposerBase(Prefill):
         Hidden rows past the batch keep what an earlier call left there: finite (checked), never read back. The
         previous chain must have read both first (a wait for it only)."""
         self._wait_stage()
+        self._staging()
         if self._inbox is None:
             self._inbox = self.gpu.alloc_pinned(2 * self.max_batch * self._hmax)
             self._inbox[:] = 0
@@ -600,10 +633,15 @@ class MtpProposerBase(Prefill):
         return self._host
 
     def _staging(self) -> np.ndarray:
-        """The pinned host twin of the call_in region (made on first use)."""
+        """The mapped host twin of the call_in region (made on first use, with the CallCtl after it and the
+        outbox)."""
         if self._stage is None:
-            self._stage = self.gpu.alloc_pinned(self.bufs.region_bytes("call_in"))
-            self._stage[:] = 0
+            n = self.bufs.region_bytes("call_in")
+            arr, ptr = self.gpu.alloc_mapped(n + ops.CTL_BYTES)
+            self._stage, self._stage_ptr = arr[:n], ptr
+            self._ctl, self._ctl_ptr = arr[n:].view(np.uint64), ptr.offset(n)
+            box, self._outbox = self.gpu.alloc_mapped(4 * (ops.OUTBOX_HEAD + 3 * self.max_drafts * self.max_batch))
+            self._outbox_words = box.view(np.uint32)
         return self._stage
 
     def _stage_slabs(self, states, rows0, positions, k: int, W: int, idx=None, c=None) -> None:
@@ -641,12 +679,16 @@ class MtpProposerBase(Prefill):
         return self._all_logits.ptr.offset(4 * W * self.vocab_eff * step)
 
     def _chain(self, k: int, W: int, masked: bool, want_lp: bool, keep_logits: bool, hidden0=None,
-               inbox: int = 0) -> None:
-        """The k steps over W rows. Per-call values come from pinned host staging (ids, `inbox` bytes of host
-        hiddens, every step's slabs) copied in by the chain itself, or live in device buffers, so the same
-        launches replay as a graph; eagerly, step 0 may read the hiddens at `hidden0` instead."""
-        b, S = self.bufs, self.meta_stride
-        self.gpu.copy_h2d_async(b.call_in, self._stage[:self._meta_off + k * W * S])   # ids and all k steps' slabs
+               inbox: int = 0, publish: bool = True) -> None:
+        """The k steps over W rows. Per-call values come from mapped host staging (ids, every step's slabs, the
+        CallCtl naming device hiddens to fetch) read in by the chain's first kernel, from `inbox` bytes of host
+        hiddens it copies, or live in device buffers, so the same launches replay as a graph; eagerly, step 0 may
+        read the hiddens at `hidden0` instead. `publish`: the last kernel hands ids, flags and log-probs to the
+        outbox."""
+        b, S, gpu = self.bufs, self.meta_stride, self.gpu
+        fetchable = 2 * W * self._hmax if hidden0 is None or int(hidden0) == int(b.hidden_in) else 0
+        ops.call_stage_in(gpu, self._stage_ptr, b.call_in, _up16(self._meta_off + k * W * S), self._ctl_ptr,
+                          b.hidden_in, b.call_seq, _up16(fetchable))   # ids, all k steps' slabs, the hiddens
         if inbox:
             self.gpu.copy_h2d_async(b.hidden_in, self._inbox[:inbox])
         hid = b.hidden_in if hidden0 is None else hidden0
@@ -656,6 +698,9 @@ class MtpProposerBase(Prefill):
             self._forward(ids, hid, W, self.meta.offset(i * W * S), S, logits)
             self._pick(i, W, logits, masked, want_lp, keep_logits)
             hid = self.carry
+        if publish:
+            ops.call_publish(gpu, b.ids.offset(4 * W), b.flags if masked else None, b.lp if want_lp else None, k * W,
+                             self._outbox, b.call_seq)
 
     def _replay(self, key, launches) -> None:
         """Replay the graph of `key` on self.stream; the first call per key runs `launches` eagerly (lazy

@@ -92,11 +92,17 @@ def test_bf16_tensor_is_read_in_place_on_the_eager_path(rng):
     prop.free_state(st)
 
 
-def test_graph_path_copies_the_tensor_once_on_the_device(rng):
+@pytest.mark.parametrize("offset", [0, 1])
+def test_graph_path_reads_the_tensor_once_on_the_device(rng, offset):
+    """A graph reads hidden_in: the chain's first kernel fetches an aligned tensor there (the CallCtl names it, no
+    copy call); one 2 bytes off 16-byte alignment takes one device-to-device copy call instead."""
     prop = load(cuda_graphs=True)
     toks, hs, tok, h = data(rng, prop)
     wants = reference(load(cuda_graphs=True), toks, hs, tok, h, calls=3)
-    th = cuda_bf16(h)
+    pad = np.zeros(8, np.float32)
+    th = cuda_bf16(np.concatenate([pad[:offset], h, pad[offset:]]))[offset:offset + h.size]   # 2 offset bytes in
+    assert (th.data_ptr() % 16 == 0) == (offset == 0)
+    words = 2 * prop.hidden_size // 16
     for want in wants:                                      # eager, capture, replay
         st = prop.alloc_state()
         prop.prefill(st, toks, hs)
@@ -105,8 +111,13 @@ def test_graph_path_copies_the_tensor_once_on_the_device(rng):
             got = prop.propose(st, tok, th, len(toks) - 1, K, return_logits=True)
         finally:
             spy.close()
-        assert [c for c in spy.d2d if c[1] == th.data_ptr()] == [(int(prop.bufs.hidden_in), th.data_ptr(),
-                                                                  2 * prop.hidden_size)]
+        copied = [c for c in spy.d2d if c[1] == th.data_ptr()]
+        if offset:
+            assert copied == [(int(prop.bufs.hidden_in), th.data_ptr(), 2 * prop.hidden_size)]
+            assert int(prop._ctl[0]) >> 32 == 0                    # nothing for the kernel to fetch
+        else:
+            assert copied == []
+            assert (int(prop._ctl[0]) >> 32, int(prop._ctl[1])) == (words, th.data_ptr())
         assert int(prop.bufs.hidden_in) not in spy.h2d
         assert got.tokens == want.tokens and np.array_equal(got.logits, want.logits)
         prop.free_state(st)
