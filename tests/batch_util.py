@@ -10,7 +10,7 @@ import numpy as np
 
 from helpers import check_pool
 from mtp_cupy.families import family
-from mtp_cupy.runtime.dtypes import bf16_round
+from mtp_cupy.runtime.dtypes import BF16, bf16_round
 from mtp_cupy.runtime.slab import SEQ_LEN_OFFSET
 
 FAMILIES = ["deepseek_v3", "deepseek_v4", "qwen3_next", "glm5"]
@@ -135,9 +135,9 @@ def rows_digest(prop, st) -> str:
 
 def graphed_catch_up_loop(rng, gpu, g, e, fam: str) -> None:
     """A serving loop (propose_batch, after_verify_batch, the catch-up from device hiddens) through a graphed
-    proposer `g` and an eager one `e` of one checkpoint: `g` replays one graph per catch-up row count (copy-in
-    and row writes, the hiddens copied to a fixed buffer first) and holds e's rows and drafts, call after
-    call, as the batch shrinks and grows back."""
+    proposer `g` and an eager one `e` of one checkpoint: `g` replays one graph per catch-up row count (the stage
+    read in, the hiddens fetched to a fixed buffer, the row writes) and holds e's rows and drafts, call after
+    call, as the batch shrinks and grows back; device hiddens aligned and 2 bytes off 16-byte alignment."""
     streams = fam == "deepseek_v4"   # V4's device hiddens are the target's [hc, D] streams by default
     lens = [int(n) for n in rng.integers(2, 30, 5)]
     sg, se = prefill_alike(rng, (g, e), lens, streams)
@@ -145,6 +145,9 @@ def graphed_catch_up_loop(rng, gpu, g, e, fam: str) -> None:
     for call, B in enumerate([5, 5, 5, 4, 4, 5]):   # rows graphs: warm, capture, replay; 4 likewise after
         live_g, live_e = sg[:B], se[:B]
         hs = hidden(rng, g, B, streams)
+        if call:   # a device pointer: the graph's first kernel fetches it (a copy call at odd calls: 2 bytes off)
+            hd = gpu.upload(np.concatenate([np.zeros(call % 2, BF16), hs.astype(BF16).reshape(-1)]))
+            hs = hd.ptr.offset(2 * (call % 2))
         rg = g.propose_batch(live_g, toks[:B], hs, pos[:B], 2, return_logits=True)
         re = e.propose_batch(live_e, toks[:B], hs, pos[:B], 2, return_logits=True)
         for a, b in zip(rg, re):
@@ -153,9 +156,10 @@ def graphed_catch_up_loop(rng, gpu, g, e, fam: str) -> None:
         g.after_verify_batch(live_g, acc)
         e.after_verify_batch(live_e, acc)
         rt = rng.integers(0, g.vocab_size, B)
-        dev = gpu.upload(hidden(rng, g, B, streams))
+        off = call % 2   # odd calls: the rows 2 bytes off 16-byte alignment (a copy call, not the graph's fetch)
+        dev = gpu.upload(np.concatenate([np.zeros(off, BF16), hidden(rng, g, B, streams).astype(BF16).reshape(-1)]))
         for p, live in ((g, live_g), (e, live_e)):
-            assert p.prefill_batch(live, rt, dev.ptr, [1] * B) == B
+            assert p.prefill_batch(live, rt, dev.ptr.offset(2 * off), [1] * B) == B
         for x, y in zip(live_g, live_e):
             assert x.keys == y.keys and rows_digest(g, x) == rows_digest(e, y), f"call {call}"
         pos[:B] = [st.next_position for st in live_g]

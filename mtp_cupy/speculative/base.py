@@ -129,8 +129,9 @@ class MtpProposerBase(Prefill):
         self._meta_off = -(-4 * B // 256) * 256
         regions = {"ids": 4 * B * (k + 1), "hidden_in": 2 * hmax * B, "logits": 4 * self.vocab_eff * B,
                    "flags": 4 * B * k, "lp": 4 * B * k, "mask": 4 * words * B * k,
-                   "call_in": _up16(self._meta_off + k * B * self.meta_stride), "call_seq": 16,
-                   "prefill_in": 16 * self.max_prefill_rows + 4,   # speculative/prefill.py's staged rows
+                   "call_in": _up16(self._meta_off + k * B * self.meta_stride),
+                   "call_seq": 16,   # u32 words: a propose's seq, a graphed prefill pass's
+                   "prefill_in": _up16(16 * self.max_prefill_rows + 4),   # speculative/prefill.py's staged rows
                    "prefill_hidden": 2 * hmax * self.max_prefill_rows}   # host rows, or a graphed pass's
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
@@ -403,7 +404,8 @@ class MtpProposerBase(Prefill):
                     self._use_hidden_shape(hid.row_shape)
                     # eager: the chain reads a device hidden where it is; a graph reads hidden_in (its address
                     # is captured), so the hidden is copied there (device to device when it is on the device)
-                    in_place = hid.ptr is not None and not graphed
+                    # (kernels read 16-byte chunks: rows off that alignment are copied to hidden_in first)
+                    in_place = hid.ptr is not None and not graphed and int(hid.ptr) % 16 == 0
                     h_elems = math.prod(hid.row_shape)
                     self._stage_inputs(None if host is not None else toks, hid, W, h_elems)
                     fetch = 0   # 16-byte words of device hiddens the chain's first kernel copies into hidden_in

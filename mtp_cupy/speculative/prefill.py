@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import ops
 from ..cache.paged import ROWS, SEQ_COLUMNS
 from ..errors import InputError
 from ..runtime.dtypes import BF16
@@ -212,26 +213,40 @@ class Prefill:
     def _send_prefill(self, h, c0: int, c: int) -> None:
         """One pass of `_write_chunks`: the staged ids, positions and slots of c rows copied in, and those rows
         written from hidden rows c0.. of `h`. Device hiddens of at most max_batch rows (a serving loop's
-        catch-up) go through a graph per row count when graphs are on: their rows are copied to prefill_hidden
-        first (a graph reads fixed addresses), and the copy-in and the row writes replay as one launch."""
+        catch-up) go through a graph per row count when graphs are on: a graph reads fixed addresses, so its first
+        kernel reads the stage in and fetches the rows into prefill_hidden (a copy call first when they are not
+        16-byte aligned), and the row writes replay with it as one launch."""
         b, gpu, E = self.bufs, self.gpu, self._hidden_row_elems()
         with gpu.using(self.stream):
             if self.cuda_graphs and self.graph_safe and not isinstance(h, np.ndarray) and c <= self.max_batch:
-                gpu.copy_d2d_async(b.prefill_hidden, DevicePtr(int(h) + 2 * E * c0), 2 * E * c)
-                self._replay(("rows", c, E), lambda: self._rows_pass(b.prefill_hidden, c))
-                self._record_prefill_copied()   # after the graph, which copies the stage in
+                src, nbytes = int(h) + 2 * E * c0, 2 * E * c
+                fetch = nbytes // 16 if src % 16 == 0 and nbytes % 16 == 0 else 0
+                if not fetch:
+                    gpu.copy_d2d_async(b.prefill_hidden, DevicePtr(src), nbytes)
+                ops.write_ctl(self._prefill_ctl, 0, fetch, src if fetch else 0)
+                self._replay(("rows", c, E), lambda: self._rows_pass(b.prefill_hidden, c, mapped=True))
+                self._record_prefill_copied()   # after the graph, which reads the stage in
             elif isinstance(h, np.ndarray):   # pageable: staged by the driver before the call returns
                 gpu.copy_h2d_async(b.prefill_hidden, h[c0:c0 + c])
+                self._rows_pass(b.prefill_hidden, c, record=True)
+            elif (int(h) + 2 * E * c0) % 16:   # kernels read 16-byte chunks: rows off that alignment are copied
+                gpu.copy_d2d_async(b.prefill_hidden, DevicePtr(int(h) + 2 * E * c0), 2 * E * c)
                 self._rows_pass(b.prefill_hidden, c, record=True)
             else:
                 self._rows_pass(DevicePtr(int(h) + 2 * E * c0), c, record=True)
 
-    def _rows_pass(self, hp: DevicePtr, c: int, record: bool = False) -> None:
+    def _rows_pass(self, hp: DevicePtr, c: int, record: bool = False, mapped: bool = False) -> None:
         """The staged ids, positions and slots copied in, then c rows written from the hiddens at `hp`. `record`
         (eager passes): the stage's event right after the copy, so the next pass may restage while these rows
-        are written; a graph's caller records it after the replay."""
+        are written; a graph's caller records it after the replay. `mapped` (a graphed pass): call_stage_in
+        reads the stage in and fetches the rows its CallCtl names into `hp` (c rows at most)."""
         b, P = self.bufs, self.max_prefill_rows
-        self.gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
+        if mapped:
+            at = self._prefill_ctl_at   # the stage's bytes, rounded up to 16
+            ops.call_stage_in(self.gpu, self._prefill_ptr, b.prefill_in, at, self._prefill_ptr.offset(at), hp,
+                              b.call_seq.offset(4), -(-2 * self._hidden_row_elems() * c // 16) * 16)
+        else:
+            self.gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
         if record:
             self._record_prefill_copied()
         self._write_rows(b.prefill_in.offset(12 * P), hp, b.prefill_in.offset(8 * P), b.prefill_in, c)
@@ -243,12 +258,13 @@ class Prefill:
         self.gpu.record(self._prefill_copied, self.stream)
 
     def _prefill_staging(self):
-        """The pinned twin of the prefill_in region [slots i64 P | positions u32 P | ids i32 P + 1] and its three
-        views (made on first use)."""
+        """The mapped twin of the prefill_in region [slots i64 P | positions u32 P | ids i32 P + 1] and its three
+        views (made on first use; a graphed pass's CallCtl follows it)."""
         if self._prefill_stage is None:
             P = self.max_prefill_rows
-            stage = self.gpu.alloc_pinned(16 * P + 4)
-            stage[:] = 0
+            at = self._prefill_ctl_at = -(-(16 * P + 4) // 16) * 16
+            arr, self._prefill_ptr = self.gpu.alloc_mapped(at + ops.CTL_BYTES)
+            stage, self._prefill_ctl = arr[:16 * P + 4], arr[at:].view(np.uint64)
             self._prefill_stage = (stage, stage[:8 * P].view(np.int64), stage[8 * P:12 * P].view(np.uint32),
                                    stage[12 * P:].view(np.int32))
         return self._prefill_stage
