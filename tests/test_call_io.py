@@ -9,10 +9,11 @@ from helpers import POISON, get, out, up
 
 
 def _mapped(dev, nbytes, fill=POISON):
-    host, ptr = dev.alloc_mapped(nbytes)
+    """(host array, device address, owner) of poisoned mapped memory."""
+    host, buf = dev.alloc_mapped(nbytes)
     assert not host.any(), "mapped memory must come zeroed"
     host[:] = fill
-    return host, ptr
+    return host, buf.ptr, buf
 
 
 # nbytes, hidden words fetched, the grid's hidden bytes: tiny, V3 B = 1 (k = 3), a V4 batch of 64 hiddens
@@ -22,7 +23,7 @@ def test_stage_in(dev, rng, nbytes, fetch16, most):
     stage_host = rng.integers(0, 256, nbytes, dtype=np.uint8)
     rows = rng.integers(0, 256, max(16 * fetch16, 16), dtype=np.uint8)
     src = up(dev, rows)
-    host, ptr = _mapped(dev, nbytes + ops.CTL_BYTES)
+    host, ptr, keep = _mapped(dev, nbytes + ops.CTL_BYTES)
     host[:nbytes] = stage_host
     seq = int(rng.integers(1, 1 << 32))
     ops.write_ctl(host[nbytes:].view(np.uint64), seq, fetch16, int(src.ptr) if fetch16 else 0)
@@ -48,7 +49,7 @@ def test_publish(dev, rng, k, W, masked, want_lp):
     bufs = [up(dev, a) for a in (ids, flags, lps)]
     seq = int(rng.integers(1, 1 << 32))
     seq_dev = up(dev, np.array([seq], np.uint32))
-    host, ptr = _mapped(dev, 4 * (ops.OUTBOX_HEAD + 3 * n) + 64)
+    host, ptr, keep = _mapped(dev, 4 * (ops.OUTBOX_HEAD + 3 * n) + 64)
     ops.call_publish(dev, bufs[0].ptr, bufs[1].ptr if masked else None, bufs[2].ptr if want_lp else None, n, ptr,
                      seq_dev.ptr)
     dev.synchronize()
@@ -69,7 +70,8 @@ def test_publish(dev, rng, k, W, masked, want_lp):
 
 
 def test_checks(ref):
-    host, ptr = ref.alloc_mapped(64)
+    host, buf = ref.alloc_mapped(64)
+    ptr = buf.ptr
     d = ref.alloc(256)
     with pytest.raises(KernelError, match="multiples of 16"):
         ops.call_stage_in(ref, ptr, d.ptr, 24, ptr.offset(32), d.ptr, d.ptr)

@@ -32,7 +32,6 @@ class RefBackend(Backend):
         self._next = BASE
         self.launch_geometry = ((1, 1, 1), (1, 1, 1), 0)
         self.launches = 0
-        self._mapped: list[DeviceBuffer] = []
 
     # -- kernels ---------------------------------------------------------------------------------
     def _load_kernel(self, module: str, name: str) -> KernelHandle:
@@ -63,10 +62,9 @@ class RefBackend(Backend):
         weakref.finalize(buf, self._free, addr)
         return buf
 
-    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DevicePtr]:
+    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DeviceBuffer]:
         buf = self.alloc(nbytes)
-        self._mapped.append(buf)   # the host array outlives no segment: the backend keeps the buffer
-        return self._segs[int(buf.ptr)], buf.ptr
+        return self._segs[int(buf.ptr)], buf
 
     def _free(self, addr: int) -> None:
         if addr in self._segs:

@@ -203,9 +203,10 @@ class Backend:
         """Host staging memory (page-locked on CUDA: a captured copy from it reads it at replay time)."""
         return np.zeros(int(nbytes), np.uint8)
 
-    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DevicePtr]:
-        """Zeroed host memory kernels read and write in place: (the host's uint8 array, the address kernels
-        take). Page-locked and mapped on CUDA; on the NumPy device a segment of its address space."""
+    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DeviceBuffer]:
+        """Zeroed host memory kernels read and write in place: (the host's uint8 array, the buffer that owns it,
+        whose `.ptr` kernels take; keep it while either is used). Page-locked and mapped on CUDA; on the NumPy
+        device a segment of its address space."""
         raise NotImplementedError
 
     def stream_done(self, stream) -> bool:

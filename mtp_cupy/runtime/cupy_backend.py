@@ -168,14 +168,16 @@ class CupyBackend(Backend):
         self._pinned.append(mem)          # the array does not own the pinned block
         return arr
 
-    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DevicePtr]:
-        arr = self.alloc_pinned(nbytes)
+    def alloc_mapped(self, nbytes: int) -> tuple[np.ndarray, DeviceBuffer]:
+        mem = self.cp.cuda.alloc_pinned_memory(int(nbytes))
+        self._pinned.append(mem)   # kept, as alloc_pinned's: a chain still queued may read it after its owner goes
+        arr = np.frombuffer(mem, np.uint8, int(nbytes))
         arr[:] = 0
         host = arr.ctypes.data
         dev = int(self.cp.cuda.runtime.pointerGetAttributes(host).devicePointer)
         if dev != host:   # unified addressing maps pinned memory at its host address (every 64-bit Linux GPU)
             raise KernelError(f"pinned host memory at 0x{host:x} is mapped at 0x{dev:x}, not at its host address")
-        return arr, DevicePtr(dev)
+        return arr, DeviceBuffer(DevicePtr(dev), int(nbytes), mem)
 
     def stream_done(self, stream) -> bool:
         return bool(self._stream(stream).done)

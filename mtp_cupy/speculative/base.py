@@ -639,11 +639,11 @@ class MtpProposerBase(Prefill):
         outbox)."""
         if self._stage is None:
             n = self.bufs.region_bytes("call_in")
-            arr, ptr = self.gpu.alloc_mapped(n + ops.CTL_BYTES)
-            self._stage, self._stage_ptr = arr[:n], ptr
-            self._ctl, self._ctl_ptr = arr[n:].view(np.uint64), ptr.offset(n)
-            box, self._outbox = self.gpu.alloc_mapped(4 * (ops.OUTBOX_HEAD + 3 * self.max_drafts * self.max_batch))
-            self._outbox_words = box.view(np.uint32)
+            arr, self._stage_buf = self.gpu.alloc_mapped(n + ops.CTL_BYTES)
+            self._stage, self._stage_ptr = arr[:n], self._stage_buf.ptr
+            self._ctl, self._ctl_ptr = arr[n:].view(np.uint64), self._stage_ptr.offset(n)
+            box, self._outbox_buf = self.gpu.alloc_mapped(4 * (ops.OUTBOX_HEAD + 3 * self.max_drafts * self.max_batch))
+            self._outbox, self._outbox_words = self._outbox_buf.ptr, box.view(np.uint32)
         return self._stage
 
     def _stage_slabs(self, states, rows0, positions, k: int, W: int, idx=None, c=None) -> None:

@@ -263,7 +263,8 @@ class Prefill:
         if self._prefill_stage is None:
             P = self.max_prefill_rows
             at = self._prefill_ctl_at = -(-(16 * P + 4) // 16) * 16
-            arr, self._prefill_ptr = self.gpu.alloc_mapped(at + ops.CTL_BYTES)
+            arr, self._prefill_buf = self.gpu.alloc_mapped(at + ops.CTL_BYTES)
+            self._prefill_ptr = self._prefill_buf.ptr
             stage, self._prefill_ctl = arr[:16 * P + 4], arr[at:].view(np.uint64)
             self._prefill_stage = (stage, stage[:8 * P].view(np.int64), stage[8 * P:12 * P].view(np.uint32),
                                    stage[12 * P:].view(np.int32))
