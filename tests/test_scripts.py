@@ -99,6 +99,8 @@ def test_bench_draft_tiny_ref(tmp_path):
         assert f["error"] is None and f["torch_error"] is None, f
         assert f"### {f['title']} ({f['family']}), ctx 32" in text
         assert [(r["k"], r["batch"]) for r in f["rows"]] == [(1, 1), (2, 1), (1, 3), (2, 3)]
+        block = text[text.index(f"({f['family']}), ctx 32"):]
+        assert "first step at batch 1 (k = 1 against k = 2)" in block and "first step at batch 3" in block
         for r in f["rows"]:
             assert r["weight_bytes"] > 0 and r["kv_bytes"] > 0 and r["ours"]["graph_off"]["wall_us"] > 0
             assert r["experts"] >= 1
@@ -274,3 +276,13 @@ def test_profile_host_ref_smoke():
     assert "after_verify + catch-up prefill + propose" in step and "batch=6 k=2" in step
     bad = run("profile_host.py", "--device", "ref", "--catch-up")
     assert bad.returncode != 0 and "give --batch > 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_first_step_from_two_call_lengths():
+    """A k-step call is the first step plus k - 1 later ones: the later step and the ratio come back exactly."""
+    from mtp_cupy.bench.draft_table import first_step
+    first, later = 130.0, 100.0
+    for k in (2, 3, 5):
+        got_later, ratio = first_step(first, (first + (k - 1) * later) / k, k)
+        assert abs(got_later - later) < 1e-9 and abs(ratio - first / later) < 1e-12
+    assert first_step(None, 1.0, 3) is None and first_step(1.0, 1.0, 1) is None

@@ -38,6 +38,33 @@ def _pct(x, floor) -> str:
     return f"{fmt(100 * x / floor, 0)}%" if x and floor else "-"
 
 
+def first_step(t1: float | None, tk: float | None, k: int) -> tuple[float, float] | None:
+    """(a later step's µs, the first step against it) from the per-step µs of a 1-step call (t1) and a k-step
+    call (tk): a k-step call costs first + (k - 1) later, so later = (k tk - t1) / (k - 1). None when either is
+    missing or k < 2."""
+    if t1 is None or tk is None or k < 2:
+        return None
+    later = (k * tk - t1) / (k - 1)
+    return (later, t1 / later) if later > 0 else None
+
+
+def _first_lines(res: dict) -> list[str]:
+    """Per batch width with a k = 1 row and a longer one: the first step of a call against a later one (issue 16:
+    <= 1.05), for the call and for the graph alone."""
+    out = []
+    rows = {(r["batch"], r["k"]): r for r in res["rows"]}
+    for (B, k), r in sorted(rows.items()):
+        one = rows.get((B, 1))
+        if k < 2 or one is None or any(q > k for b, q in rows if b == B):   # the longest k of the width
+            continue
+        call = first_step(best(one["ours"]), best(r["ours"]), k)
+        graph = first_step(*((m["ours"].get("graph_on") or {}).get("chain_us") for m in (one, r)), k)
+        if call:
+            out.append(f"first step at batch {B} (k = 1 against k = {k}): {call[1]:.3f}x a later step of "
+                       f"{fmt(call[0])} µs" + (f"; graph alone {graph[1]:.3f}x of {fmt(graph[0])} µs" if graph else ""))
+    return out
+
+
 def _torch_lines(res: dict) -> tuple[list[str], list[str]]:
     """The header line of the torch peer, and a note per MoE path (which batch widths ran it, and why)."""
     peers = res.get("torch_peers") or []
@@ -97,7 +124,7 @@ def table(res: dict, header: dict) -> str:
                  f"{fmt(alone)} | {fmt(r['floor_us'])} | {_pct(b, r['floor_us'])} | {fmt(r.get('experts'), 0)} | "
                  f"{fmt(te)} | {fmt(tg)} | {fmt(t.get('floor_us'))} | {fmt(t.get('experts'), 0)} | {_ratio(te, b)} | "
                  f"{_ratio(tg, b)} |")
-    for n in tnotes + res["notes"]:
+    for n in _first_lines(res) + tnotes + res["notes"]:
         L.append(f"- {n}")
     if res.get("error"):
         L.append(f"- mtp_cupy side FAILED: {res['error'].strip().splitlines()[-1]}")
