@@ -402,9 +402,9 @@ class MtpProposerBase(Prefill):
             try:
                 with gpu.using(self.stream):
                     self._use_hidden_shape(hid.row_shape)
-                    # eager: the chain reads a device hidden where it is; a graph reads hidden_in (its address
-                    # is captured), so the hidden is copied there (device to device when it is on the device)
-                    # (kernels read 16-byte chunks: rows off that alignment are copied to hidden_in first)
+                    # eager: the chain reads a 16-byte aligned device hidden where it is (kernels read 16-byte
+                    # chunks); a graph reads hidden_in (its address is captured), where the chain's first kernel
+                    # fetches an aligned device hidden; any other goes there by a copy first
                     in_place = hid.ptr is not None and not graphed and int(hid.ptr) % 16 == 0
                     h_elems = math.prod(hid.row_shape)
                     self._stage_inputs(None if host is not None else toks, hid, W, h_elems)
