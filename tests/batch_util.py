@@ -168,3 +168,22 @@ def graphed_catch_up_loop(rng, gpu, g, e, fam: str) -> None:
     assert {("rows", 5, E), ("rows", 4, E)} <= set(g._graphs), g._graphs.keys()
     assert not any(key[0] == "rows" for key in e._graphs)
     check_pool(g, sg)
+
+
+def device_and_host_results_loop(rng, g, e) -> None:
+    """Device and host results alternating through a graphed proposer `g` (each kind: eager warm-up, capture,
+    replay) against an eager one `e`: the same drafts every call, and two graphs of the width that differ only in
+    `publish` (a host-results call replaying the device-results graph would wait for an outbox that never comes)."""
+    lens = [int(n) for n in rng.integers(2, 30, 3)]
+    sg, se = prefill_alike(rng, (g, e), lens)
+    pos, toks = list(lens), [int(t) for t in rng.integers(0, g.vocab_size, 3)]
+    for call in range(6):
+        dev = call % 2 == 1
+        hs = hidden(rng, g, 3)
+        rg = g.propose_batch(sg, toks, hs, pos, 2, device_results=dev)
+        re = e.propose_batch(se, toks, hs, pos, 2)
+        got = rg.host().tokens if dev else rg.tokens
+        assert np.array_equal(np.asarray(got), re.tokens), f"call {call}"
+        pos, toks = verify_round(rng, (g, e), (sg, se), re)
+    keys = [key for key in g._graphs if key[:2] == (2, 4)]
+    assert len(keys) == 2 and {key[6] for key in keys} == {True, False}, keys

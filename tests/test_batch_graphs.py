@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import FAMILIES, ckpt, graphed_catch_up_loop, hidden, prefill_alike, verify_round
+from batch_util import (FAMILIES, ckpt, device_and_host_results_loop, graphed_catch_up_loop, hidden, prefill_alike,
+                        verify_round)
 from helpers import check_pool
 from mtp_cupy.speculative.base import BUCKETS
 
@@ -69,21 +70,7 @@ def test_graphed_catch_up_equals_eager(ref_graphs, rng, fam):
     graphed_catch_up_loop(rng, ref_graphs, *pair(ref_graphs, fam), fam)
 
 
+
 def test_device_and_host_results_take_their_own_graphs(ref_graphs, rng):
-    """Host results replay a graph whose last kernel publishes to the outbox; device results one that does not (a
-    host-results call on it would wait for an outbox that never comes): alternating the two, each call's drafts
-    equal the eager proposer's, and the two keys differ only in `publish`."""
-    g, e = pair(ref_graphs, "deepseek_v3")
-    lens = [int(n) for n in rng.integers(2, 30, 3)]
-    sg, se = prefill_alike(rng, (g, e), lens)
-    pos, toks = list(lens), [int(t) for t in rng.integers(0, g.vocab_size, 3)]
-    for call in range(6):   # each kind: eager warm-up, capture, replay
-        dev = call % 2 == 1
-        hs = hidden(rng, g, 3)
-        rg = g.propose_batch(sg, toks, hs, pos, 2, device_results=dev)
-        re = e.propose_batch(se, toks, hs, pos, 2)
-        got = rg.host().tokens if dev else rg.tokens
-        assert np.array_equal(np.asarray(got), re.tokens), f"call {call}"
-        pos, toks = verify_round(rng, (g, e), (sg, se), re)
-    keys = [key for key in g._graphs if key[:2] == (2, 4)]
-    assert len(keys) == 2 and {key[6] for key in keys} == {True, False}, keys
+    """Host results replay a graph whose last kernel publishes to the outbox; device results one that does not."""
+    device_and_host_results_loop(rng, *pair(ref_graphs, "deepseek_v3"))

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import mtp_cupy
-from batch_util import (FAMILIES, ckpt, graphed_catch_up_loop, hidden, prefill_alike, rows_digest, verify_round,
-                        watch_ties)
+from batch_util import (FAMILIES, ckpt, device_and_host_results_loop, graphed_catch_up_loop, hidden, prefill_alike,
+                        rows_digest, verify_round, watch_ties)
 
 pytestmark = pytest.mark.gpu
 BATCHES = [1, 2, 5, 16, 33, 64]
@@ -166,3 +166,9 @@ def test_cuda_graphed_catch_up_equals_eager(fam, rng):
     the same rows and drafts, bit for bit, as the batch shrinks and grows back."""
     gpu = mtp_cupy.device("cuda")
     graphed_catch_up_loop(rng, gpu, load(fam, gpu), load(fam, gpu, cuda_graphs=False), fam)
+
+
+def test_cuda_device_and_host_results_take_their_own_graphs(rng):
+    """Real capture: device and host results alternate through their own graphs, equal to eager launches."""
+    gpu = mtp_cupy.device("cuda")
+    device_and_host_results_loop(rng, load("deepseek_v3", gpu), load("deepseek_v3", gpu, cuda_graphs=False))
