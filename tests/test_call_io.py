@@ -79,6 +79,18 @@ def test_checks(ref):
         ops.call_stage_in(ref, ptr.offset(8), d.ptr, 16, ptr.offset(32), d.ptr, d.ptr)
     with pytest.raises(KernelError, match="out of range"):
         ops.call_publish(ref, d.ptr, None, None, 0, ptr, d.ptr)
+    ctl = host[:16].view(np.uint64)
+    ops.write_ctl(ctl, 7, 3, 0x1230)
+    for bad in ((1 << 32, 0), (1, 1 << 32), (-1, 0)):
+        with pytest.raises(KernelError, match="out of range"):
+            ops.write_ctl(ctl, *bad, 0x4560)
+        assert ctl.tolist() == [7 | 3 << 32, 0x1230], "a refused CallCtl must stay as it was"
+
+
+def test_fetch_words_and_up16():
+    assert [ops.up16(n) for n in (0, 1, 16, 17, 4100)] == [0, 16, 16, 32, 4112]
+    assert ops.fetch_words(0x1000, 4096) == 256
+    assert ops.fetch_words(0x1002, 4096) == 0 and ops.fetch_words(0x1000, 4100) == 0
 
 
 def test_unpublished_chain_raises_and_rolls_back(monkeypatch):

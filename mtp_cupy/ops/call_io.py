@@ -4,17 +4,29 @@ import numpy as np
 
 from ._util import THREADS, blocks_for, launch, need
 
-__all__ = ["CTL_BYTES", "OUTBOX_HEAD", "write_ctl", "call_stage_in", "call_publish"]
+__all__ = ["CTL_BYTES", "OUTBOX_HEAD", "up16", "fetch_words", "write_ctl", "call_stage_in", "call_publish"]
 
 CTL_BYTES = 16    # struct CallCtl: seq u32, hidden16 u32, hidden_src u64
 OUTBOX_HEAD = 4   # u32 words before the outbox's ids: the seq, then padding to 16 bytes
 STAGE_BLOCKS = 512   # most blocks of call_stage_in (a V4 batch of 64 hiddens is 131,072 words: 1 round)
 
 
+def up16(n: int) -> int:
+    """`n` bytes rounded up to whole 16-byte words."""
+    return -(-int(n) // 16) * 16
+
+
+def fetch_words(src: int, nbytes: int) -> int:
+    """The 16-byte words call_stage_in may fetch for `nbytes` of device rows at `src`: all of them when both are
+    16-byte aligned, else 0 (the caller copies them instead)."""
+    return nbytes // 16 if int(src) % 16 == 0 and nbytes % 16 == 0 else 0
+
+
 def write_ctl(ctl: np.ndarray, seq: int, hidden16: int = 0, hidden_src: int = 0) -> None:
     """Fill a CallCtl (`ctl`: its CTL_BYTES of mapped host memory viewed as two uint64 words, little-endian):
     the call's seq, and `hidden16` 16-byte words of device rows at `hidden_src` for call_stage_in to fetch (0:
     none)."""
+    need(0 <= seq < 1 << 32 and 0 <= hidden16 < 1 << 32, f"write_ctl: seq {seq} or {hidden16} words out of range")
     ctl[0] = seq | hidden16 << 32
     ctl[1] = hidden_src
 

@@ -72,10 +72,6 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 _NO_STREAM = contextlib.nullcontext()
 
 
-def _up16(n: int) -> int:
-    return -(-int(n) // 16) * 16
-
-
 class MtpProposerBase(Prefill):
     family = "base"
     Options: type[ProposerOptions] = ProposerOptions
@@ -129,9 +125,9 @@ class MtpProposerBase(Prefill):
         self._meta_off = -(-4 * B // 256) * 256
         regions = {"ids": 4 * B * (k + 1), "hidden_in": 2 * hmax * B, "logits": 4 * self.vocab_eff * B,
                    "flags": 4 * B * k, "lp": 4 * B * k, "mask": 4 * words * B * k,
-                   "call_in": _up16(self._meta_off + k * B * self.meta_stride),
+                   "call_in": ops.up16(self._meta_off + k * B * self.meta_stride),
                    "call_seq": 16,   # u32 words: a propose's seq, a graphed prefill pass's
-                   "prefill_in": _up16(16 * self.max_prefill_rows + 4),   # speculative/prefill.py's staged rows
+                   "prefill_in": ops.up16(16 * self.max_prefill_rows + 4),   # speculative/prefill.py's staged rows
                    "prefill_hidden": 2 * hmax * self.max_prefill_rows}   # host rows, or a graphed pass's
         regions.update(extra_regions or {})
         self.bufs = ForwardBuffers(gpu, regions)
@@ -410,9 +406,8 @@ class MtpProposerBase(Prefill):
                     self._stage_inputs(None if host is not None else toks, hid, W, h_elems)
                     fetch = 0   # 16-byte words of device hiddens the chain's first kernel copies into hidden_in
                     if hid.host is None and not in_place and int(hid.ptr) != int(self.bufs.hidden_in):
-                        if int(hid.ptr) % 16 == 0 and 2 * B * h_elems % 16 == 0:
-                            fetch = 2 * B * h_elems // 16
-                        else:
+                        fetch = ops.fetch_words(hid.ptr, 2 * B * h_elems)
+                        if not fetch:
                             stage_hidden(gpu, hid, self.bufs.hidden_in)
                     self._seq = self._seq % 0xFFFFFFFF + 1
                     ops.write_ctl(self._ctl, self._seq, fetch, int(hid.ptr) if fetch else 0)
@@ -689,8 +684,8 @@ class MtpProposerBase(Prefill):
         outbox."""
         b, S, gpu = self.bufs, self.meta_stride, self.gpu
         fetchable = 2 * W * self._hmax if hidden0 is None or int(hidden0) == int(b.hidden_in) else 0
-        ops.call_stage_in(gpu, self._stage_ptr, b.call_in, _up16(self._meta_off + k * W * S), self._ctl_ptr,
-                          b.hidden_in, b.call_seq, _up16(fetchable))   # ids, all k steps' slabs, the hiddens
+        ops.call_stage_in(gpu, self._stage_ptr, b.call_in, ops.up16(self._meta_off + k * W * S), self._ctl_ptr,
+                          b.hidden_in, b.call_seq, ops.up16(fetchable))   # ids, all k steps' slabs, the hiddens
         if inbox:
             self.gpu.copy_h2d_async(b.hidden_in, self._inbox[:inbox])
         hid = b.hidden_in if hidden0 is None else hidden0

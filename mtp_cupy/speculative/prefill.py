@@ -220,7 +220,7 @@ class Prefill:
         with gpu.using(self.stream):
             if self.cuda_graphs and self.graph_safe and not isinstance(h, np.ndarray) and c <= self.max_batch:
                 src, nbytes = int(h) + 2 * E * c0, 2 * E * c
-                fetch = nbytes // 16 if src % 16 == 0 and nbytes % 16 == 0 else 0
+                fetch = ops.fetch_words(src, nbytes)
                 if not fetch:
                     gpu.copy_d2d_async(b.prefill_hidden, DevicePtr(src), nbytes)
                 ops.write_ctl(self._prefill_ctl, 0, fetch, src if fetch else 0)
@@ -244,7 +244,7 @@ class Prefill:
         if mapped:
             at = self._prefill_ctl_at   # the stage's bytes, rounded up to 16
             ops.call_stage_in(self.gpu, self._prefill_ptr, b.prefill_in, at, self._prefill_ptr.offset(at), hp,
-                              b.call_seq.offset(4), -(-2 * self._hidden_row_elems() * c // 16) * 16)
+                              b.call_seq.offset(4), ops.up16(2 * self._hidden_row_elems() * c))
         else:
             self.gpu.copy_h2d_async(b.prefill_in, self._prefill_stage[0])
         if record:
@@ -262,7 +262,7 @@ class Prefill:
         views (made on first use; a graphed pass's CallCtl follows it)."""
         if self._prefill_stage is None:
             P = self.max_prefill_rows
-            at = self._prefill_ctl_at = -(-(16 * P + 4) // 16) * 16
+            at = self._prefill_ctl_at = ops.up16(16 * P + 4)
             arr, self._prefill_buf = self.gpu.alloc_mapped(at + ops.CTL_BYTES)
             self._prefill_ptr = self._prefill_buf.ptr
             stage, self._prefill_ctl = arr[:16 * P + 4], arr[at:].view(np.uint64)
