@@ -246,3 +246,76 @@ extern "C" __global__ __launch_bounds__(512) void layer_norm_w_bias(
         }
     }
 }
+
+// Qwen3-Next's attention heads after their projection, in one launch of one warp a (row, head): q heads normed
+// ((1 + q_w) per head) and RoPE'd into q_out; k heads normed ((1 + k_w)) and RoPE'd into the row's k cache row;
+// v heads copied into its v cache row. Bit-identical to rms_norm_strided_1pw (whose launcher gives dim <= 1024
+// one warp), rope (neox pairs (i, i + rot_dim / 2) over dims [0, rot_dim), mscale 1) and reshape_and_cache[_fp8]
+// one after another: the norm rounds to bf16 in shared memory, RoPE reads and rounds those, the cache takes the
+// result (fp8: e4m3(x / kv_scale), saturating). Layout: row r of x at element r * x_row_stride, q head h at
+// h * q_head_stride (Qwen's [q_h | gate_h] interleave), k head h at k_off + h * dim, v head h at v_off + h * dim;
+// q_out head h at r * q_out_row_stride + h * dim; a cache row holds k_heads * dim elements (u16 bf16 or u8 fp8),
+// slot i64 at slots + r * slot_stride bytes (negative: no cache write), position u32 at pos + r * pos_stride.
+// x is only read. The launcher keeps dim % 8 == 0, dim <= 1024, rot_dim even <= dim, 16-byte aligned rows.
+extern "C" __global__ __launch_bounds__(32) void qk_norm_rope_cache_1pw(
+    const __nv_bfloat16* x, u32 x_row_stride, u32 q_heads, u32 q_head_stride, u32 k_heads, u32 k_off, u32 v_off,
+    const __nv_bfloat16* q_w, const __nv_bfloat16* k_w, __nv_bfloat16* q_out, u32 q_out_row_stride, u32 rows,
+    u32 dim, float eps, const u32* pos, u32 pos_stride, const float* inv_freq, u32 rot_dim, const i64* slots,
+    u32 slot_stride, u8* k_cache, u8* v_cache, u32 fp8, float kv_scale) {
+    pdl_entry();
+    __shared__ float red[64];
+    __shared__ __align__(16) __nv_bfloat16 head[1024];
+    const u32 lane = threadIdx.x, tasks = q_heads + 2 * k_heads, nvec = dim >> 3, half = rot_dim >> 1;
+    const u64 n = (u64)rows * tasks;
+    u32 parity = 0;
+    for (u64 b = blockIdx.x; b < n; b += gridDim.x) {
+        const u32 r = (u32)(b / tasks), t = (u32)(b % tasks);
+        const bool is_q = t < q_heads, is_v = t >= q_heads + k_heads;
+        const __nv_bfloat16* xr = x + (u64)r * x_row_stride;
+        const i64 slot = *reinterpret_cast<const i64*>(reinterpret_cast<const u8*>(slots) + (u64)r * slot_stride);
+        if (!is_q && slot < 0) continue;  // uniform over the block: no barrier is skipped by part of it
+        const uint4* src;
+        if (is_v) {
+            src = reinterpret_cast<const uint4*>(xr + v_off + (u64)(t - q_heads - k_heads) * dim);
+        } else {
+            const u32 h = is_q ? t : t - q_heads;
+            rms_row(is_q ? xr + (u64)h * q_head_stride : xr + k_off + (u64)h * dim, nullptr, is_q ? q_w : k_w, head,
+                    dim, eps, true, red, parity++);
+            __syncwarp();
+            const u32 p = *reinterpret_cast<const u32*>(reinterpret_cast<const u8*>(pos) + (u64)r * pos_stride);
+            for (u32 i = lane; i < half; i += 32) {  // as rope: each pair read before either is written
+                float s, c;
+                sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
+                const float a = bf2f(head[i]), bb = bf2f(head[i + half]);
+                head[i] = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(bb, s)));
+                head[i + half] = f2bf(__fadd_rn(__fmul_rn(bb, c), __fmul_rn(a, s)));
+            }
+            __syncwarp();
+            src = reinterpret_cast<const uint4*>(head);
+        }
+        if (is_q) {
+            uint4* d = reinterpret_cast<uint4*>(q_out + (u64)r * q_out_row_stride + (u64)t * dim);
+            for (u32 i = lane; i < nvec; i += 32) d[i] = src[i];
+        } else {
+            const u64 at = (u64)slot * k_heads * dim + (u64)(is_v ? t - q_heads - k_heads : t - q_heads) * dim;
+            u8* cache = is_v ? v_cache : k_cache;
+            for (u32 i = lane; i < nvec; i += 32) {
+                const uint4 v = src[i];
+                if (!fp8) {
+                    reinterpret_cast<uint4*>(reinterpret_cast<u16*>(cache) + at)[i] = v;
+                } else {
+                    float f[8];
+                    unpack8(v, f);
+                    u32 lo = 0, hi = 0;
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        lo |= (u32)f_to_fp8(f[j] / kv_scale) << (8 * j);
+                        hi |= (u32)f_to_fp8(f[j + 4] / kv_scale) << (8 * j);
+                    }
+                    reinterpret_cast<uint2*>(cache + at)[i] = make_uint2(lo, hi);
+                }
+            }
+        }
+        __syncwarp();  // every lane's reads of `head` before the next task's norm writes it
+    }
+}

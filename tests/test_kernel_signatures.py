@@ -265,6 +265,11 @@ def _rms_norm(dev, mem):
         ops.rms_norm_strided(dev, mem(2 * rows * 2 * 24), mem(2 * dim), mem(2 * rows * 2 * 32), rows, 2, dim, 48,
                              24, 64, 32, 1e-6, unit_offset)
     ops.layer_norm_bias(dev, mem(2 * rows * dim), mem(2 * dim), mem(2 * dim), mem(2 * rows * dim), rows, dim, 1e-6)
+    slots, pos = mem.put(np.array([3, -1, 5], np.int64)), mem.put(np.array([7, 1, 4], np.uint32))
+    for kv_dtype in ("bf16", "fp8"):   # rows of [q0 | g0 | q1 | g1 | k0 | v0], 2 q heads, 1 k head of 16
+        ops.qk_norm_rope_cache(dev, mem(2 * rows * 96), 96, 2, 32, 1, 64, 80, mem(2 * dim), mem(2 * dim),
+                               mem(2 * rows * 32), 32, rows, dim, 1e-6, pos, 4, mem.put(np.ones(4, np.float32)), 8,
+                               slots, 8, mem(2 * 6 * dim), mem(2 * 6 * dim), kv_dtype=kv_dtype, kv_scale=0.5)
 
 
 @exercise

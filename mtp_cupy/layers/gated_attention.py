@@ -3,7 +3,8 @@
 q_proj's output is per head `[q_h | gate_h]` (2 * head_dim each). The per-head (1 + w) q_norm reads the q
 halves out of that interleave and writes q contiguous, so the attention kernel gets plain `[heads, hd]`
 rows and the gate halves stay where sigmoid_gate_mul reads them. q and k are normed before the neox RoPE
-on the first `rot_dim` dims of each head. Per-row positions and slots come from the metadata slabs
+on the first `rot_dim` dims of each head; both norms, both RoPEs and the K / V cache writes are one launch
+(ops.qk_norm_rope_cache). Per-row positions and slots come from the metadata slabs
 (`pos u32 @0, slot i64 @8`, one slab per sequence), as the attention kernel reads seq_len and the block
 table there."""
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..cache.paged import PagedKvCache
 from ..errors import ConfigError
 from ..runtime.arena import carve
 from ..runtime.backend import Backend
-from ..runtime.ptr import DevicePtr
+from ..runtime.ptr import NULL, DevicePtr
 from ..runtime.slab import SLOT_OFFSET
 from ..weights.linear import Linear, stack_rows
 from .rope_tables import default_inv_freq
@@ -94,16 +95,17 @@ class GatedAttention:
             ops.linear(self.gpu, xn, W, y.offset(2 * col), m, y_stride=row, stream=stream, invariant=self.inv)
             col += W.n
 
-    def _store_kv(self, kv: DevicePtr, row: int, m: int, pos, pos_stride, slots, slot_stride, stream) -> None:
-        """Rows of [k | v] (row stride `row` elements): k normed and RoPE'd in place, both into the caches."""
-        gpu, KV, hd, w = self.gpu, self.KV, self.hd, self._w
-        ops.rms_norm_strided(gpu, kv, self.w.k_norm, kv, m, KV, hd, row, hd, row, hd, self.eps, unit_offset=True,
-                             stream=stream)
-        ops.rope(gpu, kv, pos, pos_stride, m, KV, hd, self.rot, 0, row, hd, self._inv_freq.ptr, interleaved=False,
-                 stream=stream)
-        for src, cache in ((kv, "k"), (kv.offset(2 * w), "v")):
-            ops.reshape_and_cache(gpu, src, row, slots, slot_stride, self.kv.base(cache), m, w, w, 0,
-                                  dtype=self.kv_dtype, scale=self.kv_scale, stream=stream)
+    def _store_kv(self, x: DevicePtr, row: int, m: int, pos, pos_stride, slots, slot_stride, stream,
+                  q_out: DevicePtr = NULL) -> None:
+        """One launch over rows of x (row stride `row` elements) laid out as this layer's projections write them: k
+        and v heads at the row's last 2 KV hd columns, normed and RoPE'd k and plain v into the caches; with
+        `q_out`, the q heads at the row's start ([q_h | gate_h] interleave) normed and RoPE'd there."""
+        H, KV, hd, w = self.H, self.KV, self.hd, self._w
+        k_off = row - 2 * w
+        ops.qk_norm_rope_cache(self.gpu, x, row, H if q_out else 0, 2 * hd, KV, k_off, k_off + w, self.w.q_norm,
+                               self.w.k_norm, q_out, H * hd, m, hd, self.eps, pos, pos_stride, self._inv_freq.ptr,
+                               self.rot, slots, slot_stride, self.kv.base("k"), self.kv.base("v"),
+                               kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream)
 
     def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                 stream=None) -> None:
@@ -116,12 +118,7 @@ class GatedAttention:
         row = self._nq + 2 * self._w
         w = self.w
         self._project(xn, [self._qkv] if self._qkv else [w.q_proj, w.k_proj, w.v_proj], qg, row, m, stream)
-        ops.rms_norm_strided(gpu, qg, w.q_norm, q, m, H, hd, row, 2 * hd, H * hd, hd, self.eps,
-                             unit_offset=True, stream=stream)
-        ops.rope(gpu, q, meta, meta_stride, m, H, hd, self.rot, 0, H * hd, hd, self._inv_freq.ptr,
-                 interleaved=False, stream=stream)
-        self._store_kv(qg.offset(2 * self._nq), row, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride,
-                       stream)
+        self._store_kv(qg, row, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream, q_out=q)
         ops.gqa_decode(gpu, q, H * hd, self.kv.base("k"), self.kv.base("v"), meta, meta_stride, o, m, H, KV, hd,
                        float(hd) ** -0.5, kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream, invariant=self.inv)
         ops.sigmoid_gate_mul(gpu, o, qg.offset(2 * hd), o, m, H, hd, row, 2 * hd, stream=stream)

@@ -8,14 +8,21 @@ from ..access import row_scalars, strided
 
 
 def _store(dev, src, src_stride, slots, slot_stride, cache, rows, width, cache_row_width, col_offset, dt, conv):
+    put_rows(dev, strided(dev, src, BF16, (rows, width), (src_stride, 1)), slots, slot_stride, cache, cache_row_width,
+             col_offset, dt, conv)
+
+
+def put_rows(dev, s: np.ndarray, slots, slot_stride, cache, cache_row_width, col_offset, dt, conv) -> None:
+    """Rows s [rows, width] (bf16) -> conv(row) at columns [col_offset, col_offset + width) of cache row slots[r]
+    (i64 at slots + r * slot_stride bytes; negative: skipped)."""
+    rows, width = s.shape
     slot = row_scalars(dev, slots, "i64", rows, slot_stride)
     live = np.flatnonzero(slot >= 0)
     if live.size == 0:
         return
-    s = strided(dev, src, BF16, (rows, width), (src_stride, 1))[live]
     nrows = int(slot[live].max()) + 1
     c = strided(dev, cache.offset(col_offset * dt.itemsize), dt, (nrows, width), (cache_row_width, 1))
-    c[slot[live]] = conv(s)
+    c[slot[live]] = conv(s[live])
 
 
 @twin("kv_cache", "reshape_and_cache")

@@ -9,19 +9,30 @@ from ..access import row_scalars, strided
 F32 = np.float32
 
 
-@twin("rope", "rope")
-def rope(dev, x, out, pos, pos_stride, rows, heads, rot_dim, rot_offset, row_stride, head_stride, out_offset,
-         out_row_stride, out_head_stride, inv_freq, interleaved, mscale, inverse):
-    half = rot_dim // 2
-    v = strided(dev, x.offset(2 * rot_offset), BF16, (rows, heads, rot_dim), (row_stride, head_stride, 1))
-    o = strided(dev, out.offset(2 * out_offset), BF16, (rows, heads, rot_dim), (out_row_stride, out_head_stride, 1))
-    p = row_scalars(dev, pos, "u32", rows, pos_stride).astype(F32)
-    theta = (p[:, None] * dev.view(inv_freq, "f32", half)[None, :]).astype(np.float64)
+def rotate(dev, v: np.ndarray, p: np.ndarray, inv_freq, interleaved: bool, mscale: float = 1.0,
+           inverse: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """The rotated pairs of bf16 v [rows, heads, rot_dim] at u32 positions p [rows]: (a', b') bf16, for the pairs'
+    first and second dims (interleaved: (2i, 2i + 1), else (i, i + rot_dim / 2))."""
+    half = v.shape[-1] // 2
+    theta = (p.astype(F32)[:, None] * dev.view(inv_freq, "f32", half)[None, :]).astype(np.float64)
     c = np.cos(theta).astype(F32)[:, None, :] * F32(mscale)
     s = np.sin(theta).astype(F32)[:, None, :] * F32(mscale)
     if inverse:
         s = -s
-    ia, ib = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, half), slice(half, None))
+    ia, ib = pair_slices(half, interleaved)
     a, b = v[..., ia].astype(F32), v[..., ib].astype(F32)
-    o[..., ia] = (a * c - b * s).astype(BF16)
-    o[..., ib] = (b * c + a * s).astype(BF16)
+    return (a * c - b * s).astype(BF16), (b * c + a * s).astype(BF16)
+
+
+def pair_slices(half: int, interleaved: bool) -> tuple[slice, slice]:
+    return (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, half), slice(half, None))
+
+
+@twin("rope", "rope")
+def rope(dev, x, out, pos, pos_stride, rows, heads, rot_dim, rot_offset, row_stride, head_stride, out_offset,
+         out_row_stride, out_head_stride, inv_freq, interleaved, mscale, inverse):
+    v = strided(dev, x.offset(2 * rot_offset), BF16, (rows, heads, rot_dim), (row_stride, head_stride, 1))
+    o = strided(dev, out.offset(2 * out_offset), BF16, (rows, heads, rot_dim), (out_row_stride, out_head_stride, 1))
+    p = row_scalars(dev, pos, "u32", rows, pos_stride)
+    ia, ib = pair_slices(rot_dim // 2, interleaved)
+    o[..., ia], o[..., ib] = rotate(dev, v, p, inv_freq, interleaved, mscale, inverse)
