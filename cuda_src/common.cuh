@@ -134,3 +134,31 @@ __device__ __forceinline__ u32 kv_fp8_block_scale_off(u32 nope, u32 width) {
 __device__ __forceinline__ u32 kv_fp8_block_row_bytes(u32 nope, u32 width) {
     return (kv_fp8_block_scale_off(nope, width) + (nope + 63) / 64 + 15) / 16 * 16;
 }
+
+// One blocked fp8 row (the layout above) from bf16 s[0, width) into d (row_bytes): each 64-column block b of
+// [0, nope) gets the power-of-two scale 2^e, e = ceil(log2(max(amax_b, 1e-4) * (1/448))) from the f32 bits (the
+// official fast_round_scale), stored as the UE8M0 byte e + 127, and codes e4m3(x * 2^-e) (exact scaling, round
+// to nearest even, saturating); a last partial block scales over the columns it has; columns [nope, width) are
+// copied as bf16, padding bytes written as zeros. Called by every thread of `nthreads` (a whole number of warps;
+// thread `tid`): warp w quantises blocks w, w + warps, ... The bits do not depend on the thread count.
+__device__ __forceinline__ void kv_fp8_block_store(const __nv_bfloat16* s, u8* d, u32 width, u32 nope, u32 tid,
+                                                   u32 nthreads) {
+    const u32 rope_off = kv_fp8_block_rope_off(nope), scale_off = kv_fp8_block_scale_off(nope, width);
+    const u32 row_bytes = kv_fp8_block_row_bytes(nope, width), nblk = (nope + 63) / 64;
+    const u32 lane = tid & 31, warp = tid >> 5, warps = nthreads >> 5;
+    for (u32 b = warp; b < nblk; b += warps) {
+        const u32 c0 = b * 64 + lane, c1 = c0 + 32;
+        const float x0 = c0 < nope ? bf2f(s[c0]) : 0.f, x1 = c1 < nope ? bf2f(s[c1]) : 0.f;
+        const float amax = fmaxf(warp_max(fmaxf(fabsf(x0), fabsf(x1))), 1e-4f);
+        const u32 bits = __float_as_uint(amax * (1.0f / 448.0f));
+        const i32 e = (i32)((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFFu) != 0u ? 1 : 0);
+        const float inv = __uint_as_float((u32)(127 - e) << 23);   // 2^-e, exact
+        if (c0 < nope) d[c0] = f_to_fp8(x0 * inv);
+        if (c1 < nope) d[c1] = f_to_fp8(x1 * inv);
+        if (lane == 0) d[scale_off + b] = (u8)(e + 127);
+    }
+    const u16* sr = reinterpret_cast<const u16*>(s);
+    for (u32 j = tid; j < width - nope; j += nthreads) *reinterpret_cast<u16*>(d + rope_off + 2 * j) = sr[nope + j];
+    for (u32 j = nope + tid; j < rope_off; j += nthreads) d[j] = 0;
+    for (u32 j = scale_off + nblk + tid; j < row_bytes; j += nthreads) d[j] = 0;
+}

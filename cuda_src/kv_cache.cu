@@ -40,39 +40,17 @@ extern "C" __global__ void reshape_and_cache_fp8(const __nv_bfloat16* src, u32 s
     }
 }
 
-// Blocked fp8 cache row (layout in common.cuh, kv_fp8_block_*): DeepSeek-V4's QAT numerics. Each 64-column
-// block b of [0, nope) gets the power-of-two scale s_b = 2^e, e = ceil(log2(max(amax_b, 1e-4) * (1/448)))
-// taken from the f32 bits (the official fast_round_scale), stored as the UE8M0 byte e + 127; its codes are
-// e4m3(x * 2^-e) (exact scaling, round to nearest even, saturating to +-448). A last partial block scales over
-// the columns it has. Columns [nope, width) are copied as bf16; padding bytes are written as zeros. One block
-// of 256 threads per row; warp w quantises blocks w, w + 8, ...
+// Blocked fp8 cache row (layout and encoding in common.cuh, kv_fp8_block_*): DeepSeek-V4's QAT numerics. One
+// block of 256 threads per row; warp w quantises the 64-column blocks w, w + 8, ...
 extern "C" __global__ __launch_bounds__(256) void reshape_and_cache_fp8_blocks(
     const __nv_bfloat16* src, u32 src_stride, const i64* slots, u32 slot_stride, u8* cache, u32 rows, u32 width,
     u32 nope) {
     pdl_entry();
-    const u32 rope_off = kv_fp8_block_rope_off(nope), scale_off = kv_fp8_block_scale_off(nope, width);
-    const u32 row_bytes = kv_fp8_block_row_bytes(nope, width), nblk = (nope + 63) / 64;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const u32 row_bytes = kv_fp8_block_row_bytes(nope, width);
     for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {
         const i64 slot = row_slot(slots, slot_stride, r);
         if (slot < 0) continue;
-        const __nv_bfloat16* s = src + (u64)r * src_stride;
-        u8* d = cache + (u64)slot * row_bytes;
-        for (u32 b = warp; b < nblk; b += warps) {
-            const u32 c0 = b * 64 + lane, c1 = c0 + 32;
-            const float x0 = c0 < nope ? bf2f(s[c0]) : 0.f, x1 = c1 < nope ? bf2f(s[c1]) : 0.f;
-            const float amax = fmaxf(warp_max(fmaxf(fabsf(x0), fabsf(x1))), 1e-4f);
-            const u32 bits = __float_as_uint(amax * (1.0f / 448.0f));
-            const i32 e = (i32)((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFFu) != 0u ? 1 : 0);
-            const float inv = __uint_as_float((u32)(127 - e) << 23);   // 2^-e, exact
-            if (c0 < nope) d[c0] = f_to_fp8(x0 * inv);
-            if (c1 < nope) d[c1] = f_to_fp8(x1 * inv);
-            if (lane == 0) d[scale_off + b] = (u8)(e + 127);
-        }
-        const u16* sr = reinterpret_cast<const u16*>(s);
-        for (u32 j = threadIdx.x; j < width - nope; j += blockDim.x)
-            *reinterpret_cast<u16*>(d + rope_off + 2 * j) = sr[nope + j];
-        for (u32 j = nope + threadIdx.x; j < rope_off; j += blockDim.x) d[j] = 0;
-        for (u32 j = scale_off + nblk + threadIdx.x; j < row_bytes; j += blockDim.x) d[j] = 0;
+        kv_fp8_block_store(src + (u64)r * src_stride, cache + (u64)slot * row_bytes, width, nope, threadIdx.x,
+                           blockDim.x);
     }
 }

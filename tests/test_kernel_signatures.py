@@ -265,11 +265,23 @@ def _rms_norm(dev, mem):
         ops.rms_norm_strided(dev, mem(2 * rows * 2 * 24), mem(2 * dim), mem(2 * rows * 2 * 32), rows, 2, dim, 48,
                              24, 64, 32, 1e-6, unit_offset)
     ops.layer_norm_bias(dev, mem(2 * rows * dim), mem(2 * dim), mem(2 * dim), mem(2 * rows * dim), rows, dim, 1e-6)
+
+
+@exercise
+def _norm_rope(dev, mem):
+    rows, dim = 3, 16
     slots, pos = mem.put(np.array([3, -1, 5], np.int64)), mem.put(np.array([7, 1, 4], np.uint32))
+    inv = mem.put(np.ones(4, np.float32))
     for kv_dtype in ("bf16", "fp8"):   # rows of [q0 | g0 | q1 | g1 | k0 | v0], 2 q heads, 1 k head of 16
         ops.qk_norm_rope_cache(dev, mem(2 * rows * 96), 96, 2, 32, 1, 64, 80, mem(2 * dim), mem(2 * dim),
-                               mem(2 * rows * 32), 32, rows, dim, 1e-6, pos, 4, mem.put(np.ones(4, np.float32)), 8,
-                               slots, 8, mem(2 * 6 * dim), mem(2 * 6 * dim), kv_dtype=kv_dtype, kv_scale=0.5)
+                               mem(2 * rows * 32), 32, rows, dim, 1e-6, pos, 4, inv, 8, slots, 8, mem(2 * 6 * dim),
+                               mem(2 * 6 * dim), kv_dtype=kv_dtype, kv_scale=0.5)
+    x = mem(2 * rows * 2 * 24)   # 2 heads of 24 a row: norm 16, RoPE 8 at 16
+    ops.norm_rope(dev, x, 48, 24, rows, 2, mem(2 * dim), dim, 24, 1e-6, pos, 4, inv, 16, 8, True, 1.5, out=x,
+                  out_row_stride=48, out_head_stride=24)
+    for nope in (0, 16):   # bf16 rows, blocked fp8 rows
+        ops.norm_rope(dev, x, 48, 24, rows, 1, 0, dim, 24, 1e-6, pos, 4, inv, 16, 8, False, slots=slots,
+                      slot_stride=8, cache=mem(6 * 64), fp8_nope=nope)
 
 
 @exercise

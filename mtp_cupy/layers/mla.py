@@ -130,16 +130,12 @@ class MlaAttention:
 
     def _store_latent(self, kvp: DevicePtr, row: int, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
                       slot_stride: int, stream) -> None:
-        """kv_a outputs (row stride `row` elements) -> the cache rows [rms(c) | RoPE(k_pe)] in place, written to
-        their slots."""
-        gpu, d = self.gpu, self.d
-        W = d.row_width
-        ops.rms_norm_strided(gpu, kvp, self.w.kv_a_norm, kvp, m, 1, d.kv_lora_rank, row, W, row, W, d.eps,
-                             stream=stream)
-        ops.rope(gpu, kvp, pos, pos_stride, m, 1, W, d.qk_rope, d.kv_lora_rank, row, W, self._inv_freq.ptr,
-                 self.rope.interleaved, self.rope.mscale, stream=stream)
-        ops.reshape_and_cache(gpu, kvp, row, slots, slot_stride, self.kv.base(self.cache, self.layer), m, W, W, 0,
-                              stream=stream)
+        """kv_a outputs (row stride `row` elements) -> the cache rows [rms(c) | RoPE(k_pe)] at their slots, in one
+        launch (kv_a's outputs are only read)."""
+        d = self.d
+        ops.norm_rope(self.gpu, kvp, row, d.row_width, m, 1, self.w.kv_a_norm, d.kv_lora_rank, d.row_width, d.eps, pos,
+                      pos_stride, self._inv_freq.ptr, d.kv_lora_rank, d.qk_rope, self.rope.interleaved, self.rope.mscale,
+                      slots=slots, slot_stride=slot_stride, cache=self.kv.base(self.cache, self.layer), stream=stream)
 
     def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
                  slot_stride: int, stream=None) -> None:

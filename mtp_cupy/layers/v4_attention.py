@@ -115,10 +115,9 @@ class V4Attention:
         if not 1 <= m <= most:
             raise ConfigError(f"V4 attention sized for {most} rows, got {m}")
 
-    def _rope(self, x: DevicePtr, pos: DevicePtr, pos_stride: int, m: int, heads: int, inverse: bool, stream,
-              row: int | None = None):
+    def _rope(self, x: DevicePtr, pos: DevicePtr, pos_stride: int, m: int, heads: int, inverse: bool, stream):
         hd = self.hd
-        ops.rope(self.gpu, x, pos, pos_stride, m, heads, hd, self.rot, hd - self.rot, row or heads * hd, hd,
+        ops.rope(self.gpu, x, pos, pos_stride, m, heads, hd, self.rot, hd - self.rot, heads * hd, hd,
                  self._inv_freq.ptr, interleaved=True, inverse=inverse, stream=stream)
 
     def write_kv(self, xn: DevicePtr, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
@@ -132,15 +131,11 @@ class V4Attention:
 
     def _store_kv(self, kv: DevicePtr, row: int, m: int, pos: DevicePtr, pos_stride: int, slots: DevicePtr,
                   slot_stride: int, stream) -> None:
-        """wkv outputs (row stride `row` elements): kv_norm and RoPE in place, then into the cache slots."""
-        gpu, hd = self.gpu, self.hd
-        ops.rms_norm_strided(gpu, kv, self.w.kv_norm, kv, m, 1, hd, row, hd, row, hd, self.eps, stream=stream)
-        self._rope(kv, pos, pos_stride, m, 1, False, stream, row)
-        if self.d.kv_dtype == "fp8":
-            ops.reshape_and_cache_fp8_blocks(gpu, kv, row, slots, slot_stride, self.kv.base(CACHE), m, hd, self.d.nope,
-                                             stream=stream)
-        else:
-            ops.reshape_and_cache(gpu, kv, row, slots, slot_stride, self.kv.base(CACHE), m, hd, hd, 0, stream=stream)
+        """wkv outputs (row stride `row` elements): kv_norm and RoPE, into the cache slots, in one launch."""
+        hd = self.hd
+        ops.norm_rope(self.gpu, kv, row, hd, m, 1, self.w.kv_norm, hd, hd, self.eps, pos, pos_stride, self._inv_freq.ptr,
+                      hd - self.rot, self.rot, True, slots=slots, slot_stride=slot_stride, cache=self.kv.base(CACHE),
+                      fp8_nope=self.d.nope if self.d.kv_dtype == "fp8" else 0, stream=stream)
 
     def forward(self, xn: DevicePtr, out: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                 stream=None) -> None:
@@ -161,8 +156,9 @@ class V4Attention:
                                  stream=stream)
             self._store_kv(p["qkv"].offset(2 * nqa), row, m, meta, meta_stride, slots, meta_stride, stream)
         ops.linear(gpu, p["qa"], w.wq_b, p["q"], m, stream=stream, invariant=self.inv)
-        ops.rms_norm_strided(gpu, p["q"], NULL, p["q"], m, H, hd, H * hd, hd, H * hd, hd, self.eps, stream=stream)
-        self._rope(p["q"], meta, meta_stride, m, H, False, stream)
+        ops.norm_rope(gpu, p["q"], H * hd, hd, m, H, NULL, hd, hd, self.eps, meta, meta_stride, self._inv_freq.ptr,
+                      hd - self.rot, self.rot, True, out=p["q"], out_row_stride=H * hd, out_head_stride=hd,
+                      stream=stream)   # the per-head q scaling (no weight) and RoPE, in place
         ops.mla_decode(gpu, p["q"], self.kv.base(CACHE), meta, meta_stride, p["o"], m, H, hd, hd, float(hd) ** -0.5,
                        window=self.window, sink=w.sink, kv_dtype=self.d.kv_dtype, nope=self.d.nope, stream=stream,
                        invariant=self.inv)

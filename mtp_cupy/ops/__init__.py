@@ -4,6 +4,7 @@ This package is the only place that knows launch geometry. Each file matches a c
 public launcher is re-exported here so callers write `ops.linear(gpu, ...)`. See docs/kernels.md."""
 from .elementwise import *  # noqa: F401,F403
 from .rms_norm import *  # noqa: F401,F403
+from .norm_rope import *  # noqa: F401,F403
 from .rope import *  # noqa: F401,F403
 from .kv_cache import *  # noqa: F401,F403
 from .gemv import *  # noqa: F401,F403

@@ -8,7 +8,7 @@ whole number of warps; `threads=` overrides it (scripts/bench_kernels.py --sweep
 from ..runtime.ptr import NULL
 from ._util import launch, need
 
-__all__ = ["rms_norm", "add_rms_norm", "rms_norm_strided", "layer_norm_bias", "qk_norm_rope_cache"]
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_strided", "layer_norm_bias"]
 
 MAXV = 4  # 16-byte vectors per thread at most, as in rms_norm.cu
 VECS_PER_THREAD = 4
@@ -82,34 +82,3 @@ def layer_norm_bias(gpu, x, w, b, y, rows, dim, eps, stream=None):
     launch(gpu, "rms_norm", name).grid(rows).block(t).arg_ptr(x).arg_ptr(w).arg_ptr(b).arg_ptr(y) \
         .arg_u32(rows).arg_u32(dim).arg_f32(eps).launch(stream)
 
-
-def qk_norm_rope_cache(gpu, x, x_row_stride, q_heads, q_head_stride, k_heads, k_off, v_off, q_w, k_w, q_out,
-                       q_out_row_stride, rows, dim, eps, pos, pos_stride, inv_freq, rot_dim, slots, slot_stride,
-                       k_cache, v_cache, kv_dtype="bf16", kv_scale=1.0, stream=None):
-    """Qwen3-Next's heads after the qkv projection, one launch: for each of `rows` rows of x (strides in
-    elements), q head h (at h * q_head_stride) normed by (1 + q_w) and RoPE'd into q_out[r, h]; k head h (at
-    k_off + h * dim) normed by (1 + k_w), RoPE'd and stored in k_cache row slots[r]; v head h (at v_off + h * dim)
-    stored in v_cache row slots[r]. RoPE: neox pairs over dims [0, rot_dim) at the u32 position at
-    pos + r * pos_stride bytes (`inv_freq` f32 [rot_dim / 2]); slots i64 at slots + r * slot_stride (negative:
-    the row's cache writes are skipped); a cache row is k_heads * dim elements of `kv_dtype` ("bf16", or "fp8":
-    e4m3(x / kv_scale)). Bit-identical to rms_norm_strided(unit_offset=True), rope and reshape_and_cache in
-    turn. x is only read; q_heads may be 0 (prefill rows: K and V only)."""
-    name = "qk_norm_rope_cache_1pw"
-    need(_threads(name, dim) == 32 and dim <= 1024,
-         f"{name}: head dim {dim} must be a multiple of 8 of at most 1024 (one warp a head, as rms_norm_strided)")
-    need(rot_dim > 0 and rot_dim % 2 == 0 and rot_dim <= dim, f"{name}: rot_dim {rot_dim} must be even, in (0, {dim}]")
-    need(k_heads > 0 and rows > 0, f"{name}: {rows} rows of {k_heads} k heads")
-    need(kv_dtype in ("bf16", "fp8"), f"{name}: kv_dtype {kv_dtype!r} is not bf16 or fp8")
-    need(kv_dtype == "bf16" or kv_scale > 0, f"{name}: fp8 scale {kv_scale} must be positive")
-    need(all(s % 8 == 0 for s in (x_row_stride, q_head_stride, k_off, v_off, q_out_row_stride)),
-         f"{name}: strides and offsets must be multiples of 8 elements (16-byte heads)")
-    need(pos_stride % 4 == 0 and int(pos) % 4 == 0 and slot_stride % 8 == 0 and int(slots) % 8 == 0,
-         f"{name}: positions must be 4-byte and slots 8-byte aligned (strides {pos_stride}, {slot_stride})")
-    q_w, k_w = q_w or NULL, k_w or NULL
-    _aligned(name, x, q_w, k_w, q_out, k_cache, v_cache)
-    n = rows * (q_heads + 2 * k_heads)
-    launch(gpu, "rms_norm", name).grid(min(n, 1 << 14)).block(32).arg_ptr(x).arg_u32(x_row_stride) \
-        .arg_u32(q_heads).arg_u32(q_head_stride).arg_u32(k_heads).arg_u32(k_off).arg_u32(v_off).arg_ptr(q_w) \
-        .arg_ptr(k_w).arg_ptr(q_out).arg_u32(q_out_row_stride).arg_u32(rows).arg_u32(dim).arg_f32(eps).arg_ptr(pos) \
-        .arg_u32(pos_stride).arg_ptr(inv_freq).arg_u32(rot_dim).arg_ptr(slots).arg_u32(slot_stride) \
-        .arg_ptr(k_cache).arg_ptr(v_cache).arg_u32(kv_dtype == "fp8").arg_f32(kv_scale).launch(stream)

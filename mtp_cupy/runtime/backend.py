@@ -39,10 +39,15 @@ _INCLUDE_RE = re.compile(r'^#include "(\w+\.cuh)"\s*$', re.M)
 
 
 def module_source(module: str) -> str:
-    """The module's source with local `#include "x.cuh"` headers inlined, so that a compile cache keyed
-    on the source text sees header edits too."""
+    """The module's source with local `#include "x.cuh"` headers inlined (those they include too, each header
+    once, as `#pragma once` would), so that a compile cache keyed on the source text sees header edits too."""
+    seen: set[str] = set()
+
     def inline(m):
-        return (CUDA_SRC / m.group(1)).read_text()
+        if m.group(1) in seen:
+            return ""
+        seen.add(m.group(1))
+        return _INCLUDE_RE.sub(inline, (CUDA_SRC / m.group(1)).read_text())
     return _INCLUDE_RE.sub(inline, cuda_source(module).read_text())
 
 

@@ -2,11 +2,9 @@
 fp32 block sum differs by accumulation order only); everything after is the kernel's fp32 arithmetic."""
 import numpy as np
 
-from ...runtime.dtypes import BF16, FP8, to_fp8
+from ...runtime.dtypes import BF16
 from ..registry import twin
-from ..access import row_scalars, strided
-from .kv_cache import put_rows
-from .rope import pair_slices, rotate
+from ..access import strided
 
 F32 = np.float32
 
@@ -87,28 +85,3 @@ def layer_norm_w_bias(dev, x, w, b, y, rows, dim, eps):
     g, c = dev.view(w, BF16, dim).astype(F32), dev.view(b, BF16, dim).astype(F32)
     dev.view(y, BF16, (rows, dim))[:] = ((d * rstd) * g + c).astype(BF16)
 
-
-@twin("rms_norm", "qk_norm_rope_cache_1pw")
-def qk_norm_rope_cache_1pw(dev, x, x_row_stride, q_heads, q_head_stride, k_heads, k_off, v_off, q_w, k_w, q_out,
-                           q_out_row_stride, rows, dim, eps, pos, pos_stride, inv_freq, rot_dim, slots, slot_stride,
-                           k_cache, v_cache, fp8, kv_scale):
-    """rms_norm_strided_1pw, rope (neox over [0, rot_dim)) and reshape_and_cache[_fp8], as the kernel chains them."""
-    p = row_scalars(dev, pos, "u32", rows, pos_stride)
-    ia, ib = pair_slices(rot_dim // 2, False)
-
-    def normed_rotated(at, heads, head_stride, w):
-        v = _rms_norm(strided(dev, at, BF16, (rows, heads, dim), (x_row_stride, head_stride, 1)).astype(F32),
-                      _gain(dev, w, dim, True), eps)
-        r = v[..., :rot_dim]
-        r[..., ia], r[..., ib] = rotate(dev, r.copy(), p, inv_freq, False)
-        return v
-
-    if q_heads:
-        strided(dev, q_out, BF16, (rows, q_heads, dim), (q_out_row_stride, dim, 1))[:] = \
-            normed_rotated(x, q_heads, q_head_stride, q_w)
-    dt, conv = (FP8, lambda s: to_fp8(s.astype(F32) / F32(kv_scale))) if fp8 else (BF16, lambda s: s)
-    w = k_heads * dim
-    k = normed_rotated(x.offset(2 * k_off), k_heads, dim, k_w).reshape(rows, w)
-    put_rows(dev, k, slots, slot_stride, k_cache, w, 0, dt, conv)
-    put_rows(dev, strided(dev, x.offset(2 * v_off), BF16, (rows, w), (x_row_stride, 1)), slots, slot_stride, v_cache,
-             w, 0, dt, conv)
