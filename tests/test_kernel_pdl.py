@@ -176,3 +176,45 @@ def test_a_refused_launch_raises_kernel_error():
     with pytest.raises(KernelError, match="rms_norm_w"):
         dev.launch(h, (1, 1, 1), (4096, 1, 1), 0, [("ptr", 0), ("ptr", 0), ("ptr", 0), ("u32", 0), ("u32", 0),
                                                    ("f32", 1.0)], None)
+
+
+def _argmax_then_norm(dev):
+    """ops.argmax then ops.rms_norm on small buffers (the launches' routes are what the tests look at)."""
+    from mtp_cupy import ops
+    from helpers import out, rand_bf16, up
+    logits = up(dev, np.random.default_rng(0).standard_normal(1000).astype(np.float32))
+    ids, x = out(dev, "i32", 1), up(dev, rand_bf16(np.random.default_rng(1), (1, 64)))
+    ops.argmax(dev, logits.ptr, 1000, ids.ptr)
+    ops.rms_norm(dev, x.ptr, 0, x.ptr, 1, 64, 1e-6)
+    dev.synchronize()
+    return [logits, ids, x]
+
+
+def test_argmax_launches_after_the_whole_kernel_ahead(monkeypatch):
+    """The argmax behind an LM head asks for no early (PDL) scheduling; other launches keep it."""
+    from mtp_cupy.refdev import RefBackend
+    seen, orig = [], RefBackend.launch
+
+    def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1), early=True):
+        seen.append((handle.name, early))
+        return orig(self, handle, grid, block, shared, args, stream, cluster, early)
+    monkeypatch.setattr(RefBackend, "launch", launch)
+    _argmax_then_norm(RefBackend())
+    assert seen == [("argmax_f32", False), ("rms_norm_w", True)]
+
+
+@pytest.mark.gpu
+def test_after_whole_takes_the_launcher_without_pdl(monkeypatch):
+    cp = pytest.importorskip("cupy")
+    if not cp.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from mtp_cupy.runtime.cupy_backend import CupyBackend
+    from mtp_cupy.runtime.pdl import PdlLauncher
+    seen, orig = [], PdlLauncher.launch
+
+    def launch(self, *a, **kw):
+        seen.append(self._pdl)
+        return orig(self, *a, **kw)
+    monkeypatch.setattr(PdlLauncher, "launch", launch)
+    _argmax_then_norm(CupyBackend(pdl=True))
+    assert seen == [0, 1]

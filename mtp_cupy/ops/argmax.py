@@ -3,7 +3,10 @@
 Workspace: a row split over several blocks meets in a small workspace (per-row counters that reset
 themselves, then one partial per block). Pass `workspace=` (ARGMAX_WORKSPACE_BYTES, its first 1 KiB zeroed
 once) or let the launcher use the zeroed one it allocates per device on the first call; nothing is allocated
-later, so capturing after one warm-up call is safe. Launches on several streams at once need their own."""
+later, so capturing after one warm-up call is safe. Launches on several streams at once need their own.
+
+Both launch after the whole kernel ahead (`KernelLaunch.after_whole`): behind an LM head, blocks parked early
+in their PDL wait took SM slots from the head and cost 2-7 us a step (H100, BENCHMARKS.md)."""
 from __future__ import annotations
 
 import weakref
@@ -56,7 +59,7 @@ def argmax(gpu, logits, n, out_id, rows=1, row_stride=None, dtype="f32", out_val
     k.arg_ptr(out_id).arg_ptr(out_val)
     if lp:
         k.arg_ptr(out_lp)
-    k.arg_ptr(ws).launch(stream)
+    k.arg_ptr(ws).after_whole().launch(stream)
 
 
 def argmax_bitmask(gpu, logits, n, bitmask, out_id, out_flag, dtype="f32", rows=1, row_stride=None,
@@ -71,4 +74,4 @@ def argmax_bitmask(gpu, logits, n, bitmask, out_id, out_flag, dtype="f32", rows=
     ws = DevicePtr(int(workspace)) if workspace else _workspace(gpu)
     launch(gpu, "argmax", name).grid(blocks, rows).block(_THREADS).arg_ptr(logits).arg_u32(dtype == "bf16") \
         .arg_u32(n).arg_u32(rows).arg_u32(stride).arg_ptr(bitmask).arg_u32(words).arg_ptr(out_id) \
-        .arg_ptr(out_flag).arg_ptr(out_val).arg_ptr(ws).launch(stream)
+        .arg_ptr(out_flag).arg_ptr(out_val).arg_ptr(ws).after_whole().launch(stream)

@@ -40,7 +40,7 @@ class RefBackend(Backend):
             raise self._missing(module, name, names_in(module))
         return KernelHandle(module, name, fn)
 
-    def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1)) -> None:
+    def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1), early=True) -> None:
         self.launch_geometry = (grid, block, shared)
         self.launches += 1
         try:

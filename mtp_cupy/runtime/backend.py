@@ -125,7 +125,9 @@ class Backend:
         return KernelError(f"kernel {name!r} is not defined in {src.name}; it defines: {', '.join(defined) or 'nothing'}")
 
     def launch(self, handle: KernelHandle, grid, block, shared: int, args: list[tuple[str, Any]], stream,
-               cluster=(1, 1, 1)) -> None:
+               cluster=(1, 1, 1), early: bool = True) -> None:
+        """Launch `handle`. `early`: its blocks may be scheduled while the kernel ahead still runs (programmatic
+        dependent launch, where the device has it); False: only once that kernel has finished."""
         raise NotImplementedError
 
     # -- memory ----------------------------------------------------------------------------------
@@ -255,11 +257,19 @@ class KernelLaunch:
 
     Argument types must match the kernel's parameters: ptr -> pointer, u32/i32/f32/u64/i64 scalars."""
 
-    __slots__ = ("gpu", "h", "_grid", "_block", "_shared", "_args", "_cluster")
+    __slots__ = ("gpu", "h", "_grid", "_block", "_shared", "_args", "_cluster", "_early")
 
     def __init__(self, gpu: Backend, handle: KernelHandle):
         self.gpu, self.h = gpu, handle
         self._grid, self._block, self._shared, self._args, self._cluster = (1, 1, 1), (1, 1, 1), 0, [], (1, 1, 1)
+        self._early = True
+
+    def after_whole(self):
+        """Schedule no block before the kernel ahead has finished (no programmatic dependent launch): for a kernel
+        whose blocks, parked early in their pdl_wait, would take SM slots from a large kernel ahead (the argmax
+        behind an LM head: 2-7 us a step on an H100, BENCHMARKS.md)."""
+        self._early = False
+        return self
 
     def grid(self, x, y=1, z=1):
         self._grid = (int(x), int(y), int(z))
@@ -312,12 +322,9 @@ class KernelLaunch:
     def launch(self, stream=None) -> None:
         if min(self._grid) <= 0 or min(self._block) <= 0:
             return  # empty launch: nothing to do (CUDA would reject a zero grid)
-        if self._cluster == (1, 1, 1):
-            self.gpu.launch(self.h, self._grid, self._block, self._shared, self._args, stream)
-        elif any(g % c for g, c in zip(self._grid, self._cluster)):
+        if any(g % c for g, c in zip(self._grid, self._cluster)):
             raise KernelError(f"{self.h}: cluster {self._cluster} does not divide grid {self._grid}")
-        else:
-            self.gpu.launch(self.h, self._grid, self._block, self._shared, self._args, stream, self._cluster)
+        self.gpu.launch(self.h, self._grid, self._block, self._shared, self._args, stream, self._cluster, self._early)
 
 
 TwinFn = Callable[..., None]

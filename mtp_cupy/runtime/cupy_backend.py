@@ -102,7 +102,7 @@ class CupyBackend(Backend):
     def _stream(self, stream):
         return stream if stream is not None else self.cp.cuda.get_current_stream()
 
-    def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1)) -> None:
+    def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1), early=True) -> None:
         if shared > 48 * 1024:
             # more than 48 KiB of dynamic shared memory needs the per-kernel opt-in attribute; only ever raised
             key = int(handle.fn.kernel.ptr)
@@ -110,8 +110,8 @@ class CupyBackend(Backend):
                 handle.fn.max_dynamic_shared_size_bytes = shared
                 _SMEM_OPTIN[key] = shared
         try:
-            ex = self.pdl
-            if ex is None and cluster != (1, 1, 1):
+            ex = self.pdl if early else None
+            if ex is None and (cluster != (1, 1, 1) or self.pdl is not None):
                 if self._plain_ex is None:
                     from .pdl import PdlLauncher
                     self._plain_ex = PdlLauncher(pdl=False)
