@@ -59,45 +59,35 @@ def slab(pos, slots, stride=64):
     return buf.reshape(-1)
 
 
-def run_fused(dev, x, qw, kw, pos, slots, q_heads, k_heads, dim, rot, q_head_stride, n_slots, kv_dtype, scale):
+def run_qk(dev, x, qw, kw, pos, slots, q_heads, k_heads, dim, rot, q_head_stride, n_slots, kv_dtype, scale, fused):
+    """qk_norm_rope_cache, or (fused=False) the launches it replaces as gated_attention made them (k normed in
+    place in x). Returns (q, k cache, v cache, x after)."""
     rows, row = x.shape
-    inv = default_inv_freq(rot, 1e7)
     item = 1 if kv_dtype == "fp8" else 2
-    xb, qwb, kwb, mb, fb = up(dev, x), up(dev, qw), up(dev, kw), up(dev, slab(pos, slots)), up(dev, inv)
-    qo = out(dev, "bf16", (rows, max(q_heads, 1) * dim))
-    kc, vc = out(dev, "u8", n_slots * k_heads * dim * item), out(dev, "u8", n_slots * k_heads * dim * item)
-    nq = q_heads * q_head_stride
-    ops.qk_norm_rope_cache(dev, xb.ptr, row, q_heads, q_head_stride, k_heads, nq, nq + k_heads * dim, qwb.ptr,
-                           kwb.ptr, qo.ptr, q_heads * dim, rows, dim, EPS, mb.ptr, 64, fb.ptr, rot, mb.ptr.offset(8),
-                           64, kc.ptr, vc.ptr, kv_dtype=kv_dtype, kv_scale=scale)
-    shape = (n_slots, k_heads * dim)
-    dt = "u8" if kv_dtype == "fp8" else "bf16"
-    return (get(dev, qo, "bf16", (rows, max(q_heads, 1) * dim))[:, :q_heads * dim], get(dev, kc, dt, shape),
-            get(dev, vc, dt, shape), get(dev, xb, "bf16", x.shape))
-
-
-def run_separate(dev, x, qw, kw, pos, slots, q_heads, k_heads, dim, rot, q_head_stride, n_slots, kv_dtype, scale):
-    """The launches the fused kernel replaces, as gated_attention made them (k normed in place in x)."""
-    rows, row = x.shape
-    inv = default_inv_freq(rot, 1e7)
-    item = 1 if kv_dtype == "fp8" else 2
-    xb, qwb, kwb, mb, fb = up(dev, x), up(dev, qw), up(dev, kw), up(dev, slab(pos, slots)), up(dev, inv)
+    xb, qwb, kwb, mb = up(dev, x), up(dev, qw), up(dev, kw), up(dev, slab(pos, slots))
+    fb = up(dev, default_inv_freq(rot, 1e7))
     qo = out(dev, "bf16", (rows, max(q_heads, 1) * dim))
     kc, vc = out(dev, "u8", n_slots * k_heads * dim * item), out(dev, "u8", n_slots * k_heads * dim * item)
     nq, w = q_heads * q_head_stride, k_heads * dim
-    if q_heads:
-        ops.rms_norm_strided(dev, xb.ptr, qwb.ptr, qo.ptr, rows, q_heads, dim, row, q_head_stride, q_heads * dim, dim,
-                             EPS, unit_offset=True)
-        ops.rope(dev, qo.ptr, mb.ptr, 64, rows, q_heads, dim, rot, 0, q_heads * dim, dim, fb.ptr, interleaved=False)
-    k = xb.ptr.offset(2 * nq)
-    ops.rms_norm_strided(dev, k, kwb.ptr, k, rows, k_heads, dim, row, dim, row, dim, EPS, unit_offset=True)
-    ops.rope(dev, k, mb.ptr, 64, rows, k_heads, dim, rot, 0, row, dim, fb.ptr, interleaved=False)
-    for src, c in ((k, kc), (k.offset(2 * w), vc)):
-        ops.reshape_and_cache(dev, src, row, mb.ptr.offset(8), 64, c.ptr, rows, w, w, 0, dtype=kv_dtype, scale=scale)
-    shape = (n_slots, w)
-    dt = "u8" if kv_dtype == "fp8" else "bf16"
+    if fused:
+        ops.qk_norm_rope_cache(dev, xb.ptr, row, q_heads, q_head_stride, k_heads, nq, nq + w, qwb.ptr, kwb.ptr, qo.ptr,
+                               q_heads * dim, rows, dim, EPS, mb.ptr, 64, fb.ptr, rot, mb.ptr.offset(8), 64, kc.ptr,
+                               vc.ptr, kv_dtype=kv_dtype, kv_scale=scale)
+    else:
+        if q_heads:
+            ops.rms_norm_strided(dev, xb.ptr, qwb.ptr, qo.ptr, rows, q_heads, dim, row, q_head_stride, q_heads * dim,
+                                 dim, EPS, unit_offset=True)
+            ops.rope(dev, qo.ptr, mb.ptr, 64, rows, q_heads, dim, rot, 0, q_heads * dim, dim, fb.ptr,
+                     interleaved=False)
+        k = xb.ptr.offset(2 * nq)
+        ops.rms_norm_strided(dev, k, kwb.ptr, k, rows, k_heads, dim, row, dim, row, dim, EPS, unit_offset=True)
+        ops.rope(dev, k, mb.ptr, 64, rows, k_heads, dim, rot, 0, row, dim, fb.ptr, interleaved=False)
+        for src, c in ((k, kc), (k.offset(2 * w), vc)):
+            ops.reshape_and_cache(dev, src, row, mb.ptr.offset(8), 64, c.ptr, rows, w, w, 0, dtype=kv_dtype,
+                                  scale=scale)
+    shape, dt = (n_slots, w), "u8" if kv_dtype == "fp8" else "bf16"
     return (get(dev, qo, "bf16", (rows, max(q_heads, 1) * dim))[:, :q_heads * dim], get(dev, kc, dt, shape),
-            get(dev, vc, dt, shape))
+            get(dev, vc, dt, shape), get(dev, xb, "bf16", x.shape))
 
 
 @pytest.mark.parametrize("kv_dtype,scale", [("bf16", 1.0), ("fp8", 0.37)])
@@ -106,7 +96,7 @@ def test_qk_norm_rope_cache_matches_reference(dev, rng, case, kv_dtype, scale):
     rows, qh, kh, dim, rot, qhs = CASES[case]
     n_slots = rows + 5
     x, qw, kw, pos, slots = inputs(rng, rows, qh, kh, dim, qhs, n_slots)
-    q, kc, vc, x_after = run_fused(dev, x, qw, kw, pos, slots, qh, kh, dim, rot, qhs, n_slots, kv_dtype, scale)
+    q, kc, vc, x_after = run_qk(dev, x, qw, kw, pos, slots, qh, kh, dim, rot, qhs, n_slots, kv_dtype, scale, True)
     assert np.array_equal(x_after.view(np.uint16), x.view(np.uint16)), "x must only be read"
     inv = default_inv_freq(rot, 1e7)
     nq = qh * qhs
@@ -134,7 +124,7 @@ def test_qk_norm_rope_cache_is_the_three_kernels(dev, rng, case, kv_dtype, scale
     rows, qh, kh, dim, rot, qhs = CASES[case]
     n_slots = rows + 3
     args = (*inputs(rng, rows, qh, kh, dim, qhs, n_slots), qh, kh, dim, rot, qhs, n_slots, kv_dtype, scale)
-    fused, separate = run_fused(dev, *args)[:3], run_separate(dev, *args)
+    fused, separate = run_qk(dev, *args, True)[:3], run_qk(dev, *args, False)[:3]
     for a, b, what in zip(fused, separate, ("q", "k cache", "v cache")):
         assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"{case} {what} differs from the separate kernels"
 
@@ -158,12 +148,15 @@ NR_CASES = {"mla_latent": (3, 1, 512, 576, 512, 64, True, 1.0, True, "cache"),
             "neox_weighted_q": (2, 8, 128, 128, 0, 32, False, 1.0, True, "out")}
 
 
-def nr_inputs(rng, rows, heads, width, n_slots):
+def nr_inputs(rng, case, n_slots):
+    """x, the norm weight (None: unweighted), positions and slots (a quarter of them negative) of a case."""
+    rows, heads, nd, width, *_, weighted, _ = NR_CASES[case]
     x = rand_bf16(rng, (rows, heads * width), 3.0)
+    w = bf16(1.0 + 0.5 * rng.standard_normal(nd)) if weighted else None
     pos = rng.integers(0, 40000, rows).astype(np.uint32)
     slots = rng.choice(n_slots, rows, replace=False).astype(np.int64)
     slots[rng.random(rows) < 0.25] = -1
-    return x, pos, slots
+    return x, w, pos, slots
 
 
 def nr_run(dev, case, x, w, pos, slots, n_slots, fused):
@@ -198,8 +191,7 @@ def nr_run(dev, case, x, w, pos, slots, n_slots, fused):
 def test_norm_rope_matches_reference(dev, rng, case):
     rows, heads, nd, width, off, rot, inter, ms, weighted, target = NR_CASES[case]
     n_slots = rows + 4
-    x, pos, slots = nr_inputs(rng, rows, heads, width, n_slots)
-    w = bf16(1.0 + 0.5 * rng.standard_normal(nd)) if weighted else None
+    x, w, pos, slots = nr_inputs(rng, case, n_slots)
     got, x_after = nr_run(dev, case, x, w, pos, slots, n_slots, fused=True)
     inv = V3_INV if ms != 1.0 else default_inv_freq(rot, 10000.0)
     ref = heads_ref(x.reshape(rows, heads, width), w, pos, inv, rot, nd, False, off, inter, ms)
@@ -220,10 +212,8 @@ def test_norm_rope_matches_reference(dev, rng, case):
 @pytest.mark.parametrize("case", sorted(NR_CASES))
 def test_norm_rope_is_the_three_kernels(dev, rng, case):
     """Bit for bit what rms_norm_strided, rope and reshape_and_cache[_fp8_blocks] give on the same device."""
-    rows, heads, nd, width, off, rot, inter, ms, weighted, target = NR_CASES[case]
-    n_slots = rows + 2
-    x, pos, slots = nr_inputs(rng, rows, heads, width, n_slots)
-    w = bf16(1.0 + 0.5 * rng.standard_normal(nd)) if weighted else None
+    n_slots = NR_CASES[case][0] + 2
+    x, w, pos, slots = nr_inputs(rng, case, n_slots)
     fused = nr_run(dev, case, x, w, pos, slots, n_slots, fused=True)[0]
     separate = nr_run(dev, case, x, w, pos, slots, n_slots, fused=False)[0]
     assert np.array_equal(fused.view(np.uint8), separate.view(np.uint8)), f"{case} differs from the separate kernels"
