@@ -101,6 +101,29 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     return warp_max(v);
 }
 
+// Per-row scalars read through (pointer, stride in bytes): a metadata slab's position (u32) and cache slot (i64)
+// at meta + offset + r * meta_stride, or packed arrays (stride 4 / 8).
+__device__ __forceinline__ u32 row_pos(const u32* pos, u32 pos_stride, u32 r) {
+    return *reinterpret_cast<const u32*>(reinterpret_cast<const u8*>(pos) + (u64)r * pos_stride);
+}
+
+__device__ __forceinline__ i64 row_slot(const i64* slots, u32 slot_stride, u32 r) {
+    return *reinterpret_cast<const i64*>(reinterpret_cast<const u8*>(slots) + (u64)r * slot_stride);
+}
+
+// RoPE of one pair (a, b) at position p: theta = float(p) * inv_freq in fp32, accurate sincosf (no fast-math:
+// large positions need the full range reduction), cos and sin scaled by mscale, -theta when inverse; products
+// unfused, so the twin rounds alike. rope.cu and norm_rope.cu both rotate through it.
+__device__ __forceinline__ void rope_pair(float& a, float& b, u32 p, float inv_freq, float mscale, bool inverse) {
+    float s, c;
+    sincosf(__fmul_rn((float)p, inv_freq), &s, &c);
+    c = __fmul_rn(c, mscale);
+    s = inverse ? -__fmul_rn(s, mscale) : __fmul_rn(s, mscale);
+    const float x = a, y = b;
+    a = __fsub_rn(__fmul_rn(x, c), __fmul_rn(y, s));
+    b = __fadd_rn(__fmul_rn(y, c), __fmul_rn(x, s));
+}
+
 __device__ __forceinline__ float fp8_to_f(u8 b) {
     __nv_fp8_e4m3 v;
     v.__x = b;

@@ -8,10 +8,6 @@
 // column 0 and the rotated k_pe at 512. One block per row.
 #include "common.cuh"
 
-__device__ __forceinline__ i64 row_slot(const i64* slots, u32 slot_stride, u32 r) {
-    return *reinterpret_cast<const i64*>(reinterpret_cast<const u8*>(slots) + (u64)r * slot_stride);
-}
-
 // bf16 cache: a bit-exact copy.
 extern "C" __global__ void reshape_and_cache(const u16* src, u32 src_stride, const i64* slots, u32 slot_stride,
                                              u16* cache, u32 rows, u32 width, u32 cache_row_width,

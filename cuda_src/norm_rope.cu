@@ -7,28 +7,17 @@
 // common.cuh). So each kernel equals the launches it replaces, bit for bit.
 #include "norm.cuh"
 
-__device__ __forceinline__ u32 row_pos(const u32* pos, u32 pos_stride, u32 r) {
-    return *reinterpret_cast<const u32*>(reinterpret_cast<const u8*>(pos) + (u64)r * pos_stride);
-}
-
-__device__ __forceinline__ i64 row_slot(const i64* slots, u32 slot_stride, u32 r) {
-    return *reinterpret_cast<const i64*>(reinterpret_cast<const u8*>(slots) + (u64)r * slot_stride);
-}
-
 // RoPE over dims [off, off + rot_dim) of the bf16 row h (shared memory) at position p, by the warp: pairs (2i,
-// 2i + 1) when interleaved, else (i, i + rot_dim / 2); each pair read before either is written. rope.cu's math.
+// 2i + 1) when interleaved, else (i, i + rot_dim / 2); each pair read before either is written (rope_pair).
 __device__ __forceinline__ void rope_row(__nv_bfloat16* h, u32 p, const float* inv_freq, u32 off, u32 rot_dim,
                                          bool interleaved, float mscale) {
     const u32 half = rot_dim >> 1;
     for (u32 i = threadIdx.x & 31; i < half; i += 32) {
-        float s, c;
-        sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
-        c = __fmul_rn(c, mscale);
-        s = __fmul_rn(s, mscale);
         const u32 ia = off + (interleaved ? 2 * i : i), ib = off + (interleaved ? 2 * i + 1 : i + half);
-        const float a = bf2f(h[ia]), b = bf2f(h[ib]);
-        h[ia] = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-        h[ib] = f2bf(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+        float a = bf2f(h[ia]), b = bf2f(h[ib]);
+        rope_pair(a, b, p, inv_freq[i], mscale, false);
+        h[ia] = f2bf(a);
+        h[ib] = f2bf(b);
     }
 }
 

@@ -4,8 +4,8 @@
 // [rot_offset, rot_offset + rot_dim) of each head (rot_offset 0: Qwen partial rotary and the DSA indexer's
 // front rope; 128 / 448 / 512: MLA and V4's rope at the end) and the rest is never touched. Pair i
 // (i < rot_dim / 2) is (2i, 2i + 1) when interleaved (GPT-J, DeepSeek) and (i, i + rot_dim / 2) for neox.
-// theta = float(pos_r) * inv_freq[i] in fp32, then accurate sincosf (no fast-math: large positions need
-// the full range reduction); cos and sin are scaled by mscale, and `inverse` rotates by -theta.
+// Each pair is rotated by rope_pair (common.cuh): the fp32 angle float(pos_r) * inv_freq[i], accurate sincosf,
+// cos and sin scaled by mscale, and -theta when `inverse`.
 // The rotated dims go to out[r, h, out_offset + ...] (element r * out_row_stride + h * out_head_stride; out == x
 // with x's strides and offset: in place); nothing else of out is written. One thread per (row, head, pair), so
 // each pair's two values are read before either is written.
@@ -19,16 +19,12 @@ extern "C" __global__ void rope(const __nv_bfloat16* x, __nv_bfloat16* out, cons
     const u32 half = rot_dim >> 1, n = rows * heads * half;  // the launcher keeps n < 2^31
     for (u32 t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += gridDim.x * blockDim.x) {
         const u32 i = t % half, h = (t / half) % heads, r = t / (half * heads);
-        const u32 p = *reinterpret_cast<const u32*>(reinterpret_cast<const u8*>(pos) + (u64)r * pos_stride);
-        float s, c;
-        sincosf(__fmul_rn((float)p, inv_freq[i]), &s, &c);
-        c = __fmul_rn(c, mscale);
-        s = inverse ? -__fmul_rn(s, mscale) : __fmul_rn(s, mscale);
         const u32 ia = interleaved ? 2 * i : i, ib = interleaved ? 2 * i + 1 : i + half;
         const __nv_bfloat16* xh = x + (u64)r * row_stride + (u64)h * head_stride + rot_offset;
         __nv_bfloat16* oh = out + (u64)r * out_row_stride + (u64)h * out_head_stride + out_offset;
-        const float a = bf2f(xh[ia]), b = bf2f(xh[ib]);
-        oh[ia] = f2bf(__fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-        oh[ib] = f2bf(__fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+        float a = bf2f(xh[ia]), b = bf2f(xh[ib]);
+        rope_pair(a, b, row_pos(pos, pos_stride, r), inv_freq[i], mscale, inverse != 0);
+        oh[ia] = f2bf(a);
+        oh[ib] = f2bf(b);
     }
 }

@@ -3,7 +3,6 @@ bit-identical to the rms_norm_strided, rope and reshape_and_cache launches it re
 thread count rms_norm_strided's launcher gives every dim <= 1024)."""
 from ..runtime.ptr import NULL
 from ._util import launch, need
-from .kv_cache import fp8_block_layout
 from .rms_norm import _aligned, _threads
 
 __all__ = ["norm_rope", "qk_norm_rope_cache"]

@@ -35,7 +35,12 @@ def reshape_and_cache(dev, src, src_stride, slots, slot_stride, cache, rows, wid
 def reshape_and_cache_fp8(dev, src, src_stride, slots, slot_stride, cache, rows, width, cache_row_width,
                           col_offset, scale):
     _store(dev, src, src_stride, slots, slot_stride, cache, rows, width, cache_row_width, col_offset, FP8,
-           lambda s: to_fp8(s.astype(np.float32) / np.float32(scale)))
+           fp8_quotient(scale))
+
+
+def fp8_quotient(scale: float):
+    """bf16 rows -> e4m3(x / scale) (the fp32 quotient, saturating): the per-tensor fp8 cache's encoding."""
+    return lambda s: to_fp8(s.astype(np.float32) / np.float32(scale))
 
 
 # -- the blocked fp8 row (DeepSeek-V4's cache; layout: ops.kv_cache.fp8_block_layout) ------------------------

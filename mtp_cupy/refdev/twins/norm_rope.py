@@ -2,12 +2,12 @@
 the kernels chain the launches they replace."""
 import numpy as np
 
-from ...runtime.dtypes import BF16, FP8, to_fp8
+from ...runtime.dtypes import BF16, FP8
 from ..access import row_scalars, strided
 from ..registry import twin
-from .kv_cache import encode_fp8_blocks, put_rows
+from .kv_cache import encode_fp8_blocks, fp8_quotient, put_rows
 from .rms_norm import _gain, _rms_norm
-from .rope import pair_slices, rotate
+from .rope import rotate
 
 F32 = np.float32
 
@@ -20,9 +20,7 @@ def norm_rope_w(dev, x, x_row_stride, x_head_stride, rows, heads, w, norm_dim, w
     y = xv.copy()
     y[..., :norm_dim] = _rms_norm(xv[..., :norm_dim].astype(F32), _gain(dev, w, norm_dim, False), eps)
     r = y[..., rot_offset:rot_offset + rot_dim]
-    ia, ib = pair_slices(rot_dim // 2, bool(interleaved))
-    r[..., ia], r[..., ib] = rotate(dev, r.copy(), row_scalars(dev, pos, "u32", rows, pos_stride), inv_freq,
-                                    bool(interleaved), mscale)
+    rotate(dev, r, r, row_scalars(dev, pos, "u32", rows, pos_stride), inv_freq, bool(interleaved), mscale)
     if not int(slots):
         strided(dev, out, BF16, (rows, heads, width), (out_row_stride, out_head_stride, 1))[:] = y
     elif fp8_nope:
@@ -38,19 +36,17 @@ def qk_norm_rope_cache_1pw(dev, x, x_row_stride, q_heads, q_head_stride, k_heads
                            k_cache, v_cache, fp8, kv_scale):
     """rms_norm_strided_1pw, rope (neox over [0, rot_dim)) and reshape_and_cache[_fp8], as the kernel chains them."""
     p = row_scalars(dev, pos, "u32", rows, pos_stride)
-    ia, ib = pair_slices(rot_dim // 2, False)
 
     def normed_rotated(at, heads, head_stride, w):
         v = _rms_norm(strided(dev, at, BF16, (rows, heads, dim), (x_row_stride, head_stride, 1)).astype(F32),
                       _gain(dev, w, dim, True), eps)
-        r = v[..., :rot_dim]
-        r[..., ia], r[..., ib] = rotate(dev, r.copy(), p, inv_freq, False)
+        rotate(dev, v[..., :rot_dim], v[..., :rot_dim], p, inv_freq, False)
         return v
 
     if q_heads:
         strided(dev, q_out, BF16, (rows, q_heads, dim), (q_out_row_stride, dim, 1))[:] = \
             normed_rotated(x, q_heads, q_head_stride, q_w)
-    dt, conv = (FP8, lambda s: to_fp8(s.astype(F32) / F32(kv_scale))) if fp8 else (BF16, lambda s: s)
+    dt, conv = (FP8, fp8_quotient(kv_scale)) if fp8 else (BF16, lambda s: s)
     w = k_heads * dim
     k = normed_rotated(x.offset(2 * k_off), k_heads, dim, k_w).reshape(rows, w)
     put_rows(dev, k, slots, slot_stride, k_cache, w, 0, dt, conv)

@@ -84,4 +84,3 @@ def layer_norm_w_bias(dev, x, w, b, y, rows, dim, eps):
     rstd = F32(1) / np.sqrt(var + F32(eps))
     g, c = dev.view(w, BF16, dim).astype(F32), dev.view(b, BF16, dim).astype(F32)
     dev.view(y, BF16, (rows, dim))[:] = ((d * rstd) * g + c).astype(BF16)
-

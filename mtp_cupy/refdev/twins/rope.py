@@ -9,23 +9,19 @@ from ..access import row_scalars, strided
 F32 = np.float32
 
 
-def rotate(dev, v: np.ndarray, p: np.ndarray, inv_freq, interleaved: bool, mscale: float = 1.0,
-           inverse: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """The rotated pairs of bf16 v [rows, heads, rot_dim] at u32 positions p [rows]: (a', b') bf16, for the pairs'
-    first and second dims (interleaved: (2i, 2i + 1), else (i, i + rot_dim / 2))."""
+def rotate(dev, o: np.ndarray, v: np.ndarray, p: np.ndarray, inv_freq, interleaved: bool, mscale: float = 1.0,
+           inverse: bool = False) -> None:
+    """o [rows, heads, rot_dim] (bf16; may be v) = the rotation of bf16 v at u32 positions p [rows]: pairs (2i, 2i + 1)
+    when interleaved, else (i, i + rot_dim / 2); v is read whole before o is written."""
     half = v.shape[-1] // 2
     theta = (p.astype(F32)[:, None] * dev.view(inv_freq, "f32", half)[None, :]).astype(np.float64)
     c = np.cos(theta).astype(F32)[:, None, :] * F32(mscale)
     s = np.sin(theta).astype(F32)[:, None, :] * F32(mscale)
     if inverse:
         s = -s
-    ia, ib = pair_slices(half, interleaved)
+    ia, ib = (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, half), slice(half, None))
     a, b = v[..., ia].astype(F32), v[..., ib].astype(F32)
-    return (a * c - b * s).astype(BF16), (b * c + a * s).astype(BF16)
-
-
-def pair_slices(half: int, interleaved: bool) -> tuple[slice, slice]:
-    return (slice(0, None, 2), slice(1, None, 2)) if interleaved else (slice(0, half), slice(half, None))
+    o[..., ia], o[..., ib] = (a * c - b * s).astype(BF16), (b * c + a * s).astype(BF16)
 
 
 @twin("rope", "rope")
@@ -33,6 +29,4 @@ def rope(dev, x, out, pos, pos_stride, rows, heads, rot_dim, rot_offset, row_str
          out_row_stride, out_head_stride, inv_freq, interleaved, mscale, inverse):
     v = strided(dev, x.offset(2 * rot_offset), BF16, (rows, heads, rot_dim), (row_stride, head_stride, 1))
     o = strided(dev, out.offset(2 * out_offset), BF16, (rows, heads, rot_dim), (out_row_stride, out_head_stride, 1))
-    p = row_scalars(dev, pos, "u32", rows, pos_stride)
-    ia, ib = pair_slices(rot_dim // 2, interleaved)
-    o[..., ia], o[..., ib] = rotate(dev, v, p, inv_freq, interleaved, mscale, inverse)
+    rotate(dev, o, v, row_scalars(dev, pos, "u32", rows, pos_stride), inv_freq, interleaved, mscale, inverse)
