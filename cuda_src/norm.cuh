@@ -48,10 +48,51 @@ __device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// y = (x * r) * g with r = 1 / sqrt(mean(x^2) + eps) and g = w, 1 + w, or 1 when w is NULL. The weight is
-// loaded with x, unconditionally (a NULL w reads x's row instead and ignores it): behind a branch, ptxas
-// would issue it only after the x sum of squares, i.e. after a first full memory round trip. Products are
-// not fused, so the twin rounds alike.
+// y = (x * r) * g with r = 1 / sqrt(mean(x^2) + eps) and g = w, 1 + w, or 1 (has_w false) over a row this
+// thread already holds in load_row's layout (v: the row, wv: the weight). Products are not fused, so the twin
+// rounds alike. Kernels that build the row themselves (a gathered embedding, an mHC collapse) call this.
+__device__ __forceinline__ void rms_row_regs(const uint4 (&v)[MAXV], const uint4 (&wv)[MAXV], bool has_w,
+                                             __nv_bfloat16* y, u32 dim, float eps, bool unit_offset, float* red,
+                                             u32 parity) {
+    const u32 nvec = dim >> 3;
+    float ssk[MAXV];  // one chain per vector: 8-deep FFMA chains instead of one 8 * MAXV deep
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        float f[8];
+        unpack8(v[k], f);
+        ssk[k] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) ssk[k] += f[j] * f[j];
+    }
+    float ss = ssk[0];
+#pragma unroll
+    for (int k = 1; k < MAXV; ++k) ss += ssk[k];
+    ss = block_sum1(ss, red, parity);
+    const float r = 1.f / sqrtf(ss / (float)dim + eps);
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const u32 i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            float f[8], g[8];
+            unpack8(v[k], f);
+            if (has_w) {
+                unpack8(wv[k], g);
+#pragma unroll
+                for (int j = 0; j < 8; ++j) g[j] = unit_offset ? 1.f + g[j] : g[j];
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; ++j) g[j] = 1.f;
+            }
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f[j] = __fmul_rn(__fmul_rn(f[j], r), g[j]);
+            reinterpret_cast<uint4*>(y)[i] = pack8(f);
+        }
+    }
+}
+
+// rms_row_regs over row x read here. The weight is loaded with x, unconditionally (a NULL w reads x's row
+// instead and ignores it): behind a branch, ptxas would issue it only after the x sum of squares, i.e. after a
+// first full memory round trip.
 // res != nullptr (the add_rms_norm kernels, whose x is writable): x = bf16(x + res) first, elementwise as
 // bf16_residual_add rounds it, stored back to x by the thread that read it, and that rounded row is what
 // the sum of squares and y see. res is loaded between x and w, so all 3 * MAXV loads issue before the first
@@ -78,37 +119,5 @@ __device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloa
             if (i < nvec) reinterpret_cast<uint4*>(const_cast<__nv_bfloat16*>(x))[i] = v[k];
         }
     }
-    float ssk[MAXV];  // one chain per vector: 8-deep FFMA chains instead of one 8 * MAXV deep
-#pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
-        float f[8];
-        unpack8(v[k], f);
-        ssk[k] = 0.f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) ssk[k] += f[j] * f[j];
-    }
-    float ss = ssk[0];
-#pragma unroll
-    for (int k = 1; k < MAXV; ++k) ss += ssk[k];
-    ss = block_sum1(ss, red, parity);
-    const float r = 1.f / sqrtf(ss / (float)dim + eps);
-#pragma unroll
-    for (int k = 0; k < MAXV; ++k) {
-        const u32 i = threadIdx.x + k * blockDim.x;
-        if (i < nvec) {
-            float f[8], g[8];
-            unpack8(v[k], f);
-            if (w != nullptr) {
-                unpack8(wv[k], g);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) g[j] = unit_offset ? 1.f + g[j] : g[j];
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; ++j) g[j] = 1.f;
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) f[j] = __fmul_rn(__fmul_rn(f[j], r), g[j]);
-            reinterpret_cast<uint4*>(y)[i] = pack8(f);
-        }
-    }
+    rms_row_regs(v, wv, w != nullptr, y, dim, eps, unit_offset, red, parity);
 }

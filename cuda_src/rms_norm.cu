@@ -87,6 +87,57 @@ extern "C" __global__ __launch_bounds__(1024) void rms_norm_strided_1pw(
     rms_norm_heads<true>(x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps);
 }
 
+// The MTP front's two norms in one launch (layers/mtp_front.py): blocks [0, m) norm the embedding rows of the
+// i32 token ids at `ids + r * ids_stride` bytes (an id outside [0, vocab) gives a zero row, as embed_rows does)
+// with ew into e_out; blocks [m, m + h_rows) norm the contiguous hidden rows with hw into h_out. Output row
+// strides in elements (a concat's halves: 2 * dim). Bit-identical to embed_rows then rms_norm_strided of each
+// at the same block size: the gathered row goes through the same register layout and sum order.
+template <bool UNIT_OFFSET>
+__device__ __forceinline__ void front_norms(const __nv_bfloat16* table, const i32* ids, u32 ids_stride, u32 vocab,
+                                            const __nv_bfloat16* ew, const __nv_bfloat16* hidden,
+                                            const __nv_bfloat16* hw, __nv_bfloat16* e_out, u32 e_stride,
+                                            __nv_bfloat16* h_out, u32 h_stride, u32 m, u32 h_rows, u32 dim,
+                                            float eps) {
+    __shared__ float red[64];
+    const u32 nvec = dim >> 3;
+    u32 p = 0;
+    for (u32 b = blockIdx.x; b < m + h_rows; b += gridDim.x, ++p) {
+        if (b >= m) {
+            const u64 r = b - m;
+            rms_row(hidden + r * dim, nullptr, hw, h_out + r * h_stride, dim, eps, UNIT_OFFSET, red, p);
+            continue;
+        }
+        const i32 id = *reinterpret_cast<const i32*>(reinterpret_cast<const u8*>(ids) + (u64)b * ids_stride);
+        uint4 v[MAXV], wv[MAXV];
+        if (id >= 0 && (u32)id < vocab) {
+            load_row(table + (u64)id * dim, nvec, v);
+        } else {
+#pragma unroll
+            for (int k = 0; k < MAXV; ++k) v[k] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        load_row(ew, nvec, wv);
+        rms_row_regs(v, wv, true, e_out + (u64)b * e_stride, dim, eps, UNIT_OFFSET, red, p);
+    }
+}
+
+extern "C" __global__ __launch_bounds__(1024) void front_norms_w(
+    const __nv_bfloat16* table, const i32* ids, u32 ids_stride, u32 vocab, const __nv_bfloat16* ew,
+    const __nv_bfloat16* hidden, const __nv_bfloat16* hw, __nv_bfloat16* e_out, u32 e_stride, __nv_bfloat16* h_out,
+    u32 h_stride, u32 m, u32 h_rows, u32 dim, float eps) {
+    pdl_entry();
+    front_norms<false>(table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
+                       dim, eps);
+}
+
+extern "C" __global__ __launch_bounds__(1024) void front_norms_1pw(
+    const __nv_bfloat16* table, const i32* ids, u32 ids_stride, u32 vocab, const __nv_bfloat16* ew,
+    const __nv_bfloat16* hidden, const __nv_bfloat16* hw, __nv_bfloat16* e_out, u32 e_stride, __nv_bfloat16* h_out,
+    u32 h_stride, u32 m, u32 h_rows, u32 dim, float eps) {
+    pdl_entry();
+    front_norms<true>(table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
+                      dim, eps);
+}
+
 // y = ((x - mean) * rstd) * w + b, rstd = 1 / sqrt(var + eps), biased variance (torch LayerNorm).
 // At most 512 threads (dim <= 16384): x, w and b held in registers need more than 1024 threads allow.
 extern "C" __global__ __launch_bounds__(512) void layer_norm_w_bias(

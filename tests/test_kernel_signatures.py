@@ -265,6 +265,10 @@ def _rms_norm(dev, mem):
         ops.rms_norm_strided(dev, mem(2 * rows * 2 * 24), mem(2 * dim), mem(2 * rows * 2 * 32), rows, 2, dim, 48,
                              24, 64, 32, 1e-6, unit_offset)
     ops.layer_norm_bias(dev, mem(2 * rows * dim), mem(2 * dim), mem(2 * dim), mem(2 * rows * dim), rows, dim, 1e-6)
+    ids = mem.put(np.array([1, 9, 0], np.int32))
+    for unit_offset in (False, True):   # 3 token rows of a 4-row table, 6 hidden rows, e into a concat half
+        ops.front_norms(dev, mem(2 * 4 * dim), ids, 4, mem(2 * dim), mem(2 * 6 * dim), mem(2 * dim),
+                        mem(2 * rows * 2 * dim), 2 * dim, mem(2 * 6 * dim), dim, rows, 6, dim, 1e-6, unit_offset)
 
 
 @exercise

@@ -8,7 +8,7 @@ whole number of warps; `threads=` overrides it (scripts/bench_kernels.py --sweep
 from ..runtime.ptr import NULL
 from ._util import launch, need
 
-__all__ = ["rms_norm", "add_rms_norm", "rms_norm_strided", "layer_norm_bias"]
+__all__ = ["rms_norm", "add_rms_norm", "rms_norm_strided", "front_norms", "layer_norm_bias"]
 
 MAXV = 4  # 16-byte vectors per thread at most, as in rms_norm.cu
 VECS_PER_THREAD = 4
@@ -71,6 +71,24 @@ def rms_norm_strided(gpu, x, w, y, rows, heads, dim, x_row_stride, x_head_stride
     launch(gpu, "rms_norm", name).grid(rows * heads).block(t).arg_ptr(x).arg_ptr(w) \
         .arg_ptr(y).arg_u32(rows).arg_u32(heads).arg_u32(dim).arg_u32(x_row_stride).arg_u32(x_head_stride) \
         .arg_u32(y_row_stride).arg_u32(y_head_stride).arg_f32(eps).launch(stream)
+
+
+def front_norms(gpu, table, ids, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows, dim, eps,
+                unit_offset=False, ids_stride=4, stream=None):
+    """The MTP front's norms in one launch: e_out[r] (row stride e_stride elements) = norm with ew of table[ids[r]]
+    (bf16 [vocab, dim]; a zero row for an id outside [0, vocab)) for r < m, and h_out[r] (stride h_stride) = norm
+    with hw of the contiguous hidden rows [h_rows, dim]. The bits of embed_rows then two rms_norm_strided."""
+    name = "front_norms_1pw" if unit_offset else "front_norms_w"
+    t = _threads(name, dim)
+    need(int(ew) != 0 and int(hw) != 0, f"{name}: both norm weights are required")
+    need(vocab > 0 and m >= 1 and h_rows >= 1, f"{name}: vocab {vocab}, m {m} and h_rows {h_rows} must be positive")
+    need(ids_stride % 4 == 0 and int(ids) % 4 == 0, f"{name}: ids must be 4-byte aligned (stride {ids_stride})")
+    need(e_stride >= dim and h_stride >= dim and e_stride % 8 == 0 and h_stride % 8 == 0,
+         f"{name}: row strides {e_stride}, {h_stride} must be multiples of 8 elements, at least dim {dim}")
+    _aligned(name, table, ew, hidden, hw, e_out, h_out)
+    launch(gpu, "rms_norm", name).grid(m + h_rows).block(t).arg_ptr(table).arg_ptr(ids).arg_u32(ids_stride) \
+        .arg_u32(vocab).arg_ptr(ew).arg_ptr(hidden).arg_ptr(hw).arg_ptr(e_out).arg_u32(e_stride).arg_ptr(h_out) \
+        .arg_u32(h_stride).arg_u32(m).arg_u32(h_rows).arg_u32(dim).arg_f32(eps).launch(stream)
 
 
 def layer_norm_bias(gpu, x, w, b, y, rows, dim, eps, stream=None):

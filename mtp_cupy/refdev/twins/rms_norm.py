@@ -4,7 +4,7 @@ import numpy as np
 
 from ...runtime.dtypes import BF16
 from ..registry import twin
-from ..access import strided
+from ..access import row_scalars, strided
 
 F32 = np.float32
 
@@ -73,6 +73,33 @@ def rms_norm_strided_1pw(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_st
                          eps):
     _rms_norm_strided(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_stride, y_row_stride, y_head_stride, eps,
                       True)
+
+
+def _front_norms(dev, table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
+                 dim, eps, unit_offset: bool) -> None:
+    idx = row_scalars(dev, ids, "i32", m, ids_stride).astype(np.int64)
+    ok = (idx >= 0) & (idx < vocab)
+    e = np.zeros((m, dim), F32)
+    e[ok] = dev.view(table, BF16, (vocab, dim))[idx[ok]].astype(F32)
+    h = dev.view(hidden, BF16, (h_rows, dim)).astype(F32)
+    eo = _rms_norm(e, _gain(dev, ew, dim, unit_offset), eps)
+    ho = _rms_norm(h, _gain(dev, hw, dim, unit_offset), eps)
+    strided(dev, e_out, BF16, (m, dim), (e_stride, 1))[:] = eo
+    strided(dev, h_out, BF16, (h_rows, dim), (h_stride, 1))[:] = ho
+
+
+@twin("rms_norm", "front_norms_w")
+def front_norms_w(dev, table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
+                  dim, eps):
+    _front_norms(dev, table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
+                 dim, eps, False)
+
+
+@twin("rms_norm", "front_norms_1pw")
+def front_norms_1pw(dev, table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
+                    dim, eps):
+    _front_norms(dev, table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
+                 dim, eps, True)
 
 
 @twin("rms_norm", "layer_norm_w_bias")
