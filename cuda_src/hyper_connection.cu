@@ -6,23 +6,23 @@
 // sums (plus the sum of squares that folds the weightless RMSNorm in); hc_pre and hc_head reduce the
 // partials in chunk order (deterministic, no atomics) and finish each row. Every block of a finishing kernel
 // recomputes the few coefficients of its row so the stream sum can spread over the whole grid.
-#include "common.cuh"
+#include "norm.cuh"
 
 #define HC_MAX 4                          // streams; the hc x hc Sinkhorn matrix lives in 16 lanes of a warp
 #define MIX_MAX ((2 + HC_MAX) * HC_MAX)   // pre | post | comb coefficients of hc_pre
 
-// part[s, r, m] = sum over columns c of chunk s of X[r, c] * fn[m, c] (m < mix); part[s, r, mix] = sum X^2.
-// grid (chunks, row groups of rpb <= MIX_ROWS rows): a thread keeps fn at its (at most MIX_CPT) columns of the
-// chunk in registers for every row of its group, so fn leaves L2 once per group, not once per row (64 decode
-// rows read the 1.5 MB of V4-Flash's fn 64 times otherwise); the launcher keeps the groups small at small batches
-// (ops/hyper_connection.py mix_rows). A row's sums do not depend on its group: each thread adds its columns in
-// column order, then a warp sum and the warps in index order, whatever the rows beside it.
 #define MIX_CPT 2    // columns a thread owns: chunk <= MIX_CPT * blockDim (ops/hyper_connection.py)
 #define MIX_ROWS 8   // most rows a block takes
-extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const float* __restrict__ fn,
-                                  float* __restrict__ part, u32 rows, u32 k, u32 mix, u32 chunk, u32 rpb) {
-    pdl_entry();
+
+// ADD: the block first writes X[r, j, d] = bf16(src[r, j, d] + e[r, d]) (hc_add; src_hc 1 reads one row a token
+// for every stream: hc_expand then hc_add; src may be X) at the columns it owns, then sums those values: each
+// column of a row has one owner, so the block reads exactly what it stored.
+template <bool ADD>
+__device__ __forceinline__ void mix_body(__nv_bfloat16* X, const __nv_bfloat16* src, u32 src_hc,
+                                         const __nv_bfloat16* e, const float* fn, float* part, u32 rows, u32 dim,
+                                         u32 hc, u32 mix, u32 chunk, u32 rpb) {
     __shared__ float red[2][32][MIX_MAX + 1];   // two buffers: one barrier a row
+    const u32 k = hc * dim;
     const u32 s = blockIdx.x, r0 = blockIdx.y * rpb, c0 = s * chunk, c1 = min(k, c0 + chunk);
     const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
     const u32 nr = min(rows - r0, min(rpb, (u32)MIX_ROWS));
@@ -32,8 +32,21 @@ extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const flo
         const u32 c = c0 + threadIdx.x + i * blockDim.x;
 #pragma unroll
         for (int m = 0; m < MIX_MAX; ++m) f[i][m] = c < c1 && m < (int)mix ? fn[(u64)m * k + c] : 0.f;
+        const u32 st = c / dim, d = c - st * dim;   // the column's stream and element
 #pragma unroll
-        for (int j = 0; j < MIX_ROWS; ++j) xv[j][i] = c < c1 && j < (int)nr ? bf2f(X[(u64)(r0 + j) * k + c]) : 0.f;
+        for (int j = 0; j < MIX_ROWS; ++j) {
+            xv[j][i] = 0.f;
+            if (c >= c1 || j >= (int)nr) continue;
+            const u64 r = r0 + j, o = r * k + c;
+            if (ADD) {
+                const __nv_bfloat16 v = f2bf(bf2f(src[(r * src_hc + (src_hc == 1 ? 0 : st)) * dim + d]) +
+                                             bf2f(e[r * dim + d]));
+                X[o] = v;
+                xv[j][i] = bf2f(v);
+            } else {
+                xv[j][i] = bf2f(X[o]);
+            }
+        }
     }
 #pragma unroll
     for (int j = 0; j < MIX_ROWS; ++j) {
@@ -57,12 +70,33 @@ extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const flo
         }
         __syncthreads();
         for (u32 m = threadIdx.x; m <= mix; m += blockDim.x) {
-            const int src = m == mix ? MIX_MAX : (int)m;
+            const int srcm = m == mix ? MIX_MAX : (int)m;
             float v = 0.f;
-            for (int w = 0; w < nw; ++w) v += red[j & 1][w][src];
+            for (int w = 0; w < nw; ++w) v += red[j & 1][w][srcm];
             part[((u64)s * rows + r0 + j) * (mix + 1) + m] = v;
         }
     }
+}
+
+// part[s, r, m] = sum over columns c of chunk s of X[r, c] * fn[m, c] (m < mix); part[s, r, mix] = sum X^2.
+// grid (chunks, row groups of rpb <= MIX_ROWS rows): a thread keeps fn at its (at most MIX_CPT) columns of the
+// chunk in registers for every row of its group, so fn leaves L2 once per group, not once per row (64 decode
+// rows read the 1.5 MB of V4-Flash's fn 64 times otherwise); the launcher keeps the groups small at small batches
+// (ops/hyper_connection.py mix_rows). A row's sums do not depend on its group: each thread adds its columns in
+// column order, then a warp sum and the warps in index order, whatever the rows beside it.
+extern "C" __global__ void hc_mix(const __nv_bfloat16* __restrict__ X, const float* __restrict__ fn,
+                                  float* __restrict__ part, u32 rows, u32 dim, u32 hc, u32 mix, u32 chunk, u32 rpb) {
+    pdl_entry();
+    mix_body<false>(const_cast<__nv_bfloat16*>(X), nullptr, 0, nullptr, fn, part, rows, dim, hc, mix, chunk, rpb);
+}
+
+// hc_add (src_hc = hc) or hc_expand + hc_add (src_hc = 1) into X, then hc_mix of X: the bits of those launches.
+extern "C" __global__ void hc_add_mix(__nv_bfloat16* X, const __nv_bfloat16* src, u32 src_hc,
+                                      const __nv_bfloat16* __restrict__ e, const float* __restrict__ fn,
+                                      float* __restrict__ part, u32 rows, u32 dim, u32 hc, u32 mix, u32 chunk,
+                                      u32 rpb) {
+    pdl_entry();
+    mix_body<true>(X, src, src_hc, e, fn, part, rows, dim, hc, mix, chunk, rpb);
 }
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
@@ -145,6 +179,23 @@ __device__ __forceinline__ float sinkhorn_lanes(float logit, bool in, float eps,
 // Collapse (docs/model_math.md B.2): pre_j = sigmoid(mix_j s0 + b_j) + hc_eps -> x = sum_j pre_j X_j (bf16);
 // post_j = 2 sigmoid(mix_{hc+j} s1 + b_{hc+j}); comb = Sinkhorn(L), L[j,k] = mix_{2hc+hc j+k} s2 + b_{..}:
 // C = softmax_k(L) + eps, C /= colsum + eps, then (iters-1) x {C /= rowsum + eps; C /= colsum + eps}.
+__device__ __forceinline__ float pre_coef(const float* mixes, const float* scale, const float* base, u32 j,
+                                          float hc_eps) {
+    return sigmoidf_(mixes[j] * scale[0] + base[j]) + hc_eps;
+}
+
+// Row r's post and comb from its mixes; all 32 lanes of one warp call it.
+__device__ __forceinline__ void post_comb(const float* mixes, const float* scale, const float* base, u32 r, u32 hc,
+                                          float hc_eps, u32 iters, float* post_out, float* comb_out) {
+    const int lane = threadIdx.x & 31;
+    if (lane < (int)hc) post_out[(u64)r * hc + lane] = 2.f * sigmoidf_(mixes[hc + lane] * scale[1] + base[hc + lane]);
+    const int j = lane / HC_MAX, k = lane % HC_MAX;
+    const bool in = lane < HC_MAX * HC_MAX && j < (int)hc && k < (int)hc;
+    const int m = 2 * (int)hc + j * (int)hc + k;
+    const float c = sinkhorn_lanes(in ? mixes[m] * scale[2] + base[m] : 0.f, in, hc_eps, iters);
+    if (in) comb_out[(u64)r * hc * hc + j * hc + k] = c;
+}
+
 // part from hc_mix with mix = (2 + hc) hc. grid (rows, dim splits), blockDim a multiple of 32.
 extern "C" __global__ void hc_pre(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part,
                                   const float* __restrict__ scale, const float* __restrict__ base,
@@ -157,19 +208,9 @@ extern "C" __global__ void hc_pre(const __nv_bfloat16* __restrict__ X, const flo
     const u32 r = blockIdx.x, mix = (2 + hc) * hc;
     reduce_mixes(part, r, rows, mix, nsplit, hc * dim, rms_eps, mixes);
     if (threadIdx.x < 32) {
-        const int lane = threadIdx.x;
-        const bool write = blockIdx.y == 0;
-        if (lane < (int)hc) {
-            pre[lane] = sigmoidf_(mixes[lane] * scale[0] + base[lane]) + hc_eps;
-            if (write) post_out[(u64)r * hc + lane] = 2.f * sigmoidf_(mixes[hc + lane] * scale[1] + base[hc + lane]);
-        }
-        if (write) {   // one block per row writes comb; the others only need pre (the branch is block-uniform)
-            const int j = lane / HC_MAX, k = lane % HC_MAX;
-            const bool in = lane < HC_MAX * HC_MAX && j < (int)hc && k < (int)hc;
-            const int m = 2 * (int)hc + j * (int)hc + k;
-            const float c = sinkhorn_lanes(in ? mixes[m] * scale[2] + base[m] : 0.f, in, hc_eps, iters);
-            if (in) comb_out[(u64)r * hc * hc + j * hc + k] = c;
-        }
+        if (threadIdx.x < hc) pre[threadIdx.x] = pre_coef(mixes, scale, base, threadIdx.x, hc_eps);
+        // one block per row writes post and comb; the others only need pre (the branch is block-uniform)
+        if (blockIdx.y == 0) post_comb(mixes, scale, base, r, hc, hc_eps, iters, post_out, comb_out);
     }
     __syncthreads();
     stream_sum(X, pre, x_out, r, dim, hc);
@@ -186,9 +227,75 @@ extern "C" __global__ void hc_head(const __nv_bfloat16* __restrict__ X, const fl
     __shared__ float pre[HC_MAX];
     const u32 r = blockIdx.x;
     reduce_mixes(part, r, rows, hc, nsplit, hc * dim, rms_eps, mixes);
-    if (threadIdx.x < hc) pre[threadIdx.x] = sigmoidf_(mixes[threadIdx.x] * scale[0] + base[threadIdx.x]) + hc_eps;
+    if (threadIdx.x < hc) pre[threadIdx.x] = pre_coef(mixes, scale, base, threadIdx.x, hc_eps);
     __syncthreads();
     stream_sum(X, pre, y, r, dim, hc);
+}
+
+// hc_pre (PRE) or hc_head, then rms_norm_w with w of the collapsed row into y: one block a row at the threads
+// rms_norm_w takes for dim, holding the row in norm.cuh's layout, so y has the bits of the two launches (the
+// collapse is the same fp32 sum over streams in order, one bf16 rounding). The streams and w are loaded before
+// the coefficients arrive; warp 0 computes pre, warp 1 (warp 0 when it is alone) post and comb. The collapsed
+// row itself is not stored. grid rows.
+template <bool PRE>
+__device__ __forceinline__ void collapse_norm(const __nv_bfloat16* X, const float* part, const float* scale,
+                                              const float* base, const __nv_bfloat16* w, __nv_bfloat16* y,
+                                              float* post_out, float* comb_out, u32 rows, u32 dim, u32 hc,
+                                              u32 nsplit, float rms_eps, float hc_eps, u32 iters, float norm_eps) {
+    __shared__ float mixes[MIX_MAX];
+    __shared__ float pre[HC_MAX];
+    __shared__ float red[64];
+    const u32 r = blockIdx.x, nvec = dim >> 3, wid = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    uint4 xs[HC_MAX][MAXV], wv[MAXV], v[MAXV];
+#pragma unroll
+    for (int j = 0; j < HC_MAX; ++j) {
+        if (j < (int)hc) {
+            load_row(X + ((u64)r * hc + j) * dim, nvec, xs[j]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < MAXV; ++k) xs[j][k] = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    load_row(w, nvec, wv);
+    reduce_mixes(part, r, rows, PRE ? (2 + hc) * hc : hc, nsplit, hc * dim, rms_eps, mixes);
+    if (wid == 0 && lane < hc) pre[lane] = pre_coef(mixes, scale, base, lane, hc_eps);
+    if (PRE && wid == (blockDim.x > 32 ? 1u : 0u)) post_comb(mixes, scale, base, r, hc, hc_eps, iters, post_out, comb_out);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        float acc[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+#pragma unroll
+        for (int j = 0; j < HC_MAX; ++j) {
+            if (j >= (int)hc) break;
+            float fx[8];
+            unpack8(xs[j][k], fx);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[e] += pre[j] * fx[e];
+        }
+        v[k] = pack8(acc);
+    }
+    rms_row_regs(v, wv, true, y + (u64)r * dim, dim, norm_eps, false, red, 0);
+}
+
+extern "C" __global__ __launch_bounds__(512) void hc_pre_norm(
+    const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, const float* __restrict__ scale,
+    const float* __restrict__ base, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
+    float* __restrict__ post_out, float* __restrict__ comb_out, u32 rows, u32 dim, u32 hc, u32 nsplit, float rms_eps,
+    float hc_eps, u32 iters, float norm_eps) {
+    pdl_entry();
+    collapse_norm<true>(X, part, scale, base, w, y, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters,
+                        norm_eps);
+}
+
+extern "C" __global__ __launch_bounds__(512) void hc_head_norm(
+    const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, const float* __restrict__ scale,
+    const float* __restrict__ base, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, u32 rows,
+    u32 dim, u32 hc, u32 nsplit, float rms_eps, float hc_eps, float norm_eps) {
+    pdl_entry();
+    collapse_norm<false>(X, part, scale, base, w, y, nullptr, nullptr, rows, dim, hc, nsplit, rms_eps, hc_eps, 0u,
+                         norm_eps);
 }
 
 // Y[r, k, d] = post[r, k] f[r, d] + sum_j comb[r, j, k] X[r, j, d] (fp32, one bf16 rounding). One thread owns

@@ -147,6 +147,166 @@ def test_hc_expand_and_add(dev, rng):
     assert np.array_equal(get(dev, streams, "bf16", (rows, hc, dim)), want)
 
 
+def norm_w_f64(x, w, eps=RMS_EPS):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * f32(w).astype(np.float64)
+
+
+def bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view(np.uint16 if a.dtype.itemsize == 2 else np.uint32)
+
+
+def run_site(dev, case, fused):
+    """One mHC site as a step runs it: the streams written (`add`: src + e, src one row a token when src_hc is 1;
+    `post`: hc_post of the site before, in place), the collapse (`pre`: hc_pre; `head`: hc_head) and the RMSNorm
+    after it. Fused: hc_add_mix (add) or hc_post + hc_mix (post), then hc_pre_norm / hc_head_norm; else the
+    separate launches (hc_expand, hc_add / hc_post, hc_pre / hc_head, rms_norm). Returns {name: host array}."""
+    kind, head, rows, hc, dim = case["kind"], case["head"], case["rows"], case["hc"], case["dim"]
+    mix = ops.hc_mix_width(hc, head)
+    fn, scale, base = (up(dev, a) for a in case["coef"])
+    w = up(dev, case["w"])
+    y = out(dev, "bf16", (rows, dim))
+    po, co = out(dev, "f32", (rows, hc)), out(dev, "f32", (rows, hc, hc))
+    work = dev.alloc(ops.hc_work_bytes(rows, dim, hc))
+    keep = []
+    if kind == "add":
+        src_hc = case["src_hc"]
+        e = up(dev, case["e"])
+        X = up(dev, case["src"]) if src_hc == hc else out(dev, "bf16", (rows, hc, dim))   # in place, or expanded
+        src = X if src_hc == hc else up(dev, case["src"])
+        keep += [e, src]
+        if fused:
+            ops.hc_add_mix(dev, src.ptr, src_hc, e.ptr, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix)
+        else:
+            if src_hc == 1:
+                ops.hc_expand(dev, src.ptr, X.ptr, rows, dim, hc)
+            ops.hc_add(dev, X.ptr, e.ptr, rows, dim, hc)
+    else:
+        X = up(dev, case["X_in"])
+        f, pp, pc = (up(dev, a) for a in (case["f"], case["post"], case["comb"]))
+        keep += [f, pp, pc]
+        ops.hc_post(dev, f.ptr, X.ptr, pp.ptr, pc.ptr, X.ptr, rows, dim, hc)
+        if fused:
+            ops.hc_mix(dev, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix)
+    if fused and head:
+        ops.hc_head_norm(dev, X.ptr, work.ptr, scale.ptr, base.ptr, w.ptr, y.ptr, rows, dim, hc, RMS_EPS, HC_EPS,
+                         RMS_EPS)
+    elif fused:
+        ops.hc_pre_norm(dev, X.ptr, work.ptr, scale.ptr, base.ptr, w.ptr, y.ptr, po.ptr, co.ptr, rows, dim, hc,
+                        RMS_EPS, HC_EPS, ITERS, RMS_EPS)
+    else:
+        x = out(dev, "bf16", (rows, dim))
+        if head:
+            ops.hc_head(dev, X.ptr, fn.ptr, scale.ptr, base.ptr, x.ptr, work.ptr, rows, dim, hc, RMS_EPS, HC_EPS)
+        else:
+            ops.hc_pre(dev, X.ptr, fn.ptr, scale.ptr, base.ptr, x.ptr, po.ptr, co.ptr, work.ptr, rows, dim, hc,
+                       RMS_EPS, HC_EPS, ITERS)
+        ops.rms_norm(dev, x.ptr, w.ptr, y.ptr, rows, dim, RMS_EPS)
+    res = {"X": get(dev, X, "bf16", (rows, hc, dim)), "y": get(dev, y, "bf16", (rows, dim))}
+    if not head:
+        res |= {"post": get(dev, po, "f32", (rows, hc)), "comb": get(dev, co, "f32", (rows, hc, hc))}
+    return res
+
+
+def site_case(rng, kind, head, rows, hc, dim, src_hc=None):
+    mix = ops.hc_mix_width(hc, head)
+    fn, scale, base = coeffs(rng, hc, dim, mix)
+    c = dict(kind=kind, head=head, rows=rows, hc=hc, dim=dim, coef=(fn, scale[:1] if head else scale, base),
+             w=rand_bf16(rng, dim, 0.5))
+    if kind == "add":
+        c |= dict(src_hc=src_hc, src=rand_bf16(rng, (rows, src_hc, dim), 2.0), e=rand_bf16(rng, (rows, dim)))
+    else:
+        c |= dict(f=rand_bf16(rng, (rows, dim)), X_in=rand_bf16(rng, (rows, hc, dim), 2.0),
+                  post=rng.uniform(0, 2, (rows, hc)).astype(np.float32),
+                  comb=rng.uniform(0, 1, (rows, hc, hc)).astype(np.float32))
+    return c
+
+
+def site_streams_f64(c):
+    """The streams a site's first launch writes, in float64 from the formulas (docs/model_math.md B.2)."""
+    if c["kind"] == "add":
+        x = f32(c["src"]).astype(np.float64) + f32(c["e"]).astype(np.float64)[:, None, :]
+        return np.broadcast_to(x, (c["rows"], c["hc"], c["dim"]))   # one row a token: every stream
+    return (c["post"][:, :, None] * f32(c["f"])[:, None, :].astype(np.float64)
+            + np.einsum("tjk,tjd->tkd", c["comb"].astype(np.float64), f32(c["X_in"]).astype(np.float64)))
+
+
+SITES = [("add", False, 4), ("add", False, 1), ("post", False, None), ("post", True, None)]
+
+
+@pytest.mark.parametrize("kind,head,src_hc", SITES)
+@pytest.mark.parametrize("rows,hc,dim", [(1, 4, 512), (3, 4, 256), (19, 4, 512), (2, 2, 1024), (5, 3, 64), (2, 4, 4096)])
+def test_hc_fused_site(dev, rng, kind, head, src_hc, rows, hc, dim):
+    """The fused launches give the bytes of the separate ones (streams, normed collapse, post, comb), and the
+    normed collapse matches float64 math from the streams' formula."""
+    c = site_case(rng, kind, head, rows, hc, dim, None if src_hc is None else min(src_hc, hc))  # 4: every stream
+    got, want = run_site(dev, c, True), run_site(dev, c, False)
+    for name in want:
+        assert np.array_equal(bits(got[name]), bits(want[name])), f"{name} differs from the separate launches"
+    Xr = site_streams_f64(c)
+    assert_close(f32(got["X"]), Xr, 8e-3, "streams")
+    fn, scale, base = c["coef"]
+    if head:
+        pre = sigmoid(mixes_f64(got["X"], fn) * scale[0] + base) + HC_EPS
+        x = np.einsum("tj,tjd->td", pre, f32(got["X"]).astype(np.float64))
+    else:
+        x, post, comb = hc_pre_f64(got["X"], fn, scale, base)
+        np.testing.assert_allclose(got["post"], post, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got["comb"], comb, rtol=1e-4, atol=1e-6)
+    assert_close(f32(got["y"]), norm_w_f64(x, c["w"]), 1e-2, "normed collapse")
+
+
+def test_hc_fused_refuse_bad_geometry(ref):
+    from mtp_cupy.errors import KernelError
+    p = ref.alloc(1 << 16).ptr
+    with pytest.raises(KernelError, match="src_hc 2"):
+        ops.hc_add_mix(ref, p, 2, p, p, p, p, 1, 64, 4, 24)
+    with pytest.raises(KernelError, match="mix 7"):
+        ops.hc_add_mix(ref, p, 4, p, p, p, p, 1, 64, 4, 7)
+    with pytest.raises(KernelError, match="norm weight"):
+        ops.hc_pre_norm(ref, p, p, p, p, 0, p, p, p, 1, 64, 4, 1e-6, 1e-6, 20, 1e-6)
+    with pytest.raises(KernelError, match="dim 36"):
+        ops.hc_head_norm(ref, p, p, p, p, p, p, 1, 36, 4, 1e-6, 1e-6, 1e-6)
+
+
+@pytest.mark.parametrize("src_hc", [4, 1])
+def test_mhc_layer_routes_agree(dev, rng, src_hc):
+    """layers/mhc.py: add_pre takes hc_add_mix up to ADD_MIX_ROWS rows and the separate launches past it; a row's
+    streams, normed collapse, post and comb are the same bits either way, and post_pre / post_head of 40 rows give
+    each row what it gets alone."""
+    from mtp_cupy.layers.mhc import ADD_MIX_ROWS, Mhc
+    from mtp_cupy.weights.deepseek_v4 import HcParams
+    hc, dim, rows = 4, 64, ADD_MIX_ROWS + 8
+    keep, sites = [], {}
+    for s, mix in (("attn", 24), ("ffn", 24), ("head", hc)):
+        fn, scale, base = coeffs(rng, hc, dim, mix)
+        bufs = [up(dev, a) for a in (fn, base, scale[:1] if s == "head" else scale)]
+        keep += bufs
+        sites[s] = HcParams(*(b.ptr for b in bufs))
+    head = sites.pop("head")
+    src = rand_bf16(rng, (rows, src_hc, dim), 2.0)
+    e, f1, f2 = (rand_bf16(rng, (rows, dim)) for _ in range(3))
+    w = up(dev, rand_bf16(rng, dim, 0.5))
+
+    def run(r0, n):
+        m = Mhc(dev, hc, dim, sites, head, RMS_EPS, HC_EPS, ITERS, max_rows=rows)
+        X = out(dev, "bf16", (n, hc, dim)) if src_hc == 1 else up(dev, src[r0:r0 + n])
+        s = X if src_hc == hc else up(dev, src[r0:r0 + n])
+        be, b1, b2 = (up(dev, a[r0:r0 + n]) for a in (e, f1, f2))
+        ys = [out(dev, "bf16", (n, dim)) for _ in range(3)]
+        m.add_pre("attn", s.ptr, src_hc, be.ptr, X.ptr, w.ptr, ys[0].ptr, n)
+        X1 = get(dev, X, "bf16", (n, hc, dim))
+        m.post_pre("attn", b1.ptr, X.ptr, "ffn", w.ptr, ys[1].ptr, n)
+        m.post_head("ffn", b2.ptr, X.ptr, w.ptr, ys[2].ptr, n)
+        return [X1, get(dev, X, "bf16", (n, hc, dim))] + [get(dev, y, "bf16", (n, dim)) for y in ys]
+
+    whole = run(0, rows)
+    assert_close(f32(whole[0]), np.broadcast_to(f32(src) + f32(e)[:, None], (rows, hc, dim)), 8e-3, "streams")
+    for r in (0, ADD_MIX_ROWS - 1, ADD_MIX_ROWS, rows - 1):
+        for name, a, b in zip(("X after add", "X after the block", "attn xn", "ffn xn", "head xn"), whole, run(r, 1)):
+            assert np.array_equal(bits(a[r:r + 1]), bits(b)), f"row {r}: {name} differs from the row alone"
+
+
 def test_hc_launcher_refuses_too_many_streams(ref):
     from mtp_cupy.errors import KernelError
     with pytest.raises(KernelError, match="hc 5"):
@@ -171,3 +331,21 @@ def test_hc_cuda_vs_twin_real_dims(rng, rows):
     f = rand_bf16(rng, (rows, dim))
     for in_place in (False, True):
         assert_close(run_post(cud, f, X, p0, c0, in_place), run_post(refd, f, X, p0, c0, in_place), 4e-3, "hc_post")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_hc_fused_cuda_vs_twin_real_dims(rng, rows):
+    """V4-Flash dims (hc 4 x 4096), every site as a step runs it: CUDA against the twin, outputs poisoned first."""
+    import mtp_cupy
+    refd, cud = mtp_cupy.device("ref"), mtp_cupy.device("cuda")
+    for kind, head, src_hc in SITES:
+        c = site_case(rng, kind, head, rows, 4, 4096, src_hc)
+        a, b = run_site(refd, c, True), run_site(cud, c, True)
+        if kind == "add":   # adds only: the twin rounds alike (hc_post's products may contract into FMAs)
+            assert np.array_equal(bits(b["X"]), bits(a["X"])), "streams differ from the twin"
+        assert_close(f32(b["X"]), f32(a["X"]), 4e-3, f"{kind} streams")
+        assert_close(f32(b["y"]), f32(a["y"]), 4e-3, f"{kind} head={head} y")
+        if not head:   # after hc_post the two devices' streams differ by a bf16 ulp here and there
+            np.testing.assert_allclose(b["post"], a["post"], rtol=1e-4 if kind == "add" else 1e-3, atol=1e-6)
+            np.testing.assert_allclose(b["comb"], a["comb"], rtol=1e-3, atol=1e-6)

@@ -6,6 +6,7 @@ One draft step (B.3):
         per stream) or one hidden h [D] (the seed: h_proj(hnorm(h)) + e_proj(e), replicated by hc_expand;
         the same numbers as treating h as hc equal streams)
     block: X = hc_post(attn(attn_norm(hc_pre(X))), X);  X = hc_post(moe(ffn_norm(hc_pre(X))), X)
+           (layers/mhc.py runs each hc_pre with the norm after it in its finishing launch)
         with V4 sliding-window + sink attention over the proposer's own paged cache (layers/v4_attention)
         and the sqrtsoftplus MoE (clamped SwiGLU, shared expert; routed by tid2eid[token] when the
         checkpoint's MTP layer is a hash layer); option kv_cache_dtype: the cache rows fp8 (default: the
@@ -156,41 +157,32 @@ class DeepseekV4MtpProposer(MtpProposerBase):
 
     # -- the step --------------------------------------------------------------------------------
     def _front(self, ids: DevicePtr, hidden: DevicePtr, m: int, streams: bool) -> None:
-        """Streams X [m, hc, D] = h_proj(hnorm(hidden)) (+ expanded when single) + e_proj(enorm(embed(ids)))."""
+        """X [m, hc, D] = h_proj(hnorm(hidden)) (expanded when one hidden a token) + e_proj(enorm(embed(ids)));
+        xn = attn_norm of the attention site's collapse of X."""
         b = self.bufs
-        if streams:
-            self.front.forward_split(ids, hidden, b.ep, b.X, m, m * self.hc)
-        else:
-            self.front.forward_split(ids, hidden, b.ep, b.x, m, m)
-            self.mhc.expand(b.x, b.X, m)
-        self.mhc.add(b.X, b.ep, m)
+        src, src_hc = (b.X, self.hc) if streams else (b.x, 1)
+        self.front.forward_split(ids, hidden, b.ep, src, m, m * src_hc)
+        self.mhc.add_pre("attn", src, src_hc, b.ep, b.X, self.norm.weight("attn_norm"), b.xn, m)
 
     def _block(self, ids: DevicePtr, m: int, meta: DevicePtr, meta_stride: int) -> None:
-        """The V4 layer on the streams X [m, hc, D] in place; `ids` are the input tokens (hash routing)."""
-        b = self.bufs
-        self.mhc.pre("attn", b.X, b.x, m)
-        self.norm("attn_norm", b.x, b.xn, m)
+        """The V4 layer on the streams X [m, hc, D] in place (xn: its attention input); leaves xn = norm(hc_head(X)),
+        the LM head's input. `ids` are the input tokens (hash routing)."""
+        b, w = self.bufs, self.norm.weight
         self.attn.forward(b.xn, b.f, m, meta, meta_stride)
-        self.mhc.post("attn", b.f, b.X, m)
-        self.mhc.pre("ffn", b.X, b.x, m)
-        self.norm("ffn_norm", b.x, b.xn, m)
+        self.mhc.post_pre("attn", b.f, b.X, "ffn", w("ffn_norm"), b.xn, m)
         self.moe.forward(b.xn, b.f, m=m, token_ids=ids)
-        self.mhc.post("ffn", b.f, b.X, m)
+        self.mhc.post_head("ffn", b.f, b.X, w("norm"), b.xn, m)
 
     def _forward(self, ids, hidden, m, meta, meta_stride, logits) -> None:
         b = self.bufs
         self._front(ids, hidden, m, self._streams_in or int(hidden) == int(self.carry))
         self._block(ids, m, meta, meta_stride)
-        self.mhc.head(b.X, b.x, m)
-        self.norm("norm", b.x, b.xn, m)
         ops.linear(self.gpu, b.xn, self.head, logits, m, out_dtype="f32", invariant=self.inv)
 
     def _write_rows(self, tokens_dev, hiddens, positions, slots, n) -> None:
         # one pass over n <= max_prefill_rows rows; row r pairs embed(tokens[r + 1]) with hiddens[r]
         b = self.bufs
         self._front(tokens_dev.offset(4), hiddens, n, self._prefill_streams)
-        self.mhc.pre("attn", b.X, b.x, n)
-        self.norm("attn_norm", b.x, b.xn, n)
         self.attn.write_kv(b.xn, n, positions, 4, slots, 8)
 
     # -- accounting ------------------------------------------------------------------------------

@@ -1,10 +1,16 @@
 """Launchers for cuda_src/hyper_connection.cu (mHC, docs/model_math.md B.2). Streams are bf16 [rows, hc, dim].
 
 hc_pre and hc_head run two kernels: hc_mix (the coefficient GEMV split over column chunks, partials into
-`work`) and the finishing kernel. Size `work` with `hc_work_bytes(rows, dim, hc)`."""
-from ._util import THREADS, blocks_for, launch, need
+`work`) and the finishing kernel. Size `work` with `hc_work_bytes(rows, dim, hc)`.
 
-__all__ = ["HC_MAX", "hc_work_bytes", "hc_expand", "hc_add", "hc_pre", "hc_post", "hc_head"]
+A block step (layers/mhc.py) runs `hc_mix` and a finishing kernel fused with the RMSNorm after it
+(`hc_pre_norm`, `hc_head_norm`); at the attention site of small batches `hc_add_mix` also writes the streams
+(hc_add, or hc_expand + hc_add) in the mix's launch. Each fused kernel gives the bits of the launches it replaces."""
+from ._util import THREADS, blocks_for, launch, need
+from .rms_norm import _aligned, _threads
+
+__all__ = ["HC_MAX", "hc_work_bytes", "hc_mix_width", "hc_expand", "hc_add", "hc_pre", "hc_post", "hc_head",
+           "hc_mix", "hc_add_mix", "hc_pre_norm", "hc_head_norm"]
 
 HC_MAX = 4          # as in hyper_connection.cu
 MIX_CHUNK = 512     # columns per hc_mix block: 32 blocks share V4-Flash's 16384 columns
@@ -24,6 +30,11 @@ def hc_work_bytes(rows: int, dim: int, hc: int) -> int:
     return 4 * _nsplit(hc * dim) * rows * ((2 + hc) * hc + 1)
 
 
+def hc_mix_width(hc: int, head: bool = False) -> int:
+    """Coefficients a site's mix computes: pre | post | comb ((2 + hc) hc), or the head's pre (hc)."""
+    return hc if head else (2 + hc) * hc
+
+
 def _check(name: str, rows: int, dim: int, hc: int) -> None:
     need(1 <= hc <= HC_MAX, f"{name}: hc {hc} outside [1, {HC_MAX}]")
     need(1 <= rows <= 65535 and dim >= 1, f"{name}: rows {rows} (<= 65535) and dim {dim} must be positive")
@@ -38,11 +49,14 @@ def mix_rows(rows: int) -> int:
     return min(MIX_ROWS, max(2, rows // MIX_ROWS_PER))
 
 
-def _mix(gpu, X, fn, work, rows, dim, hc, mix, stream):
-    k, rpb = hc * dim, mix_rows(rows)
-    launch(gpu, "hyper_connection", "hc_mix").grid(_nsplit(k), -(-rows // rpb)).block(THREADS).arg_ptr(X) \
-        .arg_ptr(fn).arg_ptr(work).arg_u32(rows).arg_u32(k).arg_u32(mix).arg_u32(MIX_CHUNK).arg_u32(rpb) \
-        .launch(stream)
+def _mix(gpu, kernel, lead, X, fn, work, rows, dim, hc, mix, stream):
+    """hc_mix or a fused form: `lead` puts the kernel's arguments before fn (X first for every form)."""
+    need(mix in (hc, hc_mix_width(hc)), f"{kernel}: mix {mix} is neither hc {hc} nor (2 + hc) hc")
+    rpb = mix_rows(rows)
+    ln = launch(gpu, "hyper_connection", kernel).grid(_nsplit(hc * dim), -(-rows // rpb)).block(THREADS).arg_ptr(X)
+    lead(ln)
+    ln.arg_ptr(fn).arg_ptr(work).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(mix).arg_u32(MIX_CHUNK) \
+        .arg_u32(rpb).launch(stream)
 
 
 def hc_expand(gpu, x, out, rows, dim, hc, stream=None):
@@ -67,7 +81,7 @@ def hc_pre(gpu, X, fn, scale, base, x_out, post, comb, work, rows, dim, hc, rms_
     _check("hc_pre", rows, dim, hc)
     need(iters >= 1, f"hc_pre: {iters} Sinkhorn iterations")
     mix = (2 + hc) * hc
-    _mix(gpu, X, fn, work, rows, dim, hc, mix, stream)
+    hc_mix(gpu, X, fn, work, rows, dim, hc, mix, stream)
     launch(gpu, "hyper_connection", "hc_pre").grid(rows, blocks_for(dim, DIM_PER_BLOCK)).block(THREADS) \
         .arg_ptr(X).arg_ptr(work).arg_ptr(scale).arg_ptr(base).arg_ptr(x_out).arg_ptr(post).arg_ptr(comb) \
         .arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps) \
@@ -86,7 +100,49 @@ def hc_head(gpu, X, fn, scale, base, y, work, rows, dim, hc, rms_eps, hc_eps, st
     """Final collapse: y bf16 [rows, dim] = sum_j (sigmoid(mix_j scale + base_j) + hc_eps) X_j; fn f32
     [hc, hc*dim], scale f32 [1], base f32 [hc]."""
     _check("hc_head", rows, dim, hc)
-    _mix(gpu, X, fn, work, rows, dim, hc, hc, stream)
+    hc_mix(gpu, X, fn, work, rows, dim, hc, hc, stream)
     launch(gpu, "hyper_connection", "hc_head").grid(rows, blocks_for(dim, DIM_PER_BLOCK)).block(THREADS) \
         .arg_ptr(X).arg_ptr(work).arg_ptr(scale).arg_ptr(base).arg_ptr(y).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
         .arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).launch(stream)
+
+
+def hc_mix(gpu, X, fn, work, rows, dim, hc, mix, stream=None):
+    """The coefficient GEMV's partials of the streams X [rows, hc, dim] with fn f32 [mix, hc*dim] into `work`, for
+    hc_pre_norm (mix = hc_mix_width(hc)) or hc_head_norm (mix = hc)."""
+    _check("hc_mix", rows, dim, hc)
+    _mix(gpu, "hc_mix", lambda ln: None, X, fn, work, rows, dim, hc, mix, stream)
+
+
+def hc_add_mix(gpu, src, src_hc, e, X, fn, work, rows, dim, hc, mix, stream=None):
+    """X[r, j] = bf16(src[r, j] + e[r]) (src_hc = hc: hc_add; src may be X) or bf16(src[r] + e[r]) for every j
+    (src_hc = 1: hc_expand then hc_add), then hc_mix of X: one launch, the bits of those."""
+    _check("hc_add_mix", rows, dim, hc)
+    need(src_hc in (1, hc), f"hc_add_mix: src_hc {src_hc} must be 1 or hc {hc}")
+    _mix(gpu, "hc_add_mix", lambda ln: ln.arg_ptr(src).arg_u32(src_hc).arg_ptr(e), X, fn, work, rows, dim, hc, mix,
+         stream)
+
+
+def _norm_geometry(name, X, w, y, rows, dim, hc):
+    _check(name, rows, dim, hc)
+    need(int(w) != 0, f"{name}: the norm weight is required")
+    _aligned(name, X, w, y)
+    return _threads(name, dim, max_threads=512)
+
+
+def hc_pre_norm(gpu, X, work, scale, base, w, y, post, comb, rows, dim, hc, rms_eps, hc_eps, iters, norm_eps,
+                stream=None):
+    """hc_pre's finish over the partials an hc_mix / hc_add_mix left in `work`, then y = rms_norm_w(x, w,
+    norm_eps) of the collapsed row x (not stored): the bits of hc_pre then rms_norm. post / comb as hc_pre."""
+    t = _norm_geometry("hc_pre_norm", X, w, y, rows, dim, hc)
+    need(iters >= 1, f"hc_pre_norm: {iters} Sinkhorn iterations")
+    launch(gpu, "hyper_connection", "hc_pre_norm").grid(rows).block(t).arg_ptr(X).arg_ptr(work).arg_ptr(scale) \
+        .arg_ptr(base).arg_ptr(w).arg_ptr(y).arg_ptr(post).arg_ptr(comb).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
+        .arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).arg_u32(iters).arg_f32(norm_eps).launch(stream)
+
+
+def hc_head_norm(gpu, X, work, scale, base, w, y, rows, dim, hc, rms_eps, hc_eps, norm_eps, stream=None):
+    """hc_head's finish over the partials of a head-width mix in `work`, then y = rms_norm_w of the collapse."""
+    t = _norm_geometry("hc_head_norm", X, w, y, rows, dim, hc)
+    launch(gpu, "hyper_connection", "hc_head_norm").grid(rows).block(t).arg_ptr(X).arg_ptr(work).arg_ptr(scale) \
+        .arg_ptr(base).arg_ptr(w).arg_ptr(y).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(_nsplit(hc * dim)) \
+        .arg_f32(rms_eps).arg_f32(hc_eps).arg_f32(norm_eps).launch(stream)

@@ -5,6 +5,7 @@ import numpy as np
 
 from ...runtime.dtypes import BF16
 from ..registry import twin
+from .rms_norm import _gain, _rms_norm
 
 F32 = np.float32
 
@@ -24,13 +25,13 @@ def _mixes(dev, part, rows: int, mix: int, nsplit: int, n_elems: int, rms_eps: f
     return raw[:, :mix] * rinv
 
 
-def _stream_sum(dev, X, w: np.ndarray, out, rows: int, dim: int, hc: int) -> None:
-    """out[r] = sum_j w[r, j] X[r, j] in fp32 (j in order), one bf16 rounding."""
+def _stream_sum(dev, X, w: np.ndarray, rows: int, dim: int, hc: int) -> np.ndarray:
+    """bf16 [rows, dim]: sum_j w[r, j] X[r, j] in fp32 (j in order), one bf16 rounding."""
     xv = dev.view(X, BF16, (rows, hc, dim)).astype(F32)
     acc = np.zeros((rows, dim), F32)
     for j in range(hc):
         acc += w[:, j, None] * xv[:, j]
-    dev.view(out, BF16, (rows, dim))[:] = acc.astype(BF16)
+    return acc.astype(BF16)
 
 
 def sinkhorn(logits: np.ndarray, eps: float, iters: int) -> np.ndarray:
@@ -55,8 +56,8 @@ def _sum(c: np.ndarray, axis: int) -> np.ndarray:
     return (p[0] + p[1]) + (p[2] + p[3])
 
 
-@twin("hyper_connection", "hc_mix")
-def hc_mix(dev, X, fn, part, rows, k, mix, chunk, rpb):   # rpb: rows a block takes (geometry only)
+def _mix(dev, X, fn, part, rows, dim, hc, mix, chunk) -> None:
+    k = hc * dim
     x = dev.view(X, BF16, (rows, k)).astype(np.float64)
     w = dev.view(fn, np.float32, (mix, k)).astype(np.float64)
     nsplit = -(-k // chunk)
@@ -67,25 +68,61 @@ def hc_mix(dev, X, fn, part, rows, k, mix, chunk, rpb):   # rpb: rows a block ta
         out[s, :, mix] = np.square(xs).sum(1).astype(F32)
 
 
-@twin("hyper_connection", "hc_pre")
-def hc_pre(dev, X, part, scale, base, x_out, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters):
+@twin("hyper_connection", "hc_mix")
+def hc_mix(dev, X, fn, part, rows, dim, hc, mix, chunk, rpb):   # rpb: rows a block takes (geometry only)
+    _mix(dev, X, fn, part, rows, dim, hc, mix, chunk)
+
+
+@twin("hyper_connection", "hc_add_mix")
+def hc_add_mix(dev, X, src, src_hc, e, fn, part, rows, dim, hc, mix, chunk, rpb):
+    s = dev.view(src, BF16, (rows, src_hc, dim)).astype(F32)
+    dev.view(X, BF16, (rows, hc, dim))[:] = (s + dev.view(e, BF16, (rows, dim)).astype(F32)[:, None, :]).astype(BF16)
+    _mix(dev, X, fn, part, rows, dim, hc, mix, chunk)
+
+
+def _pre(dev, part, scale, base, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters) -> np.ndarray:
+    """hc_pre's coefficients: writes post and comb, returns pre [rows, hc]."""
     mix = (2 + hc) * hc
     s = dev.view(scale, np.float32, 3)
     b = dev.view(base, np.float32, mix)
     m = _mixes(dev, part, rows, mix, nsplit, hc * dim, rms_eps)
-    pre = _sigmoid(m[:, :hc] * s[0] + b[:hc]) + F32(hc_eps)
     dev.view(post_out, np.float32, (rows, hc))[:] = F32(2) * _sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     logits = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).reshape(rows, hc, hc)
     dev.view(comb_out, np.float32, (rows, hc, hc))[:] = sinkhorn(logits, hc_eps, iters)
-    _stream_sum(dev, X, pre, x_out, rows, dim, hc)
+    return _sigmoid(m[:, :hc] * s[0] + b[:hc]) + F32(hc_eps)
+
+
+def _head_pre(dev, part, scale, base, rows, dim, hc, nsplit, rms_eps, hc_eps) -> np.ndarray:
+    s = dev.view(scale, np.float32, 1)
+    b = dev.view(base, np.float32, hc)
+    return _sigmoid(_mixes(dev, part, rows, hc, nsplit, hc * dim, rms_eps) * s[0] + b) + F32(hc_eps)
+
+
+@twin("hyper_connection", "hc_pre")
+def hc_pre(dev, X, part, scale, base, x_out, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters):
+    pre = _pre(dev, part, scale, base, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters)
+    dev.view(x_out, BF16, (rows, dim))[:] = _stream_sum(dev, X, pre, rows, dim, hc)
 
 
 @twin("hyper_connection", "hc_head")
 def hc_head(dev, X, part, scale, base, y, rows, dim, hc, nsplit, rms_eps, hc_eps):
-    s = dev.view(scale, np.float32, 1)
-    b = dev.view(base, np.float32, hc)
-    m = _mixes(dev, part, rows, hc, nsplit, hc * dim, rms_eps)
-    _stream_sum(dev, X, _sigmoid(m * s[0] + b) + F32(hc_eps), y, rows, dim, hc)
+    pre = _head_pre(dev, part, scale, base, rows, dim, hc, nsplit, rms_eps, hc_eps)
+    dev.view(y, BF16, (rows, dim))[:] = _stream_sum(dev, X, pre, rows, dim, hc)
+
+
+@twin("hyper_connection", "hc_pre_norm")
+def hc_pre_norm(dev, X, part, scale, base, w, y, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters,
+                norm_eps):
+    pre = _pre(dev, part, scale, base, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters)
+    x = _stream_sum(dev, X, pre, rows, dim, hc).astype(F32)
+    dev.view(y, BF16, (rows, dim))[:] = _rms_norm(x, _gain(dev, w, dim, False), norm_eps)
+
+
+@twin("hyper_connection", "hc_head_norm")
+def hc_head_norm(dev, X, part, scale, base, w, y, rows, dim, hc, nsplit, rms_eps, hc_eps, norm_eps):
+    pre = _head_pre(dev, part, scale, base, rows, dim, hc, nsplit, rms_eps, hc_eps)
+    x = _stream_sum(dev, X, pre, rows, dim, hc).astype(F32)
+    dev.view(y, BF16, (rows, dim))[:] = _rms_norm(x, _gain(dev, w, dim, False), norm_eps)
 
 
 @twin("hyper_connection", "hc_post")
