@@ -1,6 +1,6 @@
-// Row RMSNorm in registers, shared by rms_norm.cu, norm_rope.cu and hyper_connection.cu: one block (blockDim.x threads, a whole
-// number of warps) normalises one row; thread t holds the 16-byte vectors t, t + blockDim.x, ... (at most MAXV),
-// so the sum order, hence the bits, depend on blockDim.x (the launchers pick it from dim alone).
+// Row RMSNorm in registers, shared by rms_norm.cu, norm_rope.cu and hyper_connection.cu: one block (blockDim.x
+// threads, a whole number of warps) normalises one row; thread t holds the 16-byte vectors t, t + blockDim.x, ...
+// (at most MAXV), so the sum order, hence the bits, depend on blockDim.x (the launchers pick it from dim alone).
 #pragma once
 #include "common.cuh"
 
