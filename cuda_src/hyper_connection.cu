@@ -259,7 +259,8 @@ __device__ __forceinline__ void collapse_norm(const __nv_bfloat16* X, const floa
     load_row(w, nvec, wv);
     reduce_mixes(part, r, rows, PRE ? (2 + hc) * hc : hc, nsplit, hc * dim, rms_eps, mixes);
     if (wid == 0 && lane < hc) pre[lane] = pre_coef(mixes, scale, base, lane, hc_eps);
-    if (PRE && wid == (blockDim.x > 32 ? 1u : 0u)) post_comb(mixes, scale, base, r, hc, hc_eps, iters, post_out, comb_out);
+    if (PRE && wid == (blockDim.x > 32 ? 1u : 0u))
+        post_comb(mixes, scale, base, r, hc, hc_eps, iters, post_out, comb_out);
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {

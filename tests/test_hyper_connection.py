@@ -235,7 +235,8 @@ SITES = [("add", False, 4), ("add", False, 1), ("post", False, None), ("post", T
 
 
 @pytest.mark.parametrize("kind,head,src_hc", SITES)
-@pytest.mark.parametrize("rows,hc,dim", [(1, 4, 512), (3, 4, 256), (19, 4, 512), (2, 2, 1024), (5, 3, 64), (2, 4, 4096)])
+@pytest.mark.parametrize("rows,hc,dim", [(1, 4, 512), (3, 4, 256), (19, 4, 512), (2, 2, 1024), (5, 3, 64),
+                                         (2, 4, 4096)])
 def test_hc_fused_site(dev, rng, kind, head, src_hc, rows, hc, dim):
     """The fused launches give the bytes of the separate ones (streams, normed collapse, post, comb), and the
     normed collapse matches float64 math from the streams' formula."""

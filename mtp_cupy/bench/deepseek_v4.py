@@ -41,15 +41,14 @@ def random_weights(gpu, cfg, seed: int) -> DeepseekV4MtpWeights:
 
 def phases(prop) -> dict:
     """The parts of one V4 draft step, each a callable re-running it on the newest row (slab staged)."""
-    gpu, b = prop.gpu, prop.bufs
+    gpu, b, w = prop.gpu, prop.bufs, prop.norm.weight
     ids, meta, cap = b.ids, prop.meta, prop.meta_stride
     return {
-        "front (embed, norms, e/h_proj)": lambda: prop._front(ids, prop.carry, 1, True),
-        "mHC attn pre + post": lambda: (prop.mhc.pre("attn", b.X, b.x, 1), prop.mhc.post("attn", b.f, b.X, 1)),
+        "front (gather + norms, e/h_proj) + mHC add + attn pre + norm": lambda: prop._front(ids, prop.carry, 1, True),
         "attention": lambda: prop.attn.forward(b.xn, b.f, 1, meta, cap),
-        "mHC ffn pre + post": lambda: (prop.mhc.pre("ffn", b.X, b.x, 1), prop.mhc.post("ffn", b.f, b.X, 1)),
+        "mHC attn post + ffn pre + norm": lambda: prop.mhc.post_pre("attn", b.f, b.X, "ffn", w("ffn_norm"), b.xn, 1),
         "MoE": lambda: prop.moe.forward(b.xn, b.f, m=1, token_ids=ids),
-        "hc_head + norm": lambda: (prop.mhc.head(b.X, b.x, 1), prop.norm("norm", b.x, b.xn, 1)),
+        "mHC ffn post + head + norm": lambda: prop.mhc.post_head("ffn", b.f, b.X, w("norm"), b.xn, 1),
         "LM head": lambda: ops.linear(gpu, b.xn, prop.head, b.logits, 1, out_dtype="f32"),
         "argmax": lambda: prop._pick(0, 1, b.logits, False, False),
     }
