@@ -120,23 +120,17 @@ __device__ __forceinline__ void front_norms(const __nv_bfloat16* table, const i3
     }
 }
 
-extern "C" __global__ __launch_bounds__(1024) void front_norms_w(
-    const __nv_bfloat16* table, const i32* ids, u32 ids_stride, u32 vocab, const __nv_bfloat16* ew,
-    const __nv_bfloat16* hidden, const __nv_bfloat16* hw, __nv_bfloat16* e_out, u32 e_stride, __nv_bfloat16* h_out,
-    u32 h_stride, u32 m, u32 h_rows, u32 dim, float eps) {
-    pdl_entry();
-    front_norms<false>(table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
-                       dim, eps);
-}
-
-extern "C" __global__ __launch_bounds__(1024) void front_norms_1pw(
-    const __nv_bfloat16* table, const i32* ids, u32 ids_stride, u32 vocab, const __nv_bfloat16* ew,
-    const __nv_bfloat16* hidden, const __nv_bfloat16* hw, __nv_bfloat16* e_out, u32 e_stride, __nv_bfloat16* h_out,
-    u32 h_stride, u32 m, u32 h_rows, u32 dim, float eps) {
-    pdl_entry();
-    front_norms<true>(table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
-                      dim, eps);
-}
+#define FRONT_NORMS(NAME, UNIT_OFFSET)                                                                         \
+    extern "C" __global__ __launch_bounds__(1024) void NAME(                                                    \
+        const __nv_bfloat16* table, const i32* ids, u32 ids_stride, u32 vocab, const __nv_bfloat16* ew,         \
+        const __nv_bfloat16* hidden, const __nv_bfloat16* hw, __nv_bfloat16* e_out, u32 e_stride,               \
+        __nv_bfloat16* h_out, u32 h_stride, u32 m, u32 h_rows, u32 dim, float eps) {                            \
+        pdl_entry();                                                                                            \
+        front_norms<UNIT_OFFSET>(table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, \
+                                 m, h_rows, dim, eps);                                                          \
+    }
+FRONT_NORMS(front_norms_w, false)    // DeepSeek / GLM: g = w
+FRONT_NORMS(front_norms_1pw, true)   // Qwen3-Next: g = 1 + w
 
 // y = ((x - mean) * rstd) * w + b, rstd = 1 / sqrt(var + eps), biased variance (torch LayerNorm).
 // At most 512 threads (dim <= 16384): x, w and b held in registers need more than 1024 threads allow.
