@@ -308,6 +308,21 @@ def test_mhc_layer_routes_agree(dev, rng, src_hc):
             assert np.array_equal(bits(a[r:r + 1]), bits(b)), f"row {r}: {name} differs from the row alone"
 
 
+def test_mhc_layer_refuses_before_launching(ref):
+    """A bad stream count or too many rows: ConfigError, and nothing launched (no stream or coefficient changed)."""
+    from mtp_cupy.errors import ConfigError
+    from mtp_cupy.layers.mhc import Mhc
+    from mtp_cupy.weights.deepseek_v4 import HcParams
+    p = ref.alloc(1 << 16).ptr
+    m = Mhc(ref, 4, 64, {"attn": HcParams(p, p, p)}, None, RMS_EPS, HC_EPS, ITERS, max_rows=4)
+    before = ref.launches
+    with pytest.raises(ConfigError, match="src_hc 2"):
+        m.add_pre("attn", p, 2, p, p, p, p, 1)
+    with pytest.raises(ConfigError, match="sized for 4 rows, got 5"):
+        m.add_pre("attn", p, 4, p, p, p, p, 5)
+    assert ref.launches == before
+
+
 def test_hc_launcher_refuses_too_many_streams(ref):
     from mtp_cupy.errors import KernelError
     with pytest.raises(KernelError, match="hc 5"):

@@ -62,6 +62,8 @@ class Mhc:
         one hidden expanded into hc streams), then y [rows, D] = RMSNorm(norm_w) of the site's collapse of X.
         Keeps the site's post / comb for `post_pre` / `post_head`."""
         self._rows(rows)
+        if src_hc not in (1, self.hc):
+            raise ConfigError(f"mHC add_pre: src_hc {src_hc} must be 1 or hc {self.hc}")
         fn, D, hc, mix = self.sites[site].fn, self.dim, self.hc, ops.hc_mix_width(self.hc)
         if rows <= ADD_MIX_ROWS:
             ops.hc_add_mix(self.gpu, src, src_hc, e, X, fn, self._work, rows, D, hc, mix, stream)

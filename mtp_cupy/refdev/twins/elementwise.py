@@ -49,13 +49,19 @@ def silu_mul(dev, g, u, out, rows, n, g_stride, u_stride, limit):
     dev.view(out, BF16, (rows, n))[:] = ((gv * _sigmoid(gv)) * uv).astype(BF16)
 
 
-def _embed(dev, table, ids, ids_stride, out, rows, dim, vocab):
+def gather_rows(dev, table, ids, ids_stride, rows, dim, vocab) -> np.ndarray:
+    """bf16 [rows, dim]: table[ids[r]] for the i32 ids at ids + r * ids_stride bytes, a zero row for an id outside
+    [0, vocab) (embed_rows; rms_norm.cu's front_norms gathers alike)."""
     idx = row_scalars(dev, ids, "i32", rows, ids_stride).astype(np.int64)
     ok = (idx >= 0) & (idx < vocab)
-    o = dev.view(out, BF16, (rows, dim))
-    o[:] = np.zeros((), BF16)
+    o = np.zeros((rows, dim), BF16)
     if ok.any():
         o[ok] = dev.view(table, BF16, (vocab, dim))[idx[ok]]
+    return o
+
+
+def _embed(dev, table, ids, ids_stride, out, rows, dim, vocab):
+    dev.view(out, BF16, (rows, dim))[:] = gather_rows(dev, table, ids, ids_stride, rows, dim, vocab)
 
 
 @twin("elementwise", "embed_rows")

@@ -4,7 +4,8 @@ import numpy as np
 
 from ...runtime.dtypes import BF16
 from ..registry import twin
-from ..access import row_scalars, strided
+from ..access import strided
+from .elementwise import gather_rows
 
 F32 = np.float32
 
@@ -77,10 +78,7 @@ def rms_norm_strided_1pw(dev, x, w, y, rows, heads, dim, x_row_stride, x_head_st
 
 def _front_norms(dev, table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e_stride, h_out, h_stride, m, h_rows,
                  dim, eps, unit_offset: bool) -> None:
-    idx = row_scalars(dev, ids, "i32", m, ids_stride).astype(np.int64)
-    ok = (idx >= 0) & (idx < vocab)
-    e = np.zeros((m, dim), F32)
-    e[ok] = dev.view(table, BF16, (vocab, dim))[idx[ok]].astype(F32)
+    e = gather_rows(dev, table, ids, ids_stride, m, dim, vocab).astype(F32)
     h = dev.view(hidden, BF16, (h_rows, dim)).astype(F32)
     eo = _rms_norm(e, _gain(dev, ew, dim, unit_offset), eps)
     ho = _rms_norm(h, _gain(dev, hw, dim, unit_offset), eps)
