@@ -121,3 +121,48 @@ __device__ __forceinline__ void rms_row(const __nv_bfloat16* x, const __nv_bfloa
     }
     rms_row_regs(v, wv, w != nullptr, y, dim, eps, unit_offset, red, parity);
 }
+
+// y = ((x - mean) * rstd) * w + b over one row, rstd = 1 / sqrt(var + eps) (biased variance, torch LayerNorm), in
+// load_row's layout; two block sums (halves 0 and 1 of `red`: the second's barrier orders the next row's first).
+__device__ __forceinline__ void layer_row(const __nv_bfloat16* x, const __nv_bfloat16* w, const __nv_bfloat16* b,
+                                          __nv_bfloat16* yr, u32 dim, float eps, float* red) {
+    const u32 nvec = dim >> 3;
+    uint4 v[MAXV], wv[MAXV], bv[MAXV];
+    load_row(x, nvec, v);
+    load_row(w, nvec, wv);
+    load_row(b, nvec, bv);
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        float f[8];
+        unpack8(v[k], f);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) s += f[j];
+    }
+    const float mean = block_sum1(s, red, 0) / (float)dim;
+    float ss = 0.f;
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        if (threadIdx.x + k * blockDim.x < nvec) {  // padding vectors would add mean^2
+            float f[8];
+            unpack8(v[k], f);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ss += (f[j] - mean) * (f[j] - mean);
+        }
+    }
+    const float rstd = 1.f / sqrtf(block_sum1(ss, red, 1) / (float)dim + eps);
+#pragma unroll
+    for (int k = 0; k < MAXV; ++k) {
+        const u32 i = threadIdx.x + k * blockDim.x;
+        if (i < nvec) {
+            float f[8], g[8], c[8];
+            unpack8(v[k], f);
+            unpack8(wv[k], g);
+            unpack8(bv[k], c);
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+                f[j] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(f[j], mean), rstd), g[j]), c[j]);
+            reinterpret_cast<uint4*>(yr)[i] = pack8(f);
+        }
+    }
+}

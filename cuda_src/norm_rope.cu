@@ -27,25 +27,30 @@ __device__ __forceinline__ void rope_row(__nv_bfloat16* h, u32 p, const float* i
 // h * out_head_stride; out may be x), else (one head) into the cache row at the i64 slot at slots + r * slot_stride
 // (negative: skipped): bf16 [width] when fp8_nope is 0, the blocked fp8 row with nope = fp8_nope otherwise.
 // MLA's latent row (norm 512 of 576, RoPE on the raw last 64), V4's kv row (norm and RoPE over 512) and V4's q
-// heads (no weight, in place). The launcher keeps norm_dim and width multiples of 8 of at most 1024, 16-byte
-// aligned heads, and RoPE inside the row.
-extern "C" __global__ __launch_bounds__(32) void norm_rope_w(
+// heads (no weight, in place). LN (norm_rope_w_bias): the norm is layer_norm_w_bias's LayerNorm with w and b
+// instead (GLM-5's DSA indexer key: LayerNorm, RoPE on its first dims, the indexer cache row). The launcher keeps
+// norm_dim and width multiples of 8 of at most 1024, 16-byte aligned heads, and RoPE inside the row.
+template <bool LN>
+__device__ __forceinline__ void norm_rope_body(
     const __nv_bfloat16* x, u32 x_row_stride, u32 x_head_stride, u32 rows, u32 heads, const __nv_bfloat16* w,
-    u32 norm_dim, u32 width, float eps, const u32* pos, u32 pos_stride, const float* inv_freq, u32 rot_offset,
-    u32 rot_dim, u32 interleaved, float mscale, __nv_bfloat16* out, u32 out_row_stride, u32 out_head_stride,
-    const i64* slots, u32 slot_stride, u8* cache, u32 fp8_nope) {
-    pdl_entry();
+    const __nv_bfloat16* b, u32 norm_dim, u32 width, float eps, const u32* pos, u32 pos_stride, const float* inv_freq,
+    u32 rot_offset, u32 rot_dim, u32 interleaved, float mscale, __nv_bfloat16* out, u32 out_row_stride,
+    u32 out_head_stride, const i64* slots, u32 slot_stride, u8* cache, u32 fp8_nope) {
     __shared__ float red[64];
     __shared__ __align__(16) __nv_bfloat16 head[1024];
     const u32 lane = threadIdx.x;
     const u64 n = (u64)rows * heads;
     u32 parity = 0;
-    for (u64 b = blockIdx.x; b < n; b += gridDim.x) {
-        const u32 r = (u32)(b / heads), h = (u32)(b % heads);
+    for (u64 blk = blockIdx.x; blk < n; blk += gridDim.x) {
+        const u32 r = (u32)(blk / heads), h = (u32)(blk % heads);
         const i64 slot = slots != nullptr ? row_slot(slots, slot_stride, r) : 0;
         if (slot < 0) continue;  // uniform over the block
         const __nv_bfloat16* xh = x + (u64)r * x_row_stride + (u64)h * x_head_stride;
-        rms_row(xh, nullptr, w, head, norm_dim, eps, false, red, parity++);
+        if (LN) {
+            layer_row(xh, w, b, head, norm_dim, eps, red);
+        } else {
+            rms_row(xh, nullptr, w, head, norm_dim, eps, false, red, parity++);
+        }
         for (u32 j = norm_dim + lane; j < width; j += 32) head[j] = xh[j];
         __syncwarp();
         rope_row(head, row_pos(pos, pos_stride, r), inv_freq, rot_offset, rot_dim, interleaved != 0, mscale);
@@ -63,6 +68,29 @@ extern "C" __global__ __launch_bounds__(32) void norm_rope_w(
         __syncwarp();  // every lane's reads of `head` before the next task's norm writes it
     }
 }
+
+extern "C" __global__ __launch_bounds__(32) void norm_rope_w(
+    const __nv_bfloat16* x, u32 x_row_stride, u32 x_head_stride, u32 rows, u32 heads, const __nv_bfloat16* w,
+    u32 norm_dim, u32 width, float eps, const u32* pos, u32 pos_stride, const float* inv_freq, u32 rot_offset,
+    u32 rot_dim, u32 interleaved, float mscale, __nv_bfloat16* out, u32 out_row_stride, u32 out_head_stride,
+    const i64* slots, u32 slot_stride, u8* cache, u32 fp8_nope) {
+    pdl_entry();
+    norm_rope_body<false>(x, x_row_stride, x_head_stride, rows, heads, w, nullptr, norm_dim, width, eps, pos,
+                          pos_stride, inv_freq, rot_offset, rot_dim, interleaved, mscale, out, out_row_stride,
+                          out_head_stride, slots, slot_stride, cache, fp8_nope);
+}
+
+extern "C" __global__ __launch_bounds__(32) void norm_rope_w_bias(
+    const __nv_bfloat16* x, u32 x_row_stride, u32 x_head_stride, u32 rows, u32 heads, const __nv_bfloat16* w,
+    const __nv_bfloat16* b, u32 norm_dim, u32 width, float eps, const u32* pos, u32 pos_stride,
+    const float* inv_freq, u32 rot_offset, u32 rot_dim, u32 interleaved, float mscale, __nv_bfloat16* out,
+    u32 out_row_stride, u32 out_head_stride, const i64* slots, u32 slot_stride, u8* cache, u32 fp8_nope) {
+    pdl_entry();
+    norm_rope_body<true>(x, x_row_stride, x_head_stride, rows, heads, w, b, norm_dim, width, eps, pos, pos_stride,
+                         inv_freq, rot_offset, rot_dim, interleaved, mscale, out, out_row_stride, out_head_stride,
+                         slots, slot_stride, cache, fp8_nope);
+}
+
 // Qwen3-Next's attention heads after their projection, in one launch of one warp a (row, head): q heads normed
 // ((1 + q_w) per head) and RoPE'd into q_out; k heads normed ((1 + k_w)) and RoPE'd into the row's k cache row;
 // v heads copied into its v cache row. Bit-identical to rms_norm_strided_1pw (whose launcher gives dim <= 1024

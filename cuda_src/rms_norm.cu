@@ -139,46 +139,6 @@ extern "C" __global__ __launch_bounds__(512) void layer_norm_w_bias(
     u32 dim, float eps) {
     pdl_entry();
     __shared__ float red[64];
-    const u32 nvec = dim >> 3;
-    for (u32 r = blockIdx.x; r < rows; r += gridDim.x) {  // two block sums per row: halves 0 and 1
-        uint4 v[MAXV], wv[MAXV], bv[MAXV];
-        load_row(x + (u64)r * dim, nvec, v);
-        load_row(w, nvec, wv);
-        load_row(b, nvec, bv);
-        float s = 0.f;
-#pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            float f[8];
-            unpack8(v[k], f);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) s += f[j];
-        }
-        const float mean = block_sum1(s, red, 0) / (float)dim;
-        float ss = 0.f;
-#pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            if (threadIdx.x + k * blockDim.x < nvec) {  // padding vectors would add mean^2
-                float f[8];
-                unpack8(v[k], f);
-#pragma unroll
-                for (int j = 0; j < 8; ++j) ss += (f[j] - mean) * (f[j] - mean);
-            }
-        }
-        const float rstd = 1.f / sqrtf(block_sum1(ss, red, 1) / (float)dim + eps);
-        __nv_bfloat16* yr = y + (u64)r * dim;
-#pragma unroll
-        for (int k = 0; k < MAXV; ++k) {
-            const u32 i = threadIdx.x + k * blockDim.x;
-            if (i < nvec) {
-                float f[8], g[8], c[8];
-                unpack8(v[k], f);
-                unpack8(wv[k], g);
-                unpack8(bv[k], c);
-#pragma unroll
-                for (int j = 0; j < 8; ++j)
-                    f[j] = __fadd_rn(__fmul_rn(__fmul_rn(__fsub_rn(f[j], mean), rstd), g[j]), c[j]);
-                reinterpret_cast<uint4*>(yr)[i] = pack8(f);
-            }
-        }
-    }
+    for (u32 r = blockIdx.x; r < rows; r += gridDim.x)
+        layer_row(x + (u64)r * dim, w, b, y + (u64)r * dim, dim, eps, red);
 }

@@ -286,6 +286,8 @@ def _norm_rope(dev, mem):
     for nope in (0, 16):   # bf16 rows, blocked fp8 rows
         ops.norm_rope(dev, x, 48, 24, rows, 1, 0, dim, 24, 1e-6, pos, 4, inv, 16, 8, False, slots=slots,
                       slot_stride=8, cache=mem(6 * 64), fp8_nope=nope)
+    ops.norm_rope(dev, x, 48, 24, rows, 1, mem(2 * dim), dim, 24, 1e-6, pos, 4, inv, 0, 8, False, slots=slots,
+                  slot_stride=8, cache=mem(6 * 64), bias=mem(2 * dim))   # LayerNorm (norm_rope_w_bias)
 
 
 @exercise

@@ -17,14 +17,20 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 EPS = 1e-6
 
 
-def heads_ref(x, w, pos, inv_freq, rot, norm_dim=None, unit_offset=True, rot_offset=0, interleaved=False, mscale=1.0):
+def heads_ref(x, w, pos, inv_freq, rot, norm_dim=None, unit_offset=True, rot_offset=0, interleaved=False, mscale=1.0,
+              bias=None):
     """x [rows, heads, width] bf16 -> float64: g * x / rms(x) over [0, norm_dim) (g = 1 + w, w, or 1 when w is None;
-    the rest as it is), then RoPE over [rot_offset, rot_offset + rot) at pos (neox or interleaved pairs)."""
+    with `bias`, the LayerNorm (x - mean) / std * w + bias instead; the rest as it is), then RoPE over [rot_offset,
+    rot_offset + rot) at pos (neox or interleaved pairs)."""
     y = f32(x).astype(np.float64)
     nd = y.shape[-1] if norm_dim is None else norm_dim
     v = y[..., :nd]
     g = 1.0 if w is None else (1.0 if unit_offset else 0.0) + f32(w).astype(np.float64)
-    y[..., :nd] = v / np.sqrt(np.mean(v * v, -1, keepdims=True) + EPS) * g
+    if bias is None:
+        y[..., :nd] = v / np.sqrt(np.mean(v * v, -1, keepdims=True) + EPS) * g
+    else:
+        c = v - v.mean(-1, keepdims=True)
+        y[..., :nd] = c / np.sqrt(np.mean(c * c, -1, keepdims=True) + EPS) * g + f32(bias).astype(np.float64)
     half = rot // 2
     theta = (pos.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)[:, None, :]   # the fp32 angle
     c, s = mscale * np.cos(theta), mscale * np.sin(theta)
@@ -217,6 +223,56 @@ def test_norm_rope_is_the_three_kernels(dev, rng, case):
     fused = nr_run(dev, case, x, w, pos, slots, n_slots, fused=True)[0]
     separate = nr_run(dev, case, x, w, pos, slots, n_slots, fused=False)[0]
     assert np.array_equal(fused.view(np.uint8), separate.view(np.uint8)), f"{case} differs from the separate kernels"
+
+
+# GLM-5's DSA indexer key: LayerNorm (w, b) over the 128-dim head, RoPE on its first 64 dims, the indexer cache row
+# (bf16). name: (rows, head_dim, rot, interleaved, mscale)
+LN_CASES = {"dsa_k": (3, 128, 64, False, 1.0), "dsa_k_interleaved_yarn_b64": (64, 128, 64, True, 1.3)}
+
+
+def ln_run(dev, case, x, w, b, pos, slots, n_slots, fused):
+    """norm_rope with a bias (norm_rope_w_bias) or the launches it replaces; returns (cache bytes, x)."""
+    rows, hd, rot, inter, ms = LN_CASES[case]
+    inv = V3_INV if ms != 1.0 else default_inv_freq(rot, 10000.0)
+    xb, mb, fb, wb, bb = up(dev, x), up(dev, slab(pos, slots)), up(dev, inv), up(dev, w), up(dev, b)
+    cb = out(dev, "u8", n_slots * 2 * hd)
+    if fused:
+        ops.norm_rope(dev, xb.ptr, hd, hd, rows, 1, wb.ptr, hd, hd, EPS, mb.ptr, 64, fb.ptr, 0, rot, inter, ms,
+                      slots=mb.ptr.offset(8), slot_stride=64, cache=cb.ptr, bias=bb.ptr)
+    else:
+        ops.layer_norm_bias(dev, xb.ptr, wb.ptr, bb.ptr, xb.ptr, rows, hd, EPS)
+        ops.rope(dev, xb.ptr, mb.ptr, 64, rows, 1, hd, rot, 0, hd, hd, fb.ptr, inter, mscale=ms)
+        ops.reshape_and_cache(dev, xb.ptr, hd, mb.ptr.offset(8), 64, cb.ptr, rows, hd, hd, 0)
+    return get(dev, cb, "u8", (n_slots, 2 * hd)), get(dev, xb, "bf16", x.shape)
+
+
+@pytest.mark.parametrize("case", sorted(LN_CASES))
+def test_norm_rope_layernorm(dev, rng, case):
+    """The LayerNorm form against float64 LayerNorm + RoPE, x left unread, cache rows no slot names left poisoned,
+    and bit for bit what layer_norm_bias, rope and reshape_and_cache give on the same device."""
+    rows, hd, rot, inter, ms = LN_CASES[case]
+    n_slots = rows + 4
+    x = rand_bf16(rng, (rows, hd), 3.0) + bf16(rng.standard_normal((rows, 1)))   # rows off zero mean
+    w, b = bf16(1.0 + 0.5 * rng.standard_normal(hd)), bf16(0.3 * rng.standard_normal(hd))
+    pos = rng.integers(0, 40000, rows).astype(np.uint32)
+    slots = rng.choice(n_slots, rows, replace=False).astype(np.int64)
+    slots[rng.random(rows) < 0.25] = -1
+    got, x_after = ln_run(dev, case, x, w, b, pos, slots, n_slots, fused=True)
+    inv = V3_INV if ms != 1.0 else default_inv_freq(rot, 10000.0)
+    ref = heads_ref(x.reshape(rows, 1, hd), w, pos, inv, rot, None, False, 0, inter, ms, bias=b)
+    assert np.array_equal(x_after.view(np.uint16), x.view(np.uint16)), "x must only be read"
+    live = slots >= 0
+    assert_close(f32(got[slots[live]].view(ml_dtypes.bfloat16)), ref[live, 0], 1e-2, case)
+    others = np.setdiff1d(np.arange(n_slots), slots[live])
+    assert np.all(got[others] == POISON), f"{case}: cache rows no slot names were written"
+    separate = ln_run(dev, case, x, w, b, pos, slots, n_slots, fused=False)[0]
+    assert np.array_equal(got, separate), f"{case} differs from layer_norm_bias + rope + reshape_and_cache"
+
+
+def test_norm_rope_layernorm_needs_its_weight(ref):
+    with pytest.raises(KernelError, match="LayerNorm needs its weight"):
+        ops.norm_rope(ref, 0x100, 128, 128, 1, 1, 0, 128, 128, EPS, 0x300, 64, 0x400, 0, 64, False, slots=0x500,
+                      slot_stride=64, cache=0x600, bias=0x700)
 
 
 @pytest.mark.parametrize("kw", [dict(norm_dim=1032, width=1032), dict(norm_dim=512, width=520 + 512),

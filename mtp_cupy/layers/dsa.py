@@ -104,11 +104,10 @@ class DsaIndexer:
         gpu, d, k = self.gpu, self.d, self.ptr["k"]
         hd = d.head_dim
         ops.linear(gpu, xn, self.w.wk, k, m, stream=stream, invariant=self.inv)
-        ops.layer_norm_bias(gpu, k, self.w.k_norm, self.w.k_norm_bias, k, m, hd, K_NORM_EPS, stream=stream)
-        ops.rope(gpu, k, pos, pos_stride, m, 1, hd, d.rope, 0, hd, hd, self._inv_freq.ptr, d.interleaved,
-                 self.rope.mscale, stream=stream)
-        ops.reshape_and_cache(gpu, k, hd, slots, slot_stride, self.kv.base(self.cache, self.layer), m, hd, hd, 0,
-                              stream=stream)
+        # LayerNorm, RoPE on the first `rope` dims and the cache store in one launch (norm_rope_w_bias)
+        ops.norm_rope(gpu, k, hd, hd, m, 1, self.w.k_norm, hd, hd, K_NORM_EPS, pos, pos_stride, self._inv_freq.ptr, 0,
+                      d.rope, d.interleaved, self.rope.mscale, slots=slots, slot_stride=slot_stride,
+                      cache=self.kv.base(self.cache, self.layer), bias=self.w.k_norm_bias, stream=stream)
 
     def select(self, xn: DevicePtr, qr: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
                stream=None) -> DevicePtr:

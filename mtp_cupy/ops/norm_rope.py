@@ -17,15 +17,17 @@ def _one_warp(name: str, what: str, dim: int) -> None:
 
 def norm_rope(gpu, x, x_row_stride, x_head_stride, rows, heads, w, norm_dim, width, eps, pos, pos_stride, inv_freq,
               rot_offset, rot_dim, interleaved, mscale=1.0, out=NULL, out_row_stride=0, out_head_stride=0,
-              slots=NULL, slot_stride=0, cache=NULL, fp8_nope=0, stream=None):
+              slots=NULL, slot_stride=0, cache=NULL, fp8_nope=0, bias=NULL, stream=None):
     """DeepSeek / GLM heads: for row r, head h of x (element r * x_row_stride + h * x_head_stride), y = [w * x * rms(x)
     over [0, norm_dim) (w NULL: no weight) | x over [norm_dim, width)], RoPE'd over [rot_offset, rot_offset +
     rot_dim) (interleaved GPT-J pairs or neox, cos / sin scaled by mscale) at the u32 position at pos + r *
     pos_stride bytes, then stored: into out[r, h] (strides in elements; out may be x) when `slots` is NULL, else
     (one head) into the cache row at the i64 slot at slots + r * slot_stride (negative: skipped), bf16 [width]
     rows, or the blocked fp8 rows of fp8_block_layout(width, fp8_nope) when fp8_nope > 0. MLA's latent row
-    (norm_dim 512 of width 576), V4's kv row and V4's q heads (w NULL, in place)."""
-    name = "norm_rope_w"
+    (norm_dim 512 of width 576), V4's kv row and V4's q heads (w NULL, in place). With `bias` the norm is
+    layer_norm_bias's LayerNorm (w and bias required; kernel norm_rope_w_bias): GLM-5's DSA indexer key."""
+    name = "norm_rope_w_bias" if bias else "norm_rope_w"
+    need(not bias or bool(w), f"{name}: LayerNorm needs its weight")
     _one_warp(name, "norm_dim", norm_dim)
     need(width % 8 == 0 and norm_dim <= width <= _SMEM_ELEMS,
          f"{name}: width {width} must be a multiple of 8 in [norm_dim {norm_dim}, {_SMEM_ELEMS}]")
@@ -43,11 +45,13 @@ def norm_rope(gpu, x, x_row_stride, x_head_stride, rows, heads, w, norm_dim, wid
     else:
         need(bool(out) and not cache, f"{name}: give out, or slots and a cache")
     w = w or NULL
-    _aligned(name, x, w, out, cache)
-    launch(gpu, "norm_rope", name).grid(min(rows * heads, 1 << 14)).block(32).arg_ptr(x).arg_u32(x_row_stride) \
-        .arg_u32(x_head_stride).arg_u32(rows).arg_u32(heads).arg_ptr(w).arg_u32(norm_dim).arg_u32(width).arg_f32(eps) \
-        .arg_ptr(pos).arg_u32(pos_stride).arg_ptr(inv_freq).arg_u32(rot_offset).arg_u32(rot_dim) \
-        .arg_u32(bool(interleaved)).arg_f32(mscale).arg_ptr(out or NULL).arg_u32(out_row_stride) \
+    _aligned(name, x, w, out, cache, bias or NULL)
+    ln = launch(gpu, "norm_rope", name).grid(min(rows * heads, 1 << 14)).block(32).arg_ptr(x).arg_u32(x_row_stride) \
+        .arg_u32(x_head_stride).arg_u32(rows).arg_u32(heads).arg_ptr(w)
+    if bias:
+        ln.arg_ptr(bias)
+    ln.arg_u32(norm_dim).arg_u32(width).arg_f32(eps).arg_ptr(pos).arg_u32(pos_stride).arg_ptr(inv_freq) \
+        .arg_u32(rot_offset).arg_u32(rot_dim).arg_u32(bool(interleaved)).arg_f32(mscale).arg_ptr(out or NULL).arg_u32(out_row_stride) \
         .arg_u32(out_head_stride).arg_ptr(slots or NULL).arg_u32(slot_stride).arg_ptr(cache or NULL) \
         .arg_u32(fp8_nope).launch(stream)
 

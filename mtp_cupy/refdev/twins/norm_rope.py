@@ -6,19 +6,19 @@ from ...runtime.dtypes import BF16, FP8
 from ..access import row_scalars, strided
 from ..registry import twin
 from .kv_cache import encode_fp8_blocks, fp8_quotient, put_rows
-from .rms_norm import _gain, _rms_norm
+from .rms_norm import _gain, _layer_norm, _rms_norm
 from .rope import rotate
 
 F32 = np.float32
 
 
-@twin("norm_rope", "norm_rope_w")
-def norm_rope_w(dev, x, x_row_stride, x_head_stride, rows, heads, w, norm_dim, width, eps, pos, pos_stride, inv_freq,
-                rot_offset, rot_dim, interleaved, mscale, out, out_row_stride, out_head_stride, slots, slot_stride,
-                cache, fp8_nope):
+def _norm_rope(dev, x, x_row_stride, x_head_stride, rows, heads, norm, norm_dim, width, pos, pos_stride, inv_freq,
+               rot_offset, rot_dim, interleaved, mscale, out, out_row_stride, out_head_stride, slots, slot_stride,
+               cache, fp8_nope) -> None:
+    """`norm` maps float32 [..., norm_dim] to its bf16 normed values (RMSNorm or LayerNorm)."""
     xv = strided(dev, x, BF16, (rows, heads, width), (x_row_stride, x_head_stride, 1))
     y = xv.copy()
-    y[..., :norm_dim] = _rms_norm(xv[..., :norm_dim].astype(F32), _gain(dev, w, norm_dim, False), eps)
+    y[..., :norm_dim] = norm(xv[..., :norm_dim].astype(F32))
     r = y[..., rot_offset:rot_offset + rot_dim]
     rotate(dev, r, r, row_scalars(dev, pos, "u32", rows, pos_stride), inv_freq, bool(interleaved), mscale)
     if not int(slots):
@@ -28,6 +28,25 @@ def norm_rope_w(dev, x, x_row_stride, x_head_stride, rows, heads, w, norm_dim, w
         put_rows(dev, rb, slots, slot_stride, cache, rb.shape[1], 0, np.dtype(np.uint8), lambda s: s)
     else:
         put_rows(dev, y[:, 0], slots, slot_stride, cache, width, 0, BF16, lambda s: s)
+
+
+@twin("norm_rope", "norm_rope_w")
+def norm_rope_w(dev, x, x_row_stride, x_head_stride, rows, heads, w, norm_dim, width, eps, pos, pos_stride, inv_freq,
+                rot_offset, rot_dim, interleaved, mscale, out, out_row_stride, out_head_stride, slots, slot_stride,
+                cache, fp8_nope):
+    _norm_rope(dev, x, x_row_stride, x_head_stride, rows, heads,
+               lambda v: _rms_norm(v, _gain(dev, w, norm_dim, False), eps), norm_dim, width, pos, pos_stride, inv_freq,
+               rot_offset, rot_dim, interleaved, mscale, out, out_row_stride, out_head_stride, slots, slot_stride,
+               cache, fp8_nope)
+
+
+@twin("norm_rope", "norm_rope_w_bias")
+def norm_rope_w_bias(dev, x, x_row_stride, x_head_stride, rows, heads, w, b, norm_dim, width, eps, pos, pos_stride,
+                     inv_freq, rot_offset, rot_dim, interleaved, mscale, out, out_row_stride, out_head_stride, slots,
+                     slot_stride, cache, fp8_nope):
+    _norm_rope(dev, x, x_row_stride, x_head_stride, rows, heads, lambda v: _layer_norm(dev, v, w, b, eps), norm_dim,
+               width, pos, pos_stride, inv_freq, rot_offset, rot_dim, interleaved, mscale, out, out_row_stride,
+               out_head_stride, slots, slot_stride, cache, fp8_nope)
 
 
 @twin("norm_rope", "qk_norm_rope_cache_1pw")

@@ -100,12 +100,17 @@ def front_norms_1pw(dev, table, ids, ids_stride, vocab, ew, hidden, hw, e_out, e
                  dim, eps, True)
 
 
-@twin("rms_norm", "layer_norm_w_bias")
-def layer_norm_w_bias(dev, x, w, b, y, rows, dim, eps):
-    xv = dev.view(x, BF16, (rows, dim)).astype(F32)
+def _layer_norm(dev, xv: np.ndarray, w, b, eps: float) -> np.ndarray:
+    """xv float32 [..., dim] -> bf16 ((x - mean) * rstd) * w + b (sums in float64, the rest the kernel's fp32)."""
+    dim = xv.shape[-1]
     mean = xv.sum(-1, dtype=np.float64, keepdims=True).astype(F32) / F32(dim)
     d = xv - mean
     var = np.square(d, dtype=np.float64).sum(-1, keepdims=True).astype(F32) / F32(dim)
     rstd = F32(1) / np.sqrt(var + F32(eps))
     g, c = dev.view(w, BF16, dim).astype(F32), dev.view(b, BF16, dim).astype(F32)
-    dev.view(y, BF16, (rows, dim))[:] = ((d * rstd) * g + c).astype(BF16)
+    return ((d * rstd) * g + c).astype(BF16)
+
+
+@twin("rms_norm", "layer_norm_w_bias")
+def layer_norm_w_bias(dev, x, w, b, y, rows, dim, eps):
+    dev.view(y, BF16, (rows, dim))[:] = _layer_norm(dev, dev.view(x, BF16, (rows, dim)).astype(F32), w, b, eps)
