@@ -96,6 +96,56 @@ def test_copies_memset(dev, rng):
     assert (got[10:30] == 7).all() and np.array_equal(got[:10], data[:10]) and np.array_equal(got[30:], data[30:])
 
 
+_SPIN = r"""extern "C" __global__ void spin(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
+}"""
+
+
+def test_fork_join_orders_work(dev):
+    """Side work forked off a stream sees what the stream queued before the fork (and, forked again, what it
+    queued since), and the stream's work after join waits for the side's, eagerly and in a captured graph. The
+    side spins 2 ms first (CUDA), so a missing wait reads the bytes of the run before."""
+    a, b, c = dev.alloc(256), dev.alloc(256), dev.alloc(256)
+    stream = dev.new_stream()
+    if dev.is_cuda:
+        import cupy
+        kernel = cupy.RawKernel(_SPIN, "spin")
+
+        def spin(s):
+            kernel((1,), (1,), (np.uint64(2_000_000),), stream=s)
+    else:
+        assert dev.fork(stream) is stream and dev.fork(None) is None   # one order: the NumPy device's
+        def spin(s):
+            pass
+
+    def work(v):
+        dev.memset_async(a.ptr, v, 256, stream)
+        side = dev.fork(stream)
+        spin(side)
+        dev.copy_d2d_async(b.ptr, a.ptr, 128, side)        # the value from before the fork
+        dev.memset_async(c.ptr, v + 1, 256, stream)          # the stream goes on beside the side's spin
+        side = dev.fork(stream)                              # caught up: sees c
+        dev.copy_d2d_async(b.ptr.offset(128), c.ptr, 128, side)
+        dev.join(stream, side)
+        dev.copy_d2d_async(c.ptr, b.ptr, 256, stream)        # after the join: the side's bytes
+
+    def check(v):
+        dev.synchronize()
+        got = dev.copy_d2h(c.ptr, 256)
+        assert (got[:128] == v).all() and (got[128:] == v + 1).all(), (v, got[:4], got[128:132])
+
+    work(5)
+    check(5)
+    if dev.is_cuda:
+        graph = dev.capture(lambda: work(9), stream)
+        for _ in range(2):
+            dev.memset_async(c.ptr, 0, 256, stream)
+            dev.replay(graph, stream)
+            check(9)
+
+
 def test_trivial_kernel_through_handle(dev):
     """A kernel launched by name through gpu.kernel(...) (on the GPU: the CUDA build of it)."""
     from mtp_cupy.runtime.dtypes import BF16

@@ -109,19 +109,25 @@ class DsaIndexer:
                       d.rope, d.interleaved, self.rope.mscale, slots=slots, slot_stride=slot_stride,
                       cache=self.kv.base(self.cache, self.layer), bias=self.w.k_norm_bias, stream=stream)
 
-    def select(self, xn: DevicePtr, qr: DevicePtr, m: int, meta: DevicePtr, meta_stride: int,
-               stream=None) -> DevicePtr:
-        """Write the m decode rows' own indexer rows (slots from the slabs), score every visible row and leave
-        the top-k in `sel`; returns `sel`."""
+    def prepare(self, xn: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, stream=None) -> None:
+        """What `select` needs of the m decode rows' normed inputs alone: their own indexer rows written (slots
+        from the slabs) and the per-head weights (weights_proj). No q latent: this may run beside MLA's q path."""
+        if not 1 <= m <= self.max_rows:
+            raise ConfigError(f"indexer sized for {self.max_rows} decode rows, got {m}")
+        self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
+        ops.linear(self.gpu, xn, self.w.weights_proj, self.ptr["w"], m, out_dtype="f32", stream=stream,
+                   invariant=self.inv)
+
+    def select(self, qr: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, stream=None) -> DevicePtr:
+        """After `prepare` of the same rows: the indexer queries from the q latent `qr`, every visible row scored,
+        the top-k left in `sel`; returns `sel`."""
         if not 1 <= m <= self.max_rows:
             raise ConfigError(f"indexer sized for {self.max_rows} decode rows, got {m}")
         gpu, d, p = self.gpu, self.d, self.ptr
         nh, hd = d.heads, d.head_dim
-        self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.linear(gpu, qr, self.w.wq_b, p["q"], m, stream=stream, invariant=self.inv)
         ops.rope(gpu, p["q"], meta, meta_stride, m, nh, hd, d.rope, 0, nh * hd, hd, self._inv_freq.ptr,
                  d.interleaved, self.rope.mscale, stream=stream)
-        ops.linear(gpu, xn, self.w.weights_proj, p["w"], m, out_dtype="f32", stream=stream, invariant=self.inv)
         cache = self.kv.base(self.cache, self.layer)
         ops.dsa_index_scores(gpu, p["q"], p["w"], cache, meta, meta_stride, p["scores"], m, nh, hd,
                              self.score_stride, d.score_scale, stream=stream)
@@ -158,7 +164,14 @@ class DsaMlaAttention(MlaAttention):
             raise ConfigError("DSA attention picks its own rows; pass no sel")
         if not 1 <= m <= self.max_rows:
             raise ConfigError(f"MLA sized for {self.max_rows} decode rows, got {m}")
+        # the indexer runs on a branch beside MLA's q path: its key rows and weights from xn beside the projection,
+        # then (caught up with the q latent) its scores and top-k beside absorbed_q; joined before the attention
+        ix, gpu = self.indexer, self.gpu
+        side = gpu.fork(stream)
+        ix.prepare(xn, m, meta, meta_stride, side)
         qr = self.project(xn, m, meta, meta_stride, stream)
+        side = gpu.fork(stream)
+        chosen = ix.select(qr, m, meta, meta_stride, side)
         self.absorbed_q(qr, m, meta, meta_stride, stream)
-        chosen = self.indexer.select(xn, qr, m, meta, meta_stride, stream)
-        self.attend(out, m, meta, meta_stride, chosen, self.indexer.sel_stride, stream)
+        gpu.join(stream, side)
+        self.attend(out, m, meta, meta_stride, chosen, ix.sel_stride, stream)

@@ -153,12 +153,14 @@ class MoE:
                             and self.inter_s == I)
 
         R, S = self.max_rows, K + (1 if self.fuse_shared else 0)
-        # the fp8 GEMMs' staged x (ops.mma_x_bytes): one region serves every call of a forward, one after another
+        # the fp8 GEMMs' staged x (ops.mma_x_bytes): one region serves the routed calls of a forward, one after
+        # another; the shared expert's own launches have theirs (xs), as they run beside them (forward)
         xw = [ops.mma_x_bytes(self.fmt_gu, R, D), ops.mma_x_bytes(self.fmt_down, R * S, I)]
-        if shared is not None:
-            xw += [ops.mma_x_bytes(shared[0].fmt, R, D), ops.mma_x_bytes(shared[2].fmt, R, self.inter_s)]
+        xs = [0] if shared is None else \
+            [ops.mma_x_bytes(shared[0].fmt, R, D), ops.mma_x_bytes(shared[2].fmt, R, self.inter_s)]
         regions = {"logits": 4 * R * E, "ids": 4 * R * K, "w": 4 * R * K, "h": 2 * R * S * I, "y": 4 * R * S * D,
-                   "xw": max(xw), "zeros": 4 * R, "hs": 2 * R * self.inter_s, "ys": 4 * R * D if shared else 0,
+                   "xw": max(xw), "xs": max(xs), "zeros": 4 * R, "hs": 2 * R * self.inter_s,
+                   "ys": 4 * R * D if shared else 0,
                    "glogit": 4 * R if shared_gate is not None else 0,
                    "plan": ops.moe_plan_bytes(min(R * S, ops.MAX_PLAN_PAIRS), E + 1, ops.MMA8_ROWS)}
         self._scratch, ptrs = carve(gpu, regions)
@@ -174,13 +176,19 @@ class MoE:
         E, K, D, I = c.n_experts, c.top_k, c.hidden, c.inter
         if not 1 <= m <= self.max_rows:
             raise InputError(f"MoE forward: m {m} outside [1, max_rows={self.max_rows}]")
+        grouped = self.grouped(m)
+        fused = add_shared and self.fuse_shared and grouped
+        branch = add_shared and self.shared is not None and not fused
+        if branch:
+            # the shared expert (and its gate) needs only x: it runs on a branch beside the router and the routed
+            # experts (their launches are latency-bound at small m) and joins before the weighted sum
+            side = gpu.fork(stream)
+            self._shared_expert(x, m, side)
         if self.router.fmt == "f32":
             ops.moe_gemv(gpu, self.tab_router, "f32", self.zeros, m, 1, 1, x, D, 0, self.logits, E, D, stream=stream, invariant=self.inv)
         else:
             ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
-        grouped = self.grouped(m)
-        fused = add_shared and self.fuse_shared and grouped
         S = K + 1 if fused else K   # y slots a row: the routed experts' (and the fused shared expert's)
         if grouped:
             rows = ops.MMA8_ROWS    # 16 warps an SM (the 32-pair kernels: 8); an expert rarely has 8 pairs
@@ -199,30 +207,34 @@ class MoE:
         ys, ys_stride, gate = NULL, D, NULL
         if fused:
             ys, ys_stride = self.y.offset(4 * K * D), S * D
-        elif add_shared and self.shared is not None:
-            self._shared_expert(x, m, stream)
-            ys = self.ys
-        if int(ys) and self.shared_gate is not None:
-            ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream, invariant=self.inv)
-            gate = self.glogit
+            if self.shared_gate is not None:
+                ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream,
+                           invariant=self.inv)
+                gate = self.glogit
+        elif branch:
+            gpu.join(stream, side)
+            ys, gate = self.ys, self.glogit if self.shared_gate is not None else NULL
         ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, ys, gate, stream=stream, y_slots=S,
                              shared_stride=ys_stride)
 
     def _shared_expert(self, x, m: int, stream) -> None:
-        """ys f32 [m, hidden] = the shared expert of x, through its own launches (not fused)."""
+        """ys f32 [m, hidden] = the shared expert of x (and glogit its gate's logit), through its own launches
+        (not fused), on `stream`; the staged x of its fp8 GEMMs goes to its own workspace (xs)."""
         c, gpu, (g, _, d) = self.cfg, self.gpu, self.shared
         D, Is = c.hidden, self.inter_s
         if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
             rows = ops.MMA8_ROWS if m <= ops.MMA8_ROWS else ops.PLAN_ROWS  # the same sums, fewer passes
             ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
-                                D, c.swiglu_limit, stream=stream, rows=rows, workspace=self.xw)
+                                D, c.swiglu_limit, stream=stream, rows=rows, workspace=self.xs)
             ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
-                             stream=stream, rows=rows, workspace=self.xw)
+                             stream=stream, rows=rows, workspace=self.xs)
         else:
             ops.moe_gate_up(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, self.zeros, m, 1, 1, x, D, 0, self.hs,
                             Is, D, c.swiglu_limit, stream=stream, invariant=self.inv)
             ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
                          stream=stream, invariant=self.inv)
+        if self.shared_gate is not None:
+            ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream, invariant=self.inv)
 
     def grouped(self, m: int, shared: bool = False) -> bool:
         """Whether a forward of m rows runs the grouped tensor-core GEMMs (the routed experts', or with `shared`

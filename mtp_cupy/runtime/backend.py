@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -99,6 +100,7 @@ class Backend:
 
     def __init__(self) -> None:
         self._kernels: dict[tuple[str, str], KernelHandle] = {}
+        self._branch = threading.local()   # per thread: the side stream of fork / join and its two events
 
     # -- kernels ---------------------------------------------------------------------------------
     def kernel(self, module: str, name: str) -> KernelHandle:
@@ -161,6 +163,29 @@ class Backend:
 
     def record(self, event, stream=None) -> None:
         pass
+
+    def fork(self, stream=None):
+        """A side stream for work that does not depend on what `stream` runs next: it starts after the work queued
+        on `stream` so far, and runs beside `stream`'s later work (call fork again to make it catch up with
+        `stream`, for side work that needs what `stream` has produced since). `join(stream, side)` ends the
+        branch. A captured graph holds it as a second path. One side stream per thread: a branch opened while
+        another is open continues it. On a device without streams (the NumPy device, synchronous) this is
+        `stream`, and the work runs in the order it is queued."""
+        b = self._branch
+        if not hasattr(b, "side"):
+            b.side, b.forked, b.done = self.new_stream(True), self.new_event(False), self.new_event(False)
+        if b.side is None:
+            return stream
+        self.record(b.forked, stream)
+        self.wait_event(b.side, b.forked)
+        return b.side
+
+    def join(self, stream, side) -> None:
+        """`stream`'s later work waits for the work queued on `side` (a fork of it) so far."""
+        if side is None or side is stream:
+            return
+        self.record(self._branch.done, side)
+        self.wait_event(stream, self._branch.done)
 
     # -- sharing streams and arrays with the caller (torch, cupy) ----------------------------------
     @property
