@@ -128,7 +128,7 @@ def test_fork_join_orders_work(dev):
         dev.memset_async(c.ptr, v + 1, 256, stream)          # the stream goes on beside the side's spin
         side = dev.fork(stream)                              # caught up: sees c
         dev.copy_d2d_async(b.ptr.offset(128), c.ptr, 128, side)
-        dev.join(stream, side)
+        dev.join(stream)
         dev.copy_d2d_async(c.ptr, b.ptr, 256, stream)        # after the join: the side's bytes
 
     def check(v):

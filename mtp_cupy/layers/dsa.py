@@ -173,5 +173,5 @@ class DsaMlaAttention(MlaAttention):
         side = gpu.fork(stream)
         chosen = ix.select(qr, m, meta, meta_stride, side)
         self.absorbed_q(qr, m, meta, meta_stride, stream)
-        gpu.join(stream, side)
+        gpu.join(stream)
         self.attend(out, m, meta, meta_stride, chosen, ix.sel_stride, stream)

@@ -178,12 +178,16 @@ class MoE:
             raise InputError(f"MoE forward: m {m} outside [1, max_rows={self.max_rows}]")
         grouped = self.grouped(m)
         fused = add_shared and self.fuse_shared and grouped
-        branch = add_shared and self.shared is not None and not fused
+        # what needs only x runs on a branch beside the router and the routed experts (latency-bound launches at
+        # small m) and joins before the weighted sum: the shared expert's own launches and its gate
+        branch = add_shared and self.shared is not None and (not fused or self.shared_gate is not None)
         if branch:
-            # the shared expert (and its gate) needs only x: it runs on a branch beside the router and the routed
-            # experts (their launches are latency-bound at small m) and joins before the weighted sum
             side = gpu.fork(stream)
-            self._shared_expert(x, m, side)
+            if not fused:
+                self._shared_expert(x, m, side)
+            if self.shared_gate is not None:
+                ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=side,
+                           invariant=self.inv)
         if self.router.fmt == "f32":
             ops.moe_gemv(gpu, self.tab_router, "f32", self.zeros, m, 1, 1, x, D, 0, self.logits, E, D, stream=stream, invariant=self.inv)
         else:
@@ -204,22 +208,20 @@ class MoE:
                             D, c.swiglu_limit, stream=stream, invariant=self.inv)
             ops.moe_gemv(gpu, self.tab_down, self.fmt_down, self.ids, m * K, K, E, self.h, K * I, I, self.y, D, I,
                          stream=stream, invariant=self.inv)
-        ys, ys_stride, gate = NULL, D, NULL
+        if branch:
+            gpu.join(stream)
+        ys, ys_stride = NULL, D
         if fused:
             ys, ys_stride = self.y.offset(4 * K * D), S * D
-            if self.shared_gate is not None:
-                ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream,
-                           invariant=self.inv)
-                gate = self.glogit
-        elif branch:
-            gpu.join(stream, side)
-            ys, gate = self.ys, self.glogit if self.shared_gate is not None else NULL
+        elif add_shared and self.shared is not None:
+            ys = self.ys
+        gate = self.glogit if int(ys) and self.shared_gate is not None else NULL
         ops.moe_weighted_sum(gpu, self.y, self.w, K, out, m, D, ys, gate, stream=stream, y_slots=S,
                              shared_stride=ys_stride)
 
     def _shared_expert(self, x, m: int, stream) -> None:
-        """ys f32 [m, hidden] = the shared expert of x (and glogit its gate's logit), through its own launches
-        (not fused), on `stream`; the staged x of its fp8 GEMMs goes to its own workspace (xs)."""
+        """ys f32 [m, hidden] = the shared expert of x, through its own launches (not fused), on `stream`; the
+        staged x of its fp8 GEMMs goes to its own workspace (xs)."""
         c, gpu, (g, _, d) = self.cfg, self.gpu, self.shared
         D, Is = c.hidden, self.inter_s
         if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
@@ -233,8 +235,6 @@ class MoE:
                             Is, D, c.swiglu_limit, stream=stream, invariant=self.inv)
             ops.moe_gemv(gpu, self.tab_sh_down, d.fmt, self.zeros, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,
                          stream=stream, invariant=self.inv)
-        if self.shared_gate is not None:
-            ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=stream, invariant=self.inv)
 
     def grouped(self, m: int, shared: bool = False) -> bool:
         """Whether a forward of m rows runs the grouped tensor-core GEMMs (the routed experts', or with `shared`

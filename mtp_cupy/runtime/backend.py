@@ -166,11 +166,10 @@ class Backend:
 
     def fork(self, stream=None):
         """A side stream for work that does not depend on what `stream` runs next: it starts after the work queued
-        on `stream` so far, and runs beside `stream`'s later work (call fork again to make it catch up with
-        `stream`, for side work that needs what `stream` has produced since). `join(stream, side)` ends the
-        branch. A captured graph holds it as a second path. One side stream per thread: a branch opened while
-        another is open continues it. On a device without streams (the NumPy device, synchronous) this is
-        `stream`, and the work runs in the order it is queued."""
+        on `stream` so far and runs beside `stream`'s later work. Forking again while the branch is open makes the
+        side catch up with `stream` (for side work that needs what `stream` has produced since); `join(stream)`
+        ends the branch. A captured graph holds it as a second path. One side stream per thread. On a device
+        without streams (the NumPy device, synchronous) this is `stream`, and the work runs in queue order."""
         b = self._branch
         if not hasattr(b, "side"):
             b.side, b.forked, b.done = self.new_stream(True), self.new_event(False), self.new_event(False)
@@ -178,14 +177,18 @@ class Backend:
             return stream
         self.record(b.forked, stream)
         self.wait_event(b.side, b.forked)
+        b.open = True
         return b.side
 
-    def join(self, stream, side) -> None:
-        """`stream`'s later work waits for the work queued on `side` (a fork of it) so far."""
-        if side is None or side is stream:
+    def join(self, stream=None) -> None:
+        """`stream`'s later work waits for the work queued on this thread's side stream since the branch opened
+        (see fork); without an open branch nothing (a capture must not wait for work outside it)."""
+        b = self._branch
+        if not getattr(b, "open", False):
             return
-        self.record(self._branch.done, side)
-        self.wait_event(stream, self._branch.done)
+        self.record(b.done, b.side)
+        self.wait_event(stream, b.done)
+        b.open = False
 
     # -- sharing streams and arrays with the caller (torch, cupy) ----------------------------------
     @property
