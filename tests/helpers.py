@@ -152,3 +152,58 @@ def matches_oracle(prop, ref, hf, inputs, k: int, tol0: float, tol: float, label
     write_rows((ref, hf), toks, hs, n)
     return check_chain(prop.propose(st, tok, h, n, k, return_logits=True), Both(), tok, h, n, tol0, tol, label,
                        tie, argmax_tie)
+
+
+class BranchLog:
+    """A NumPy device whose fork / join (Backend.fork, docs/architecture.md "Branches") can be watched: its
+    streams are objects, so the side stream is told apart, and `log` lists every launch as (kernel, on the side)
+    and every event record / stream wait as ("record" | "wait", on the side). Launches run as on the NumPy device."""
+
+    def __new__(cls):
+        from mtp_cupy.refdev.backend import RefBackend
+
+        class _Log(RefBackend):
+            def __init__(self):
+                super().__init__()
+                self.log = []
+
+            def new_stream(self, non_blocking=True):
+                return object()
+
+            def new_event(self, timing=True):
+                return object()
+
+            def _side(self, stream):
+                return stream is not None and stream is getattr(self._branch, "side", None)
+
+            def record(self, event, stream=None):
+                self.log.append(("record", self._side(stream)))
+
+            def wait_event(self, stream, event):
+                self.log.append(("wait", self._side(stream)))
+
+            def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1), early=True):
+                self.log.append((handle.name, self._side(stream)))
+                super().launch(handle, grid, block, shared, args, stream, cluster, early)
+        return _Log()
+
+
+def branch_sites(log):
+    """[(side kernels, the first main kernel after the join)] for each branch in a BranchLog's `log` (a fork: a
+    record on main and a wait on the side; forking again continues the branch; the join: a record on the side and a
+    wait on main). Asserts every branch is joined."""
+    sites, side, open_, joined = [], [], False, False
+    for i, (name, on_side) in enumerate(log):
+        if name == "wait" and on_side:
+            open_ = True
+        elif name == "wait" and open_:
+            open_, joined = False, True
+        elif name not in ("record", "wait"):
+            if on_side:
+                assert open_, f"{name} on the side stream outside a branch"
+                side.append(name)
+            elif joined:
+                sites.append((side, name))
+                side, joined = [], False
+    assert not open_ and not joined, "a branch was left open"
+    return sites

@@ -129,6 +129,32 @@ def test_dsa_equals_dense_mla_when_rows_fit_topk(rng):
     assert_bf16_near(gpu.read(bufs.a, BF16, D), gpu.read(bufs.b, BF16, D))
 
 
+def test_dsa_indexer_branch(rng):
+    """GLM-5's indexer runs on a branch beside MLA's q path: its key row (LayerNorm + RoPE + store) and head weights
+    beside the projection, then its queries, scores and top-k beside absorbed_q; joined right before the attention,
+    which reads the selection. The drafts and logits are those of the NumPy device without a side stream."""
+    from helpers import BranchLog, branch_sites
+    path = glm_ckpt("bf16")
+    toks, hs, tok, h = inputs(rng, T)
+    watched = BranchLog()
+    res = []
+    for gpu in (watched, mtp_cupy.device("ref")):
+        prop = load(path, gpu=gpu)
+        st = prop.alloc_state()
+        prop.prefill(st, toks, hs)
+        if gpu is watched:
+            watched.log.clear()
+        res.append(prop.propose(st, tok, h, T, 1, return_logits=True))
+    assert res[0].tokens == res[1].tokens and np.array_equal(res[0].logits, res[1].logits)
+    sites = branch_sites(watched.log)
+    assert [r for _, r in sites] == ["mla_decode_walk"], sites
+    side = sites[0][0]
+    assert side[1] == "norm_rope_w_bias" and side[-2:] == ["dsa_index_scores", "dsa_topk"], side
+    forks = [i for i, (n, s) in enumerate(watched.log) if n == "wait" and s]
+    assert len(forks) == 2 and any(n == "rms_norm_strided_w" for n, _ in watched.log[forks[0]:forks[1]]), \
+        "the second fork must come after the q latent's norm"
+
+
 # -- whole draft steps -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_prefill_and_propose_match_reference(rng, fmt):

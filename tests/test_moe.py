@@ -379,6 +379,33 @@ def test_moe_layer(dev, rng, case, fmt):
     assert_close(got, b.reference(x, tok), 1e-2, f"{case} {fmt}")
 
 
+def test_moe_shared_expert_branch(rng):
+    """The shared expert's own launches (an unfused one: V4's FP8 beside MXFP4 experts) and its gate run on a
+    branch beside the router and the routed experts, joined right before the weighted sum; a fused shared expert
+    without a gate takes no branch. The outputs stay the reference's."""
+    from helpers import BranchLog, branch_sites
+    for shared_inter, gate, branched in ((64, False, True), (64, True, True), (128, False, False)):
+        b = _built(rng, "deepseek_v3", "fp8_block", shared_inter=shared_inter, shared_gate=gate)
+        dev = BranchLog()
+        moe = b.build(dev)
+        assert moe.fuse_shared == (not branched)
+        x = grid_x(rng, 3, b.cfg.hidden)
+        dev.log.clear()
+        got = forward(dev, moe, x, 3)
+        sites = branch_sites(dev.log)
+        if not branched:
+            assert sites == [], sites
+            continue
+        (side, reader), = sites
+        assert reader == "moe_weighted_sum", (reader, dev.log)
+        shared = [n for n in side if n.startswith(("moe_gate_up", "moe_gemv"))]
+        assert len(shared) == 2 and all(n.startswith("moe_") for n in side[:len(side) - gate]), side
+        assert not gate or side[-1].startswith("dense_gemv"), side    # the gate's GEMV
+        main = [n for n, s in dev.log if not s and n not in ("record", "wait")]
+        assert main[0].startswith("dense_gemv") and "moe_route_plan" in main, main   # the router on main
+        assert_close(got, b.reference(x), 1e-2, f"shared {shared_inter} gate {gate}")
+
+
 def test_moe_layer_batch_shares_experts(dev, rng):
     """m = 20 rows over 8 experts: every expert serves several rows; each row still gets its own result."""
     b = Built(rng, MoeConfig(n_experts=8, top_k=4, hidden=256, inter=128), "nvfp4", shared_inter=32,
