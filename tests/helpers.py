@@ -1,6 +1,7 @@
 """Shared test helpers: uploads, poisoned outputs, relative errors that never let NaN pass."""
 import numpy as np
 
+from mtp_cupy.refdev.backend import RefBackend
 from mtp_cupy.runtime.dtypes import BF16, dtype as _dtype
 
 POISON = 0xFF  # 0xFFFF is a bf16 NaN, 0xFFFFFFFF an f32 NaN, 0xFF an fp8 NaN
@@ -154,38 +155,33 @@ def matches_oracle(prop, ref, hf, inputs, k: int, tol0: float, tol: float, label
                        tie, argmax_tie)
 
 
-class BranchLog:
+class BranchLog(RefBackend):
     """A NumPy device whose fork / join (Backend.fork, docs/architecture.md "Branches") can be watched: its
     streams are objects, so the side stream is told apart, and `log` lists every launch as (kernel, on the side)
     and every event record / stream wait as ("record" | "wait", on the side). Launches run as on the NumPy device."""
 
-    def __new__(cls):
-        from mtp_cupy.refdev.backend import RefBackend
+    def __init__(self):
+        super().__init__()
+        self.log = []
 
-        class _Log(RefBackend):
-            def __init__(self):
-                super().__init__()
-                self.log = []
+    def new_stream(self, non_blocking=True):
+        return object()
 
-            def new_stream(self, non_blocking=True):
-                return object()
+    def new_event(self, timing=True):
+        return object()
 
-            def new_event(self, timing=True):
-                return object()
+    def _side(self, stream):
+        return stream is not None and stream is getattr(self._branch, "side", None)
 
-            def _side(self, stream):
-                return stream is not None and stream is getattr(self._branch, "side", None)
+    def record(self, event, stream=None):
+        self.log.append(("record", self._side(stream)))
 
-            def record(self, event, stream=None):
-                self.log.append(("record", self._side(stream)))
+    def wait_event(self, stream, event):
+        self.log.append(("wait", self._side(stream)))
 
-            def wait_event(self, stream, event):
-                self.log.append(("wait", self._side(stream)))
-
-            def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1), early=True):
-                self.log.append((handle.name, self._side(stream)))
-                super().launch(handle, grid, block, shared, args, stream, cluster, early)
-        return _Log()
+    def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1), early=True):
+        self.log.append((handle.name, self._side(stream)))
+        super().launch(handle, grid, block, shared, args, stream, cluster, early)
 
 
 def branch_sites(log):
