@@ -155,6 +155,19 @@ def test_dsa_indexer_branch(rng):
         "the second fork must come after the q latent's norm"
 
 
+def test_indexer_halves_refuse_bad_rows(rng):
+    """prepare and select name a decode batch outside [1, max_rows] before they launch anything."""
+    prop = load(glm_ckpt("bf16"))
+    ix, gpu = prop.indexer, prop.gpu
+    n = gpu.launches
+    for m in (0, ix.max_rows + 1):
+        with pytest.raises(ConfigError, match="decode rows"):
+            ix.prepare(prop.bufs.xn, m, prop.meta, 0)
+        with pytest.raises(ConfigError, match="decode rows"):
+            ix.select(prop.bufs.xn, m, prop.meta, 0)
+    assert gpu.launches == n
+
+
 # -- whole draft steps -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("fmt", ["bf16", "fp8"])
 def test_prefill_and_propose_match_reference(rng, fmt):

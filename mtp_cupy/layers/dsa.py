@@ -109,11 +109,14 @@ class DsaIndexer:
                       d.rope, d.interleaved, self.rope.mscale, slots=slots, slot_stride=slot_stride,
                       cache=self.kv.base(self.cache, self.layer), bias=self.w.k_norm_bias, stream=stream)
 
+    def _decode_rows(self, m: int) -> None:
+        if not 1 <= m <= self.max_rows:
+            raise ConfigError(f"indexer sized for {self.max_rows} decode rows, got {m}")
+
     def prepare(self, xn: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, stream=None) -> None:
         """What `select` needs of the m decode rows' normed inputs alone: their own indexer rows written (slots
         from the slabs) and the per-head weights (weights_proj). No q latent: this may run beside MLA's q path."""
-        if not 1 <= m <= self.max_rows:
-            raise ConfigError(f"indexer sized for {self.max_rows} decode rows, got {m}")
+        self._decode_rows(m)
         self.write_kv(xn, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream)
         ops.linear(self.gpu, xn, self.w.weights_proj, self.ptr["w"], m, out_dtype="f32", stream=stream,
                    invariant=self.inv)
@@ -121,8 +124,7 @@ class DsaIndexer:
     def select(self, qr: DevicePtr, m: int, meta: DevicePtr, meta_stride: int, stream=None) -> DevicePtr:
         """After `prepare` of the same rows: the indexer queries from the q latent `qr`, every visible row scored,
         the top-k left in `sel`; returns `sel`."""
-        if not 1 <= m <= self.max_rows:
-            raise ConfigError(f"indexer sized for {self.max_rows} decode rows, got {m}")
+        self._decode_rows(m)
         gpu, d, p = self.gpu, self.d, self.ptr
         nh, hd = d.heads, d.head_dim
         ops.linear(gpu, qr, self.w.wq_b, p["q"], m, stream=stream, invariant=self.inv)
