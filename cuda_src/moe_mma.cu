@@ -18,16 +18,16 @@
 // of blocks (32, KS) walks the units b, b + gridDim.x, ... while below items * tiles (read from the plan), so
 // no block waits on a plan slot that is empty. A unit streams its expert's tile once with the mma_stream
 // machinery of gemv.cu (cp.async ring per warp, warp ks taking k units ks, ks + KS, ...; weights decoded in
-// registers, fp8 to f16 against x staged as f16 by moe_stage_f16, the others to bf16; mma.sync m16n8k16) and multiplies it by all the item's gathered x rows (MT n-tiles of
-// 8: up to 8 MT rows in one pass; an expert with more pairs has several items). MT = 4 (32-row items) for
-// batches; MT = 1 (the mma8 kernels, 8-row items) for few rows, where the 4 n-tiles' registers would halve
-// the warps an SM holds. Tile: 2 slabs of 16 weight
-// rows: gate/up = 16 gate rows + the same 16 up rows (16 outputs, SwiGLU in the epilogue); down = 32 rows
-// of one matrix. Results are scattered to the item's pairs' output rows. A pair's arithmetic (the k units of
-// each warp, the mma order of chained_acc in stream_mma.cuh, the slice order of the KS partial sums) depends
-// on (format, N, K, KS) only; the launcher picks KS from (format, K): a pair's result is bit-identical whatever other
-// pairs share the call, and whichever n-tile column it lands in. plan == NULL: one weight (table entry 0)
-// for every pair, items of 8 MT consecutive pairs (the shared expert).
+// registers, fp8 and MXFP4 to f16 against x staged as f16 by moe_stage_f16, the others to bf16; mma.sync
+// m16n8k16) and multiplies it by all the item's gathered x rows (MT n-tiles of 8: up to 8 MT rows in one pass;
+// an expert with more pairs has several items). MT = 4 (32-row items) for batches; MT = 1 (the mma8 kernels,
+// 8-row items) for few rows, where the 4 n-tiles' registers would halve the warps an SM holds. Tile: 2 slabs of
+// 16 weight rows: gate/up = 16 gate rows + the same 16 up rows (16 outputs, SwiGLU in the epilogue); down = 32
+// rows of one matrix. Results are scattered to the item's pairs' output rows. A pair's arithmetic (the k units
+// of each warp, the mma order of chained_acc in stream_mma.cuh or MXFP4's block sums, the slice order of the KS
+// partial sums) depends on (format, N, K, KS) only; the launcher picks KS from (format, K): a pair's result is
+// bit-identical whatever other pairs share the call, and whichever n-tile column it lands in. plan == NULL: one
+// weight (table entry 0) for every pair, items of 8 MT consecutive pairs (the shared expert).
 #include "common.cuh"
 #include "stream_mma.cuh"
 
@@ -179,25 +179,76 @@ __device__ __forceinline__ Unit unit_of(const u32* plan, u32 u, u32 T, u32 outs,
     return r;
 }
 
+// MXFP4's ring rows: 8 chunks and one of padding, so lanes reading word t of one chunk in rows g = 0..7 hit 32
+// banks (row g starts 4g banks on) with no swizzle: every read is an immediate offset from the lane's row.
+constexpr int MX_ROW = 9;
+
+// One MXFP4 slab step, block-major (see expert_mma): rows g, g + 8 of a 16-row slab, step s's chunks 4s .. 4s + 3
+// = blocks b, lane t taking word t (codes 8t .. 8t + 7) of each. rw: word t of row g's chunk 0; sv: the rows'
+// scale bytes (block b in byte b); X: the lane's f16 x words of MT n-tiles (4 a block: elements 8t .. 8t + 7 as
+// moe_stage_f16's pairs02 stores them). Each block's two mmas (codes 0..3, then 4..7 of every lane: pairs (0, 2)
+// and (1, 3)) sum unscaled, then acc += sum * 2^(e - 127) (e = 0: 0; 255: Inf). A block past K needs no check:
+// its weights were zero-filled, its x loads masked and its scale byte left 0, so it adds fma(0, 0, acc).
+template <int MT>
+__device__ __forceinline__ void mx_step(const u32* rw, int s, const u32 sv[2], const u32 (&X)[MT][16],
+                                        float (&acc)[MT][4], u32 nrows) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+        const u32* w = rw + 4 * (4 * s + b);
+        u32 lo[2], hi[2];
+        e2m1x8_e4m3(w[0], lo[0], hi[0]);
+        e2m1x8_e4m3(w[8 * MX_ROW * 4], lo[1], hi[1]);  // row g + 8
+        float tmp[MT][4] = {};
+#pragma unroll
+        for (int hk = 0; hk < 2; ++hk) {
+            const u32 a[4] = {e4m3x2_f16_half(lo[0], hk), e4m3x2_f16_half(lo[1], hk), e4m3x2_f16_half(hi[0], hk),
+                              e4m3x2_f16_half(hi[1], hk)};
+#pragma unroll
+            for (int jm = 0; jm < MT; ++jm) {
+                if (8 * jm >= (int)nrows) break;  // uniform over the block
+                const u32 bx[2] = {X[jm][4 * b + 2 * hk], X[jm][4 * b + 2 * hk + 1]};  // x staged as (k, k + 2) pairs
+                mma16816_f16(tmp[jm], a, bx);
+            }
+        }
+        const float f0 = __uint_as_float(((sv[0] >> (8 * b)) & 0xFFu) << 23);
+        const float f1 = __uint_as_float(((sv[1] >> (8 * b)) & 0xFFu) << 23);
+#pragma unroll
+        for (int jm = 0; jm < MT; ++jm) {
+            if (8 * jm >= (int)nrows) break;
+            acc[jm][0] = fmaf(tmp[jm][0], f0, acc[jm][0]);
+            acc[jm][1] = fmaf(tmp[jm][1], f0, acc[jm][1]);
+            acc[jm][2] = fmaf(tmp[jm][2], f1, acc[jm][2]);
+            acc[jm][3] = fmaf(tmp[jm][3], f1, acc[jm][3]);
+        }
+    }
+}
+
 // GU: tab_a = gate, tab_b = up, out = bf16 h = swiglu(gate x, up x); else out = y = W x (tab_b = tab_a), bf16
 // when obf, else f32. x of pair q: x + (q / n_slots) * xrs + (q % n_slots) * xss; its output row at out +
 // (q / n_slots) * yrs + (q % n_slots) * yss. A plan's items hold at most 8 MT pairs (its rows). per > 0: a
 // grouped call (plan NULL; pair q = row * n_slots + group uses table entry `group`, whose third word is the
 // row offset of its first row inside its 128-row scale block for the block formats).
-// X16 (the fp8 formats' MoE kernels): x is f16 (moe_stage_f16), the weights widen to f16 (frag_a_e4m3_f16), and
-// pair q's results are multiplied by its x scale xsc[(q / n_slots) * srs + (q % n_slots) * sss] (xsc NULL: 1).
-// Without X16, x is bf16 and xsc is not read.
+// X16 (the fp8 and MXFP4 formats' MoE kernels): x is f16 (moe_stage_f16), the weights widen to f16 (fp8:
+// frag_a_e4m3_f16; MXFP4: e2m1x8_e4m3 then the same widening), and pair q's results are multiplied by its x scale
+// xsc[(q / n_slots) * srs + (q % n_slots) * sss] (xsc NULL: 1). Without X16, x is bf16 and xsc is not read.
+// MXFP4 is block-major: each mma lies inside one 32-k scale block (lane t takes word t, codes 8t .. 8t + 7, of
+// each of the step's four chunks), so its products sum unscaled and the block's power-of-two scale multiplies the
+// pair of mmas' sum: acc = fma(block sum, 2^(e - 127), acc). Its ring rows are padded (MX_ROW) so the lanes'
+// 4-byte reads of one chunk hit 32 banks.
 template <int F, bool GU, int MT, bool X16>
 __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, const u64* tab_b, u32 n_pairs,
                                            u32 n_slots, const u16* x, u32 xrs, u32 xss, const float* xsc,
                                            u32 srs, u32 sss, void* out, u32 yrs, u32 yss, bool obf, u32 per,
                                            u32 N, u32 K, float limit)
 {
-    static_assert(!X16 || F == FP8_ROW || F == FP8_BLOCK || F == FP8_BLOCK_E8M0, "f16 x is for e4m3 weights");
+    static_assert(!X16 || F == FP8_ROW || F == FP8_BLOCK || F == FP8_BLOCK_E8M0 || F == MXFP4,
+                  "f16 x is for e4m3 and MXFP4 weights");
+    static_assert(F != MXFP4 || X16, "MXFP4 reads f16 x");
     constexpr int RT = MMA_RT, KC = kchunk<F>(), NM = KC / 4, CH = 8, TR = 16 * RT, E = RT * MT * 4;
     constexpr int SL = GU ? RT / 2 : RT;  // slabs per matrix: a tile has 16 * SL outputs
-    constexpr u32 OUTS = 16 * SL, STAGE = TR * CH, ROWS = 8 * MT;  // STAGE: uint4 per warp and stage
-    constexpr bool FP4 = F == NVFP4 || F == MXFP4, BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0;
+    constexpr bool FP4 = F == NVFP4 || F == MXFP4, BLOCK = F == FP8_BLOCK || F == FP8_BLOCK_E8M0, MXB = F == MXFP4;
+    constexpr u32 RS = MXB ? MX_ROW : CH;  // ring row stride (uint4)
+    constexpr u32 OUTS = 16 * SL, STAGE = TR * RS, ROWS = 8 * MT;  // STAGE: uint4 per warp and stage
     constexpr int XS = FP4 ? 1 : 2;  // steps of x held at once
     static_assert(TR == 32, "a lane copies / prefetches one row");
     const u32 lane = threadIdx.x, g = lane >> 2, t = lane & 3, ks = threadIdx.y, KS = blockDim.y;
@@ -253,14 +304,16 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
             }
             const u32 c0 = (ks + iu * KS) * CH, ch = c0 + cc;
             const bool ok = wsrc[0] && ch < KCH;
-            uint4* dst = ring + islot * STAGE + (cc ^ ((cr & 1) << 2));
+            // chunk cc of row 4i + cr lands at cc ^ ((row & 1) << 2) (MXFP4: at cc of a padded row)
+            uint4* const st0 = ring + islot * STAGE + cr * RS + (MXB ? cc : cc ^ ((cr & 1) << 2));
+            auto at = [&](int i) { return st0 + 4 * i * RS; };
             if (whole) {
 #pragma unroll
                 for (int s2 = 0; s2 < 2; ++s2) {
                     const u8* base = wsrc[s2] + ch * 16u;
 #pragma unroll
                     for (int i = 4 * s2; i < 4 * s2 + 4; ++i)
-                        cp_async_stream(dst + (4 * i + cr) * CH, ok ? base + (i & 3) * rb4 : (const u8*)tab_a, ok);
+                        cp_async_stream(at(i), ok ? base + (i & 3) * rb4 : (const u8*)tab_a, ok);
                 }
             } else {
 #pragma unroll
@@ -268,7 +321,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                     const int sr = i / 4;  // the slab of rows 4i + cr
                     const u32 r = 4 * i + cr, n = min(in0 + (GU ? 0u : 16u * sr) + (r & 15), N - 1);
                     const u8* src = ok ? wsrc[GU ? sr : 0] + (u64)n * rowbytes + ch * 16u : (const u8*)tab_a;
-                    cp_async_stream(dst + r * CH, src, ok);
+                    cp_async_stream(at(i), src, ok);
                 }
             }
             if (FP4 && wsrc[0]) prefetch_l2(pf + c0 * (F == NVFP4 ? 2 : 1));
@@ -298,14 +351,17 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
             const u32 q = pair_of(min(8 * jm + g, nrows - 1));
             xp[jm] = x + (u64)(q / n_slots) * xrs + (u64)(q % n_slots) * xss;
         }
-        auto load_x = [&](u32 (&X)[MT][KC / 2], u32 c) {  // chunk c of the item's x rows, as lane (g, t) wants
+        // chunk c of the item's x rows, as lane (g, t) wants; MXFP4 (c the step's first chunk): elements 8t .. 8t + 7
+        // of chunks c .. c + 3, the codes of word t of each
+        auto load_x = [&](u32 (&X)[MT][KC / 2], u32 c) {
 #pragma unroll
             for (int jm = 0; jm < MT; ++jm) {
-                const bool ok = 8 * jm + g < nrows && c < KCH;
-                const uint4* xq = (const uint4*)(xp[jm] + (u64)c * KC);
 #pragma unroll
                 for (int v = 0; v < KC / 8; ++v) {
-                    const uint4 q = ok ? __ldg(xq + v) : make_uint4(0, 0, 0, 0);
+                    const u32 cv = MXB ? c + v : c;
+                    const bool ok = 8 * jm + g < nrows && cv < KCH;
+                    const uint4* xq = (const uint4*)(xp[jm] + (u64)cv * KC + (MXB ? 8 * t : 8 * v));
+                    const uint4 q = ok ? __ldg(xq) : make_uint4(0, 0, 0, 0);
                     X[jm][4 * v] = q.x; X[jm][4 * v + 1] = q.y; X[jm][4 * v + 2] = q.z; X[jm][4 * v + 3] = q.w;
                 }
             }
@@ -329,7 +385,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
             // of x at a time (32 rows x 32 k a lane would not fit next to the accumulators): step 1's loads
             // follow step 0's mmas.
             u32 X[XS][MT][KC / 2], sv[2][RT][2];
-            load_x(X[0], c0 + t);
+            load_x(X[0], c0 + (MXB ? 0u : t));
             if (XS == 2) load_x(X[XS - 1], c0 + 4 + t);
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
@@ -341,7 +397,14 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                         sv[s][r][h] = 0;
                         const u8* S = Sm[GU ? r : 0];
                         if (F == NVFP4 && c < KCH) sv[s][r][h] = __ldg((const u16*)S + (u64)rows[r][h] * (K / 32) + c);
-                        if (F == MXFP4 && c < KCH) sv[s][r][h] = __ldg(S + (u64)rows[r][h] * (K / 32) + c);
+                        if (MXB) {  // the step's four blocks' scale bytes (block b in byte b): one word when aligned
+                            const u32 cb = c0 + 4 * s;
+                            const u8* p = S + (u64)rows[r][h] * (K / 32) + cb;
+                            if (cb + 3 < KCH && ((size_t)p & 3) == 0) sv[s][r][h] = __ldg((const u32*)p);
+                            else  // a partial last step, or rows not 4-byte aligned (K / 32 not a multiple of 4)
+#pragma unroll 1
+                                for (u32 b = 0; b < 4 && cb + b < KCH; ++b) sv[s][r][h] |= (u32)__ldg(p + b) << (8 * b);
+                        }
                     }
             }
             float f[RT];  // fp8 block scale: a unit is 128 k, one 128x128 block for a slab
@@ -361,7 +424,12 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
                 if (c0 + 4 * s >= KCH) break;  // warp-uniform: the step lies past K
-                if (XS == 1 && s == 1) load_x(X[0], c0 + 4 + t);
+                if (XS == 1 && s == 1) load_x(X[0], c0 + 4 + (MXB ? 0u : t));
+                if constexpr (MXB) {
+#pragma unroll
+                    for (int r = 0; r < RT; ++r)
+                        mx_step<MT>((const u32*)(st + (r * 16 + g) * RS) + t, s, sv[s][r], X[0], acc[r], nrows);
+                } else {
 #pragma unroll
                 for (int r = 0; r < RT; ++r) {
                     uint4 wv[2];
@@ -402,6 +470,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
 #pragma unroll
                             for (int e2 = 0; e2 < 4; ++e2) acc[r][jm][e2] = fmaf(tmp[jm][e2], f[r], acc[r][jm][e2]);
                 }
+                }
             }
             if (++cslot == NS) cslot = 0;
         }
@@ -424,7 +493,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
                 const float xs = __ldg(xsc + (u64)(pq / n_slots) * srs + (u64)(pq % n_slots) * sss);
                 v *= xs, vu *= xs;
             }
-            const float fm0 = F == NVFP4 ? __uint_as_float((u32)ta[2]) * 256.f : F == MXFP4 ? 0x1p64f : 1.f;
+            const float fm0 = F == NVFP4 ? __uint_as_float((u32)ta[2]) * 256.f : F == MXFP4 ? 64.f : 1.f;
             if (GU) {
                 const float fm1 = F == NVFP4 ? __uint_as_float((u32)tb[2]) * 256.f : fm0;  // undo fp4_scale
                 const float rg = F == FP8_ROW ? __ldg((const float*)Sm[0] + n) : fm0;
@@ -470,7 +539,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
 // projections, the shared expert's with plan NULL; zeros for a pair whose expert is not in the table) and
 // moe_gate_up_mma_<fmt> (h bf16 [n_pairs, N] = swiglu(Wg x_q, Wu x_q), clamped when limit > 0), each for 32-pair
 // items (MT = 4, 2 blocks an SM) and, as moe_*_mma8_<fmt>, for 8-pair items (MT = 1, ~115 registers: 4 blocks,
-// 16 warps an SM). A pair's arithmetic is the same in both. x is bf16, or for the fp8 formats f16 from
+// 16 warps an SM). A pair's arithmetic is the same in both. x is bf16, or for X16 formats (fp8, MXFP4) f16 from
 // moe_stage_f16, whose kernels multiply pair q's results by x_scale[(q / n_slots) * s_row_stride + (q % n_slots)
 // * s_slot_stride] (x_scale NULL: by 1); the others do not read x_scale.
 #define MOE_GEMV_MMA(KIND, FMT, F, MT, MINB, X16)                                                                 \
@@ -516,24 +585,27 @@ MOE_MMA_KERNELS(fp8_row, FP8_ROW, true)
 MOE_MMA_KERNELS(fp8_block, FP8_BLOCK, true)
 MOE_MMA_KERNELS(fp8_block_e8m0, FP8_BLOCK_E8M0, true)
 MOE_MMA_KERNELS(nvfp4, NVFP4, false)
-MOE_MMA_KERNELS(mxfp4, MXFP4, false)
+MOE_MMA_KERNELS(mxfp4, MXFP4, true)
 GROUPED_MMA(bf16, BF16)
 GROUPED_MMA(fp8_block, FP8_BLOCK)
 GROUPED_MMA(fp8_block_e8m0, FP8_BLOCK_E8M0)
 
 // ---------------------------------------------------------------------------------------------------
-// x for the fp8 GEMMs. Vector v < n_vec is row v / n_slots, slot v % n_slots of x (bf16, strides in elements);
-// it goes to y + v * K as f16 of x * 2^-e, with scale[v] = 2^e: e puts the vector's largest magnitude in
-// [2^14, 2^15) (e in [-126, 113]), so every element within 2^31 of it converts exactly (f16 normals hold bf16's
+// x for the X16 GEMMs (fp8, MXFP4). Vector v < n_vec is row v / n_slots, slot v % n_slots of x (bf16, strides
+// in elements); it goes to y + v * K as f16 of x * 2^-e, with scale[v] = 2^e: e puts the vector's largest
+// magnitude in [2^14, 2^15) (e in [-126, 113]), so every element within 2^31 of it converts exactly (f16 normals hold bf16's
 // 8 significant bits; below 2^-14 its subnormals keep them down to 2^-17) and smaller ones round to the nearest
 // f16 (subnormal or 0). A vector holding Inf or NaN, or only zeros, keeps e = 0 (Inf and NaN pass through). The
 // GEMMs multiply each result by its scale: exact, so a row sums as it would in bf16. Grid n_vec, block 128; K a
-// multiple of 8, x and y 16-byte aligned. PDL: it waits first and lets the GEMM after it launch only at its end.
+// multiple of 8, x and y 16-byte aligned. pairs02: each 8-element group goes out as elements (0, 2, 1, 3, 4, 6,
+// 5, 7), so its f16 words hold pairs (k, k + 2) (the MXFP4 GEMMs'); 0: in order. PDL: it waits first and lets
+// the GEMM after it launch only at its end.
 // Triggered at its start, the GEMM's persistent grid launched while this kernel's blocks still held the SMs,
 // and the forward lost what the faster GEMMs gained (H200, DeepSeek-V3 MoE.forward at m = 64, graph replay:
 // 2,939 us against 2,445 us with the late trigger, and 2,451 us without PDL).
 extern "C" __global__ __launch_bounds__(128) void moe_stage_f16(const u16* x, u32 x_row_stride, u32 x_slot_stride,
-                                                                u32 n_slots, u16* y, float* scale, u32 n_vec, u32 K)
+                                                                u32 n_slots, u16* y, float* scale, u32 n_vec, u32 K,
+                                                                u32 pairs02)
 {
     pdl_wait();
     __shared__ u32 red[4];
@@ -567,7 +639,11 @@ extern "C" __global__ __launch_bounds__(128) void moe_stage_f16(const u16* x, u3
             const __half2 h = __floats2half2_rn(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
             o[i] = *(const u32*)&h;
         }
-        dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
+        if (pairs02)  // elements (0, 2, 1, 3, 4, 6, 5, 7): words of (k, k + 2) pairs, as the MXFP4 mmas take them
+            dst[c] = make_uint4(__byte_perm(o[0], o[1], 0x5410), __byte_perm(o[0], o[1], 0x7632),
+                                __byte_perm(o[2], o[3], 0x5410), __byte_perm(o[2], o[3], 0x7632));
+        else
+            dst[c] = make_uint4(o[0], o[1], o[2], o[3]);
     }
     pdl_trigger();
 }

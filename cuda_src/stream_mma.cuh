@@ -1,7 +1,7 @@
 // Shared by gemv.cu and moe_mma.cu: the streaming helpers (cp.async weight rings in dynamic shared memory)
 // and the tensor-core fragment helpers (mma.sync m16n8k16, bf16 in, fp32 accumulate) of every weight format,
 // decoded to bf16 in registers (exactly: every e4m3 / e2m1*e4m3 / e2m1*e8m0 value fits in bf16), and for the fp8
-// expert GEMMs e4m3 to f16 (mma on f16; one instruction a pair). Needs common.cuh first.
+// and MXFP4 expert GEMMs to f16 (mma on f16; e4m3 widens in one instruction a pair). Needs common.cuh first.
 #pragma once
 
 extern __shared__ __align__(16) uint4 g_dsm[];  // dynamic shared memory of the streaming kernels
@@ -79,6 +79,22 @@ __device__ __forceinline__ u32 e4m3x2_f16(u32 v) {
     u32 d;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(d) : "h"((u16)v));
     return d;
+}
+
+// The same for bytes (2h, 2h + 1) of v: the half as the cvt's 16-bit operand (no shift for the high one).
+__device__ __forceinline__ u32 e4m3x2_f16_half(u32 v, int h) {
+    u32 d;
+    if (h == 0) asm("{.reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(d) : "r"(v));
+    else asm("{.reg .b16 l, u; mov.b32 {l, u}, %1; cvt.rn.f16x2.e4m3x2 %0, u;}" : "=r"(d) : "r"(v));
+    return d;
+}
+
+// The eight E2M1 codes of q (code j at bits 4j .. 4j + 3) as e4m3 bytes of value * 2^-6: sign at bit 7, the
+// three magnitude bits under the exponent's two low bits and the mantissa's top one (E2M1's subnormal 0.5 is
+// e4m3's subnormal 2^-7). lo byte i = code 2i, hi byte i = code 2i + 1; e4m3x2_f16 then widens a pair exactly.
+__device__ __forceinline__ void e2m1x8_e4m3(u32 q, u32& lo, u32& hi) {
+    lo = ((q << 2) & 0x1C1C1C1Cu) | ((q << 4) & 0x80808080u);
+    hi = ((q >> 2) & 0x1C1C1C1Cu) | (q & 0x80808080u);
 }
 
 // A fragment i of an fp8 chunk pair as f16, in natural k order: word i of rows g (w[0]) and g + 8 (w[1]), bytes

@@ -675,11 +675,13 @@ def ref_stage_f16(v):
         return (v * 2.0 ** -e).astype(np.float16), 2.0 ** e
 
 
+@pytest.mark.parametrize("pairs02", [False, True])
 @pytest.mark.parametrize("k", [8, 136, 2048, 7168])
-def test_stage_f16(dev, rng, k):
+def test_stage_f16(dev, rng, k, pairs02):
     """moe_stage_f16 against its definition: vectors of (row, slot) read through strides, magnitudes from bf16
     subnormals to 1e38, a zero vector, Inf and NaN vectors; outputs poisoned. Every element within 2^31 of its
-    vector's largest comes back exactly as f16 times the scale."""
+    vector's largest comes back exactly as f16 times the scale; with pairs02 each 8 elements come in the order
+    0, 2, 1, 3, 4, 6, 5, 7."""
     rows, n_slots = 5, 3
     exps = [-40, -8, 0, 4, 30]
     x = f32(rng.standard_normal((rows, n_slots, k + 8)))
@@ -694,8 +696,10 @@ def test_stage_f16(dev, rng, k):
     xb = bf16(x)
     n_vec = rows * n_slots
     xd, y, sc = up(dev, xb), out(dev, "f16", (n_vec, k)), out(dev, "f32", n_vec)
-    ops.moe_stage_f16(dev, xd.ptr, n_slots * (k + 8), k + 8, n_slots, y.ptr, sc.ptr, n_vec, k)
+    ops.moe_stage_f16(dev, xd.ptr, n_slots * (k + 8), k + 8, n_slots, y.ptr, sc.ptr, n_vec, k, pairs02=pairs02)
     got_y, got_s = get(dev, y, np.float16, (n_vec, k)), get(dev, sc, "f32", n_vec)
+    if pairs02:   # back to element order: swap elements 1, 2 and 5, 6 of every 8
+        got_y = got_y.reshape(n_vec, k // 8, 8)[..., [0, 2, 1, 3, 4, 6, 5, 7]].reshape(n_vec, k)
     for v in range(n_vec):
         vec = xb[v // n_slots, v % n_slots, :k]
         want_y, want_s = ref_stage_f16(vec)

@@ -153,8 +153,8 @@ class MoE:
                             and self.inter_s == I)
 
         R, S = self.max_rows, K + (1 if self.fuse_shared else 0)
-        # the fp8 GEMMs' staged x (ops.mma_x_bytes): one region serves the routed calls of a forward, one after
-        # another; the shared expert's own launches have theirs (xs), as they run beside them (forward)
+        # the f16-reading GEMMs' staged x (ops.mma_x_bytes): one region serves the routed calls of a forward, one
+        # after another; the shared expert's own launches have theirs (xs), as they run beside them (forward)
         xw = [ops.mma_x_bytes(self.fmt_gu, R, D), ops.mma_x_bytes(self.fmt_down, R * S, I)]
         xs = [0] if shared is None else \
             [ops.mma_x_bytes(shared[0].fmt, R, D), ops.mma_x_bytes(shared[2].fmt, R, self.inter_s)]

@@ -188,13 +188,16 @@ def moe_weighted_sum(gpu, y, weights, top_k: int, out, m: int, hidden: int, shar
 # plan order.
 MMA_FORMATS = ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
 # Formats whose GEMMs read x as f16 staged by moe_stage_f16 (e4m3 widens to f16 in one instruction a pair: the
-# bf16 decode took ~2.4x the instructions of the hot loop); the others read x as it comes (bf16).
-X16_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0")
+# bf16 decode took ~2.4x the instructions of the hot loop; MXFP4's codes become e4m3 bytes in ~1 instruction a
+# code, and its power-of-two block scales move from every weight pair onto each block's sum); the others read x
+# as it comes (bf16).
+X16_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0", "mxfp4")
 PLAN_ROWS = 32                   # pairs per item: the kernels' 4 n-tiles of 8 x rows
 MMA8_ROWS = 8                    # pairs per item of the one-n-tile kernels (moe_*_mma8_*)
 PLAN_HEADER = 4                  # u32 words before the items
 MAX_PLAN_PAIRS = 32768           # the plan kernel keeps 4 bytes per pair and 8 per expert in shared memory
 MMA_STAGE = 32 * 8 * 16          # ring bytes per warp and stage: 32 weight rows x 8 chunks of 16 bytes
+MX_ROW_CHUNKS = 9                # MXFP4's ring rows carry a chunk of padding (moe_mma.cu MX_ROW): no bank conflicts
 MMA_MAX_STAGES = 8
 MMA_MAX_KS = 4                   # warps per block (the kernels' launch bound is 128 threads)
 # A call of at most this many rounds of work units over the resident blocks spreads them evenly (fewer blocks,
@@ -277,8 +280,9 @@ def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: i
     units = -(-(k // CHUNK[fmt]) // 8)
     per_warp = -(-units // ks)
     red = mma_red_bytes(ks, rows)
-    stages = min(MMA_MAX_STAGES, per_warp + 1, (SMEM_PER_SM // per_sm - 1024 - red) // (ks * MMA_STAGE))
-    stages = max(2, min(stages, (SMEM_PER_BLOCK - red) // (ks * MMA_STAGE)))
+    stage = MMA_STAGE // 8 * MX_ROW_CHUNKS if fmt == "mxfp4" else MMA_STAGE
+    stages = min(MMA_MAX_STAGES, per_warp + 1, (SMEM_PER_SM // per_sm - 1024 - red) // (ks * stage))
+    stages = max(2, min(stages, (SMEM_PER_BLOCK - red) // (ks * stage)))
     work, cap = items * -(-n // outputs), _sms(gpu) * per_sm
     need(blocks is None or blocks >= 1, f"{name}: blocks {blocks} must be >= 1")
     rounds = -(-work // cap)
@@ -286,7 +290,7 @@ def _mma_launch(gpu, name: str, fmt: str, n: int, k: int, outputs: int, items: i
         cap = -(-work // rounds)
     blocks = max(1, min(cap, work, blocks or work))
     return launch(gpu, "moe_mma", name).grid(blocks).block(32, ks).shared(
-        _dynamic_smem(ks * stages * MMA_STAGE + red))
+        _dynamic_smem(ks * stages * stage + red))
 
 
 def mma_red_bytes(ks: int, rows: int = PLAN_ROWS) -> int:
@@ -338,11 +342,13 @@ def mma_x_bytes(fmt: str, n_vec: int, k: int) -> int:
 
 
 def moe_stage_f16(gpu, x, x_row_stride: int, x_slot_stride: int, n_slots: int, y, scale, n_vec: int, k: int,
-                  stream=None) -> None:
-    """x for the fp8 grouped GEMMs: vector v < n_vec (row v // n_slots, slot v % n_slots of x bf16, strides in
-    elements) -> y f16 [n_vec, k] = x_v * 2^-e_v and scale f32 [n_vec] = 2^e_v, e_v putting the vector's largest
-    magnitude in [2^14, 2^15): every element within 2^31 of it converts exactly, so the GEMMs' exact f16 products,
-    times the scale, sum as bf16 ones would. A vector holding Inf or NaN, or only zeros, keeps e_v = 0."""
+                  stream=None, pairs02: bool = False) -> None:
+    """x for the f16-reading grouped GEMMs (X16_FORMATS): vector v < n_vec (row v // n_slots, slot v % n_slots of
+    x bf16, strides in elements) -> y f16 [n_vec, k] = x_v * 2^-e_v and scale f32 [n_vec] = 2^e_v, e_v putting the
+    vector's largest magnitude in [2^14, 2^15): every element within 2^31 of it converts exactly, so the GEMMs'
+    exact f16 products, times the scale, sum as bf16 ones would. A vector holding Inf or NaN, or only zeros, keeps e_v = 0.
+    pairs02: each group of 8 elements is stored as elements (0, 2, 1, 3, 4, 6, 5, 7), so every f16 word holds a
+    (k, k + 2) pair (the MXFP4 GEMMs' mma operand order)."""
     name = "moe_stage_f16"
     need(n_vec >= 1 and n_slots >= 1 and k > 0 and k % 8 == 0, f"{name}: n_vec {n_vec}, n_slots {n_slots}, k {k} "
          "(a positive multiple of 8)")
@@ -350,7 +356,7 @@ def moe_stage_f16(gpu, x, x_row_stride: int, x_slot_stride: int, n_slots: int, y
          and x_row_stride % 8 == 0 and x_slot_stride % 8 == 0,
          f"{name}: x, y 16-byte aligned, scale 4-byte aligned, none NULL, strides multiples of 8 elements")
     launch(gpu, "moe_mma", name).grid(n_vec).block(128).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride) \
-        .arg_u32(n_slots).arg_ptr(y).arg_ptr(scale).arg_u32(n_vec).arg_u32(k).launch(stream)
+        .arg_u32(n_slots).arg_ptr(y).arg_ptr(scale).arg_u32(n_vec).arg_u32(k).arg_u32(int(pairs02)).launch(stream)
 
 
 def _staged_x(gpu, fmt: str, x, xrs: int, xss: int, n_pairs: int, n_slots: int, k: int, workspace, stream):
@@ -363,7 +369,8 @@ def _staged_x(gpu, fmt: str, x, xrs: int, xss: int, n_pairs: int, n_slots: int, 
     n_vec = -(-n_pairs // n_slots) if per_row else n_pairs
     ws = DevicePtr(int(workspace)) if workspace else kept_workspace(gpu, "moe_mma_x", mma_x_bytes(fmt, n_vec, k))
     y, sc = ws, ws.offset(_x16_scales_at(n_vec, k))
-    moe_stage_f16(gpu, x, xrs, 0 if per_row else xss, 1 if per_row else n_slots, y, sc, n_vec, k, stream)
+    moe_stage_f16(gpu, x, xrs, 0 if per_row else xss, 1 if per_row else n_slots, y, sc, n_vec, k, stream,
+                  pairs02=fmt == "mxfp4")
     return (y, k, 0, sc, 1, 0) if per_row else (y, n_slots * k, k, sc, n_slots, 1)
 
 
@@ -376,7 +383,7 @@ def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_exper
     item of up to `rows` pairs: PLAN_ROWS (4 n-tiles) or MMA8_ROWS (one n-tile: fewer registers, twice the
     warps an SM; MoE's choice at every width). Always batch-invariant: a pair's result does not depend on the
     other pairs, nor on `rows`. `blocks` caps the persistent grid (each block then walks more work units; the
-    result does not change). x bf16; the fp8 formats (X16_FORMATS) first stage it as f16 (moe_stage_f16) in
+    result does not change). x bf16; the fp8 and MXFP4 formats (X16_FORMATS) first stage it as f16 (moe_stage_f16) in
     `workspace`, a device pointer of mma_x_bytes(fmt, vectors, k) bytes (None: one the launcher keeps)."""
     name = _mma_name("moe_gemv_mma", fmt, rows)
     items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)

@@ -240,19 +240,24 @@ def _entry(dev, tab, e: int):
     return int(a), int(b), float(np.uint32(c & 0xFFFFFFFF).view(F32))
 
 
+PAIRS02 = [0, 2, 1, 3, 4, 6, 5, 7]   # moe_stage_f16's pairs02 order within each 8 elements
+
+
 def _mma_x(dev, fmt, n_pairs, n_slots, x, xrs, xss, xsc, srs, sss, K) -> np.ndarray:
     """x of every (row, slot) as float64 [rows, n_slots, K]: bf16, or f16 for X16_FORMATS; times the pair's scale
     (xsc NULL: 1)."""
     rows = -(-n_pairs // n_slots)
     xv = strided(dev, x, np.float16 if fmt in X16_FORMATS else BF16, (rows, n_slots, K), (xrs, xss, 1))
     xv = xv.astype(np.float64)
+    if fmt == "mxfp4":   # staged with pairs02: (0, 2, 1, 3, 4, 6, 5, 7) is its own inverse
+        xv = xv.reshape(rows, n_slots, K // 8, 8)[..., PAIRS02].reshape(rows, n_slots, K)
     if int(xsc):
         xv = xv * strided(dev, xsc, F32, (rows, n_slots), (srs, sss))[:, :, None]   # powers of two: exact
     return xv
 
 
 @twin("moe_mma", "moe_stage_f16")
-def moe_stage_f16(dev, x, x_row_stride, x_slot_stride, n_slots, y, scale, n_vec, K):
+def moe_stage_f16(dev, x, x_row_stride, x_slot_stride, n_slots, y, scale, n_vec, K, pairs02):
     v = np.arange(n_vec)
     xb = strided(dev, x, BF16, (-(-n_vec // n_slots), n_slots, K), (x_row_stride, x_slot_stride, 1))
     xv = xb[v // n_slots, v % n_slots].astype(F32)
@@ -263,7 +268,10 @@ def moe_stage_f16(dev, x, x_row_stride, x_slot_stride, n_slots, y, scale, n_vec,
     mul = np.where(keep, F32(1), ((268 - E) << 23).astype(np.uint32).view(F32))
     sc = np.where(keep, F32(1), ((E - 14) << 23).astype(np.uint32).view(F32))
     with np.errstate(over="ignore", invalid="ignore"):
-        dev.view(y, np.float16, (n_vec, K))[:] = (xv * mul[:, None]).astype(np.float16)
+        yv = (xv * mul[:, None]).astype(np.float16)
+    if pairs02:
+        yv = yv.reshape(n_vec, K // 8, 8)[..., PAIRS02].reshape(n_vec, K)
+    dev.view(y, np.float16, (n_vec, K))[:] = yv
     dev.view(scale, F32, n_vec)[:] = sc
 
 
