@@ -747,6 +747,15 @@ def test_moe_mma_fp8_x_magnitudes(dev, rng, fmt):
         assert_close(runs[0][r], dense @ f32(x[r]).astype(np.float64), 1e-5, f"row {r}")
 
 
+def test_mxfp4_ring_row_matches_the_kernel():
+    """The launcher sizes MXFP4's ring stages by MX_ROW_CHUNKS; the kernel derives its stage count from the shared
+    memory it gets with its own MX_ROW, so the two must agree (else it could find fewer than 2 stages)."""
+    import re
+    from mtp_cupy.runtime.backend import CUDA_SRC
+    found = re.findall(r"^constexpr int MX_ROW = (\d+);", (CUDA_SRC / "moe_mma.cu").read_text(), re.M)
+    assert [int(v) for v in found] == [ops.moe.MX_ROW_CHUNKS]
+
+
 def test_moe_mma_grid_spreads_short_calls(ref):
     """The persistent grid: the resident cap when the work units fill it more than EVEN_ROUNDS_MAX times; for
     shorter calls the fewest blocks that still give every block the same count of units (no tail of blocks
