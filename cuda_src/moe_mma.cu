@@ -566,19 +566,20 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     MOE_GATE_UP_MMA(gate_up_mma, FMT, F, 4, 2, X16)                                                               \
     MOE_GATE_UP_MMA(gate_up_mma8, FMT, F, 1, 4, X16)
 
-// grouped_mma8_<fmt>: for g < groups, r < m, j < N: y[r * y_row_stride + g * y_group_stride + j] =
-// sum_k W_g[j, k] x[r * x_row_stride + g * x_group_stride + k], W_g table entry g (ops.grouped_gemv's
-// tensor-core form: MLA's W_UK^T and W_UV, V4's wo_a). y bf16, or f32 with out_f32. 8-row items (MT = 1) at
-// every m: a row's result does not depend on m.
-#define GROUPED_MMA(FMT, F)                                                                                       \
-    extern "C" __global__ __launch_bounds__(128, 4) void grouped_mma8_##FMT(                                      \
+// grouped_mma8_<fmt> / grouped_mma_<fmt>: for g < groups, r < m, j < N: y[r * y_row_stride + g * y_group_stride + j]
+// = sum_k W_g[j, k] x[r * x_row_stride + g * x_group_stride + k], W_g table entry g (ops.grouped_gemv's
+// tensor-core form: MLA's W_UK^T and W_UV, V4's wo_a). y bf16, or f32 with out_f32. Items of 8 rows (mma8: MT = 1)
+// or 32 (MT = 4: each decoded weight fragment feeds 4 mmas); a row's sums are the same in both and at every m.
+#define GROUPED_MMA(KIND, FMT, F, MT, MINB)                                                                       \
+    extern "C" __global__ __launch_bounds__(128, MINB) void grouped_##KIND##_##FMT(                               \
         const u64* tab, u32 m, u32 groups, const u16* x, u32 x_row_stride, u32 x_group_stride, void* y,           \
         u32 y_row_stride, u32 y_group_stride, u32 out_f32, u32 N, u32 K) {                                        \
         pdl_entry();                                                                                              \
-        expert_mma<F, false, 1, false>(nullptr, tab, tab, m * groups, groups, x, x_row_stride, x_group_stride,    \
-                                       nullptr, 0, 0, y, y_row_stride, y_group_stride, out_f32 == 0, (m + 7) / 8, \
-                                       N, K, 0.f);                                                                \
+        expert_mma<F, false, MT, false>(nullptr, tab, tab, m * groups, groups, x, x_row_stride, x_group_stride,   \
+                                        nullptr, 0, 0, y, y_row_stride, y_group_stride, out_f32 == 0,             \
+                                        (m + 8 * MT - 1) / (8 * MT), N, K, 0.f);                                  \
     }
+#define GROUPED_MMA_KERNELS(FMT, F) GROUPED_MMA(mma8, FMT, F, 1, 4) GROUPED_MMA(mma, FMT, F, 4, 2)
 
 MOE_MMA_KERNELS(bf16, BF16, false)
 MOE_MMA_KERNELS(fp8_row, FP8_ROW, true)
@@ -586,9 +587,9 @@ MOE_MMA_KERNELS(fp8_block, FP8_BLOCK, true)
 MOE_MMA_KERNELS(fp8_block_e8m0, FP8_BLOCK_E8M0, true)
 MOE_MMA_KERNELS(nvfp4, NVFP4, false)
 MOE_MMA_KERNELS(mxfp4, MXFP4, true)
-GROUPED_MMA(bf16, BF16)
-GROUPED_MMA(fp8_block, FP8_BLOCK)
-GROUPED_MMA(fp8_block_e8m0, FP8_BLOCK_E8M0)
+GROUPED_MMA_KERNELS(bf16, BF16)
+GROUPED_MMA_KERNELS(fp8_block, FP8_BLOCK)
+GROUPED_MMA_KERNELS(fp8_block_e8m0, FP8_BLOCK_E8M0)
 
 // ---------------------------------------------------------------------------------------------------
 // x for the X16 GEMMs (fp8, MXFP4). Vector v < n_vec is row v / n_slots, slot v % n_slots of x (bf16, strides

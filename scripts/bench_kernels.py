@@ -6,6 +6,7 @@ bandwidth and cuBLAS (cupy.matmul) on the same bytes, cold L2.
     python scripts/bench_kernels.py --mid [--iters N] [--json PATH]
     python scripts/bench_kernels.py --heads [--iters N] [--json PATH]
     python scripts/bench_kernels.py --mid-batch [--iters N] [--json PATH]
+    python scripts/bench_kernels.py --grouped [--iters N] [--json PATH]
 
 --regs adds the register-round kernels (*_regs) next to the streaming defaults. --sweep times, per key
 shape, the register-round kernel, the default launch plan and a grid of plans (ks warps per block, ring stages, resident
@@ -14,7 +15,8 @@ times each family's mid-size projections (MID_SHAPES in mtp_cupy/bench/gemv.py) 
 plan and without split-K across blocks, beside cuBLAS. --heads times each family's LM head at decode batch
 widths (HEAD_SHAPES, HEAD_M), batch-invariant, against the 32-row kernel and cuBLAS. --mid-batch times the
 mid-size and e / h projections at m = 16, 32, 64 (MID_BATCH_M), batch-invariant: linear, the 64-row x-staged
-kernel with one and two k slices a block, the 32-row kernel under the same k-split, cuBLAS.
+kernel with one and two k slices a block, the 32-row kernel under the same k-split, cuBLAS. --grouped times each family's grouped GEMVs (GROUPED_SHAPES: V4's wo_a,
+MLA's W_UK^T and W_UV) at m = 1..64 in 8- and 32-row items against cuBLAS's batched GEMM.
 
 Each timed launch follows a 256 MB memset that evicts L2 (50 MB on H100/H200); the memset also covers the
 Python launch overhead, so the events bracket GPU time only. Medians of CUDA-event times after warm-up."""
@@ -26,7 +28,8 @@ import mtp_cupy
 from mtp_cupy.bench import EventTimer, copy_bandwidth, device_name
 from mtp_cupy.bench.cli import Parser, positive_int, run_main
 from mtp_cupy.bench.gemv import (BATCH_M, BATCH_SHAPES, BF16_SHAPES, PREFILL, QUANT_SHAPES, bench_heads,
-                                 bench_linear, bench_mid, bench_mid_batch, bench_optional)
+                                 bench_grouped, bench_linear, bench_mid, bench_mid_batch,
+                                 bench_optional)
 from mtp_cupy.bench.gemv_sweep import sweep
 
 
@@ -46,17 +49,22 @@ def main() -> None:
     ap.add_argument("--mid-batch", action="store_true",
                     help="the mid-size projections and the e / h projections at m = 16, 32, 64, batch-invariant: "
                          "the 64-row x-staged kernels against the 32-row kernel and cuBLAS")
+    ap.add_argument("--grouped", action="store_true",
+                    help="each family's grouped GEMVs (V4's wo_a, MLA's W_UK^T / W_UV) at m = 1..64, 8- against "
+                         "32-row items, beside cuBLAS's batched GEMM")
     a = ap.parse_args()
     gpu = mtp_cupy.device("cuda")
     iters = 10 if a.quick else 20 if a.sweep and a.iters == 30 else a.iters
     timer = EventTimer.cupy(iters=iters, warmup=3, sync_flush=False)
     copy_gbs = copy_bandwidth(gpu) / 1e9
     name = device_name(gpu)
-    if a.mid or a.heads or a.mid_batch:
-        what = "Mid-size GEMVs" if a.mid else "Mid-size GEMVs at batch" if a.mid_batch else "LM heads"
+    if a.mid or a.heads or a.mid_batch or a.grouped:
+        what = ("Mid-size GEMVs" if a.mid else "Mid-size GEMVs at batch" if a.mid_batch else
+                "Grouped GEMVs" if a.grouped else "LM heads")
         print(f"# {what} on {name}: D2D copy {copy_gbs:.0f} GB/s (read + write), cold L2, median of "
               f"{timer.iters}\n")
-        res = (bench_mid if a.mid else bench_mid_batch if a.mid_batch else bench_heads)(gpu, timer, copy_gbs)
+        res = (bench_mid if a.mid else bench_mid_batch if a.mid_batch else bench_grouped if a.grouped else
+               bench_heads)(gpu, timer, copy_gbs)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(dict(gpu=name, copy_gbs=copy_gbs, mid=res), f, indent=1)

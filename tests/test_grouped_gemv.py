@@ -184,18 +184,18 @@ def test_grouped_mma_cuda_vs_twin(ref, cuda, rng, fmt, groups, n, k, row0, group
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 9, 64])
+@pytest.mark.parametrize("m,rows", [(2, None), (9, None), (64, None), (33, None), (64, 8), (5, 32)])
 @pytest.mark.parametrize("fmt,groups,n,k,row0,group_rows", REAL[1:])
-def test_grouped_mma_rows_bit_identical(cuda, rng, fmt, groups, n, k, row0, group_rows, m):
-    """An m-row call gives each row the bits of its own m = 1 call (batch-invariant drafting); real dims,
-    outputs poisoned."""
+def test_grouped_mma_rows_bit_identical(cuda, rng, fmt, groups, n, k, row0, group_rows, m, rows):
+    """An m-row call, in 8- or 32-row items (`rows`; None: the launcher's choice), gives each row the bits of its
+    own m = 1 call (batch-invariant drafting); real dims, outputs poisoned."""
     gr = n if group_rows is None else group_rows
     W, _ = make_weight(cuda, rng, fmt, row0 + (groups - 1) * gr + n, k)
     tab = _table(cuda, W, groups, n, row0, group_rows)
     xh = rng.standard_normal(m * groups * k).astype(BF16)
     x, y = up(cuda, xh), out(cuda, "f32", m * groups * n)
     ops.grouped_gemv(cuda, x.ptr, W, y.ptr, groups, n, row0=row0, group_rows=group_rows, m=m, out_dtype="f32",
-                     table=tab.ptr)
+                     table=tab.ptr, rows=rows)
     got = cuda.read(y.ptr, "f32", m * groups * n).reshape(m, -1)
     assert np.isfinite(got).all()
     for r in range(m):
@@ -203,6 +203,25 @@ def test_grouped_mma_rows_bit_identical(cuda, rng, fmt, groups, n, k, row0, grou
         ops.grouped_gemv(cuda, xr.ptr, W, yr.ptr, groups, n, row0=row0, group_rows=group_rows, out_dtype="f32",
                          table=tab.ptr)
         assert np.array_equal(cuda.read(yr.ptr, "f32", groups * n), got[r]), f"row {r} of {m}"
+
+
+def test_grouped_mma_items_by_width(rng):
+    """The tensor-core form runs 8-row items up to m = 8 and 32-row items past it (each decoded weight fragment
+    feeds four mmas), or what `rows` asks; a `rows` of neither size is refused before anything launches."""
+    from helpers import BranchLog
+    dev = BranchLog()
+    W, _ = make_weight(dev, rng, "fp8_block_e8m0", 256, 256)
+    tab = _table(dev, W, 2, 128, 0, None)
+    x, y = up(dev, rng.standard_normal(64 * 512).astype(BF16)), out(dev, "bf16", 64 * 256)
+    for m, rows, want in ((1, None, "grouped_mma8_"), (8, None, "grouped_mma8_"), (9, None, "grouped_mma_"),
+                          (64, None, "grouped_mma_"), (64, 8, "grouped_mma8_"), (2, 32, "grouped_mma_")):
+        dev.log.clear()
+        ops.grouped_gemv(dev, x.ptr, W, y.ptr, 2, 128, m=m, table=tab.ptr, rows=rows)
+        assert [n for n, _ in dev.log] == [want + "fp8_block_e8m0"], (m, rows, dev.log)
+    dev.log.clear()
+    with pytest.raises(KernelError, match="rows 16"):
+        ops.grouped_gemv(dev, x.ptr, W, y.ptr, 2, 128, m=4, table=tab.ptr, rows=16)
+    assert dev.log == []
 
 
 @pytest.mark.parametrize("fam", ["deepseek_v3", "glm5", "deepseek_v4"])

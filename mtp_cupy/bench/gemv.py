@@ -242,6 +242,71 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
     return rows
 
 
+# Each family's grouped GEMVs (family, weight, fmt, groups, n, k, row0, group_rows), the tensor-core form
+# (bench_kernels.py --grouped): V4's wo_a over the attention output's 8 groups, MLA's per-head W_UK^T (bf16,
+# transposed at load) and W_UV read in place from kv_b (rows h * (dn + dv) + dn)
+GROUPED_SHAPES = [("deepseek_v4", "wo_a", "fp8_block_e8m0", 8, 1024, 4096, 0, None),
+                  ("deepseek_v3", "W_UK^T", "bf16", 128, 512, 128, 0, None),
+                  ("deepseek_v3", "W_UV", "fp8_block", 128, 128, 512, 128, 256),
+                  ("glm5", "W_UK^T", "bf16", 64, 512, 192, 0, None),
+                  ("glm5", "W_UV", "fp8_block", 64, 256, 512, 192, 448)]
+GROUPED_M = [1, 8, 16, 32, 64]
+
+
+def bench_grouped(gpu, timer, copy_gbs) -> list[dict]:
+    """GROUPED_SHAPES at GROUPED_M rows: ops.grouped_gemv's tensor-core form in 8-row items (the only form
+    before 32-row items existed) and in 32-row items (m > 1), the launcher's choice, and cuBLAS's batched bf16
+    GEMM over the groups on the same weight bytes. The floor is the weight bytes read once (+ x and y) at the copy
+    bandwidth. Prints a table; returns its rows."""
+    import cupy as cp
+    from .. import ops
+    print("| family | weight | fmt | groups x n x k | m | MB | floor µs | 8-row items µs | 32-row items µs | "
+          "chosen µs | % copy | cuBLAS bf16 batched µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for fam, label, fmt, G, n, k, row0, gr in GROUPED_SHAPES:
+        step = n if gr is None else gr
+        W, keep = make_linear(fmt, row0 + (G - 1) * step + n, k)
+        tab = ops.upload_group_table(gpu, W, G, n, row0, gr)
+        wpeer = rand_bf16((G, n, k))
+        wbytes = G * n * k * (2 if fmt == "bf16" else 1)
+        for m in GROUPED_M:
+            x, y = rand_bf16((m, G * k)), cp.empty((m, G * n), cp.uint16)
+            t = {r: timer.us(lambda: ops.grouped_gemv(gpu, ptr(x), W, ptr(y), G, n, row0=row0, group_rows=gr, m=m,
+                                                      table=tab, rows=r))
+                 for r in (ops.MMA8_ROWS, ops.PLAN_ROWS, None) if r != ops.PLAN_ROWS or m > 1}
+            fn, kind = _batched_peer(wpeer, x.reshape(m, G, k))
+            t_peer = timer.us(fn)
+            mb = (wbytes + x.nbytes + y.nbytes) / 1e6
+            floor = mb * 1e3 / copy_gbs
+            t32 = t.get(ops.PLAN_ROWS, NAN)
+            rows.append(dict(family=fam, weight=label, fmt=fmt, groups=G, n=n, k=k, m=m, mb=mb, floor_us=floor,
+                             rows8_us=t[ops.MMA8_ROWS], rows32_us=t32, chosen_us=t[None],
+                             pct_copy=100 * floor / t[None], peer_us=t_peer, peer=kind))
+            print(f"| {fam} | {label} | {fmt} | {G}x{n}x{k} | {m} | {mb:.1f} | {floor:.1f} | "
+                  f"{t[ops.MMA8_ROWS]:.1f} | {t32:.1f} | {t[None]:.1f} | {100 * floor / t[None]:.0f} | "
+                  f"{t_peer:.1f} ({kind}) |", flush=True)
+        W = keep = tab = wpeer = None
+        cp.get_default_memory_pool().free_all_blocks()
+    return rows
+
+
+def _batched_peer(w16, x16):
+    """cuBLAS's batched GEMM y[g] = W[g] x[:, g]^T over the groups (bf16 when this cupy has it, else the bits
+    viewed as fp16: the same traffic)."""
+    import cupy as cp
+    import ml_dtypes
+    xt = x16.transpose(1, 2, 0)   # [G, k, m]
+    try:
+        dt = np.dtype(ml_dtypes.bfloat16)
+        W, X = w16.view(dt), xt.view(dt)
+        cp.matmul(W, X)
+        kind = "bf16"
+    except Exception:
+        W, X, kind = w16.view(cp.float16), xt.view(cp.float16), "f16"
+    return (lambda: cp.matmul(W, X)), kind
+
+
 def bench_heads(gpu, timer, copy_gbs) -> list[dict]:
     """HEAD_SHAPES at HEAD_M rows, batch-invariant: ops.linear(invariant=True) (x staged per block,
     dense_gemv_bf16_batch64, for m > 8), the 32-row streaming kernel under the same k-split (what linear ran

@@ -1,6 +1,6 @@
 """Launcher for per-group GEMVs over row blocks of one weight matrix: cuda_src/grouped_gemv.cu (FMA, one x
-row a block) and, given a group table, the tensor-core grouped_mma8_<fmt> of cuda_src/moe_mma.cu (each
-group's weight tile read once for 8 rows of x, at every m).
+row a block) and, given a group table, the tensor-core grouped_mma8_<fmt> / grouped_mma_<fmt> of
+cuda_src/moe_mma.cu (each group's weight tile decoded once for 8 rows of x, or for 32 when m > 8).
 
 Used by MLA (q absorption with W_UK^T per head, the W_UV up-projection read in place from kv_b_proj) and
 DeepSeek-V4's grouped low-rank output projection (wo_a)."""
@@ -9,11 +9,11 @@ import numpy as np
 from ..runtime.ptr import NULL
 from ..weights.linear import Linear
 from ._util import launch, need
-from .moe import CHUNK, MAX_PAIRS, MMA8_ROWS, _mma_launch
+from .moe import CHUNK, MAX_PAIRS, MMA8_ROWS, PLAN_ROWS, _check_rows, _mma_launch
 
 __all__ = ["grouped_gemv", "group_table", "upload_group_table"]
 
-FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")  # both forms (kernels grouped_{gemv,mma8}_<fmt>)
+FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")  # both forms (kernels grouped_{gemv,mma8,mma}_<fmt>)
 
 THREADS = 256
 MAX_K = 12288  # x row staged in 48 KB of shared memory as fp32
@@ -29,7 +29,7 @@ def lanes_per_row(k: int, fmt: str) -> int:
 def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group_rows: int | None = None,
                  x_group_stride: int | None = None, y_group_stride: int | None = None, m: int = 1,
                  x_row_stride: int | None = None, y_row_stride: int | None = None, out_dtype: str = "bf16",
-                 stream=None, table=None) -> None:
+                 stream=None, table=None, rows: int | None = None) -> None:
     """For g < groups, r < m, j < n:
         y[r*y_row_stride + g*y_group_stride + j] = sum_k W[row0 + g*group_rows + j, k] * x[r*x_row_stride + g*x_group_stride + k]
 
@@ -40,11 +40,14 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
 
     `table`: a device copy of `group_table(W, groups, n, row0, group_rows)` (the same arguments; a buffer, its
     pointer, or None for the FMA form): the tensor-core form, grouped_mma8_<fmt>, runs instead (x 16-byte
-    aligned, its strides multiples of 8). Each form gives a row the same bits whatever m is (batch-invariant);
-    the two forms differ in their sum order."""
+    aligned, its strides multiples of 8), in items of `rows` x rows: MMA8_ROWS or PLAN_ROWS (32: each decoded
+    weight fragment feeds four mmas), None = 8 up to m = 8, else 32. Each form gives a row the same bits whatever
+    m and `rows` are (batch-invariant); the two forms differ in their sum order."""
     tab = NULL if table is None else getattr(table, "ptr", table)
     k = W.k
-    name = f"grouped_{'mma8' if int(tab) else 'gemv'}_{W.fmt}"
+    rows = (MMA8_ROWS if m <= MMA8_ROWS else PLAN_ROWS) if rows is None else rows
+    _check_rows("grouped_gemv", rows)
+    name = f"grouped_{('mma8' if rows == MMA8_ROWS else 'mma') if int(tab) else 'gemv'}_{W.fmt}"
     need(W.fmt in FORMATS, f"grouped_gemv: weight format {W.fmt!r} is not supported ({', '.join(FORMATS)}; "
          "dequantise other formats to bf16 at load)")
     group_rows = n if group_rows is None else group_rows
@@ -65,7 +68,7 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
              f"{name}: m * groups {m * groups} (at most {MAX_PAIRS}) or a stride out of range")
         need(int(x) % 16 == 0 and xgs % 8 == 0 and xrs % 8 == 0,
              f"{name}: x must be 16-byte aligned with strides in multiples of 8 elements")
-        _mma_launch(gpu, name, W.fmt, n, k, 32, groups * -(-m // MMA8_ROWS), MMA8_ROWS).arg_ptr(tab) \
+        _mma_launch(gpu, name, W.fmt, n, k, 32, groups * -(-m // rows), rows).arg_ptr(tab) \
             .arg_u32(m).arg_u32(groups).arg_ptr(x).arg_u32(xrs).arg_u32(xgs).arg_ptr(y).arg_u32(yrs).arg_u32(ygs) \
             .arg_u32(out_dtype == "f32").arg_u32(n).arg_u32(k).launch(stream)
         return
