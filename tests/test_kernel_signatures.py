@@ -348,8 +348,9 @@ def _grouped_gemv(dev, mem):
         ops.grouped_gemv(dev, mem(2 * 3 * 2 * k), W, mem(4 * 3 * 2 * 16), 2, 16, row0=4, group_rows=18, m=3,
                          out_dtype="f32")
         tab = mem.put(ops.group_table(W, 2, 16, row0=0, group_rows=16))   # the tensor-core form
-        ops.grouped_gemv(dev, mem(2 * 3 * 2 * k), W, mem(4 * 3 * 2 * 16), 2, 16, row0=0, group_rows=16, m=3,
-                         out_dtype="f32", table=tab)
+        for rows in (8, 32):   # grouped_mma8_* and grouped_mma_*
+            ops.grouped_gemv(dev, mem(2 * 3 * 2 * k), W, mem(4 * 3 * 2 * 16), 2, 16, row0=0, group_rows=16, m=3,
+                             out_dtype="f32", table=tab, rows=rows)
 
 
 @exercise
