@@ -260,6 +260,10 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     const u32 NS = (dyn_smem_bytes() - red_bytes) / (KS * STAGE * 16);  // ring stages, >= 2 (launcher)
     uint4* const ring = g_dsm + ks * NS * STAGE;
     float* const red = (float*)(g_dsm + KS * NS * STAGE);
+    // PDL: a call with a plan reads the router's choices, so it waits first; a plan-less one (a single weight, or
+    // grouped) reads only weights and its tables before its first ring stages, so it issues those, then waits
+    if (plan) pdl_wait();
+    pdl_trigger();
     const u32 count = plan ? plan[0] : per ? n_slots * per : (n_pairs + ROWS - 1) / ROWS;
     const u32 none0 = plan ? plan[1] : n_pairs;
     const u32* sorted = plan ? plan + plan[2] : nullptr;
@@ -332,6 +336,7 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     };
 
     for (u32 p = 1; p < NS; ++p) issue();
+    if (!plan) pdl_wait();
     u32 cslot = 0, nred = 0;
     for (u32 i = 0; i < nwalk; ++i) {
         const Unit u = unit_of(plan, bx + i * NB, T, OUTS, n_pairs, ROWS, per, n_slots);
@@ -546,7 +551,6 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     extern "C" __global__ __launch_bounds__(128, MINB) void moe_##KIND##_##FMT(                                   \
         const u32* plan, const u64* tab, u32 n_pairs, u32 n_slots, const u16* x, u32 x_row_stride,                \
         u32 x_slot_stride, const float* x_scale, u32 s_row_stride, u32 s_slot_stride, float* y, u32 N, u32 K) {   \
-        pdl_entry();                                                                                              \
         expert_mma<F, false, MT, X16>(plan, tab, tab, n_pairs, n_slots, x, x_row_stride, x_slot_stride, x_scale,  \
                                       s_row_stride, s_slot_stride, y, n_slots * N, N, false, 0, N, K, 0.f);       \
     }
@@ -555,7 +559,6 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
         const u32* plan, const u64* tab_gate, const u64* tab_up, u32 n_pairs, u32 n_slots, const u16* x,          \
         u32 x_row_stride, u32 x_slot_stride, const float* x_scale, u32 s_row_stride, u32 s_slot_stride,           \
         __nv_bfloat16* h, u32 N, u32 K, float limit) {                                                            \
-        pdl_entry();                                                                                              \
         expert_mma<F, true, MT, X16>(plan, tab_gate, tab_up, n_pairs, n_slots, x, x_row_stride, x_slot_stride,    \
                                      x_scale, s_row_stride, s_slot_stride, h, n_slots * N, N, true, 0, N, K,      \
                                      limit);                                                                      \
@@ -574,7 +577,6 @@ __device__ __forceinline__ void expert_mma(const u32* plan, const u64* tab_a, co
     extern "C" __global__ __launch_bounds__(128, MINB) void grouped_##KIND##_##FMT(                               \
         const u64* tab, u32 m, u32 groups, const u16* x, u32 x_row_stride, u32 x_group_stride, void* y,           \
         u32 y_row_stride, u32 y_group_stride, u32 out_f32, u32 N, u32 K) {                                        \
-        pdl_entry();                                                                                              \
         expert_mma<F, false, MT, false>(nullptr, tab, tab, m * groups, groups, x, x_row_stride, x_group_stride,   \
                                         nullptr, 0, 0, y, y_row_stride, y_group_stride, out_f32 == 0,             \
                                         (m + 8 * MT - 1) / (8 * MT), N, K, 0.f);                                  \

@@ -4,7 +4,9 @@ Statically, on the sources: a kernel launched with the PDL attribute may start b
 finished, so every kernel in cuda_src must wait (griddepcontrol.wait) before it reads what that kernel wrote.
 The rule checked: a kernel's first statement is `pdl_entry();` (wait, then trigger) or `pdl_wait();` (wait, and
 trigger later: moe_stage_f16 lets the GEMM after it start only near its own end), or `pdl_trigger();` when its
-body calls one of LATE_WAIT, device functions that read only weights before their own `pdl_wait()`.
+body calls one of LATE_WAIT, device functions that read only weights before their own `pdl_wait()`, or a call of
+one of SELF_WAIT, which wait and trigger themselves (moe_mma.cu's expert_mma: a call with a routing plan waits
+first; a plan-less one issues its weight ring, then waits).
 
 On a GPU: kernels chained on one stream give the same bits with PDL on and off, eagerly and in a graph, and a
 launch that the driver refuses raises KernelError."""
@@ -20,6 +22,7 @@ from mtp_cupy.runtime.cuda_text import close_paren, expand_kernel_macros, strip_
 from test_kernel_signatures import _KERNEL
 
 LATE_WAIT = {"mma_stream", "x64_body"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
+SELF_WAIT = {"expert_mma"}               # moe_mma.cu: `if (plan) pdl_wait();` ... ring ... `if (!plan) pdl_wait();`
 
 
 def _body(code: str, paren: int, name: str) -> str:
@@ -33,14 +36,15 @@ def _body(code: str, paren: int, name: str) -> str:
     raise AssertionError(f"unbalanced braces in {name}")
 
 
-def pdl_violations(src: str, late_wait: set[str]) -> list[str]:
-    """Kernels of `src` that do not start with pdl_entry() (or pdl_trigger() and a late-wait call)."""
+def pdl_violations(src: str, late_wait: set[str], self_wait: set[str] = frozenset()) -> list[str]:
+    """Kernels of `src` that do not start with pdl_entry() (or pdl_trigger() and a late-wait call, or a call of a
+    self-waiting function)."""
     code = expand_kernel_macros(strip_comments(src))
     bad = []
     for m in _KERNEL.finditer(code):
         body = _body(code, m.end() - 1, m.group(1))
         first = body.strip().split(";", 1)[0].strip()
-        if first in ("pdl_entry()", "pdl_wait()"):
+        if first in ("pdl_entry()", "pdl_wait()") or re.match(r"(%s)\s*[<(]" % "|".join(self_wait or ["$^"]), first):
             continue
         if first == "pdl_trigger()" and any(re.search(r"\b%s\s*<" % f, body) or re.search(r"\b%s\s*\(" % f, body)
                                             for f in late_wait):
@@ -62,14 +66,16 @@ def test_the_rule_catches_a_kernel_without_the_wait():
     extern "C" __global__ void late(const float* x) { pdl_trigger(); mma_stream<1>(x); }
     extern "C" __global__ void reads_first(const float* x) { float v = x[0]; pdl_entry(); }
     extern "C" __global__ void trigger_only(const float* x) { pdl_trigger(); float v = x[0]; }
+    extern "C" __global__ void self_waits(const float* x) { expert_mma<1, false>(x); }
+    extern "C" __global__ void other_call(const float* x) { helper<1>(x); pdl_entry(); }
     '''
-    bad = pdl_violations(src, LATE_WAIT)
-    assert [b.split(":")[0] for b in bad] == ["reads_first", "trigger_only"]
+    bad = pdl_violations(src, LATE_WAIT, SELF_WAIT)
+    assert [b.split(":")[0] for b in bad] == ["reads_first", "trigger_only", "other_call"]
 
 
 @pytest.mark.parametrize("module", cuda_modules())
 def test_every_kernel_waits_before_it_reads(module):
-    assert not pdl_violations((CUDA_SRC / f"{module}.cu").read_text(), LATE_WAIT)
+    assert not pdl_violations((CUDA_SRC / f"{module}.cu").read_text(), LATE_WAIT, SELF_WAIT)
 
 
 def test_late_waiters_wait():
@@ -80,6 +86,19 @@ def test_late_waiters_wait():
         # before it, the weight ring's prefill only: neither the input x nor the output y is named
         before = body[:body.index("pdl_wait();")]
         assert not re.search(r"(?<![.\w])[xy]\b", before), f"{name} touches x or y before pdl_wait()"
+
+
+def test_expert_mma_waits_before_it_reads():
+    """A routing plan (the router's output) is read only after `if (plan) pdl_wait();`; x and its scales only after
+    `if (!plan) pdl_wait();`, which follows the weight ring's first stages; each wait and the trigger once."""
+    body = _device_fn_body(strip_comments((CUDA_SRC / "moe_mma.cu").read_text()), "expert_mma")
+    first, second = "if (plan) pdl_wait();", "if (!plan) pdl_wait();"
+    assert body.count("pdl_wait();") == 2 and body.count(first) == body.count(second) == 1
+    assert body.count("pdl_trigger();") == 1 and body.index(first) < body.index("pdl_trigger();")
+    assert not re.search(r"\bplan\s*(\[|\+)", body[:body.index(first)]), "the plan is read before the wait"
+    before = re.sub(r'"[^"]*"', '""', body[:body.index(second)])   # string literals (static_assert texts) out
+    assert body.index("for (u32 p = 1; p < NS; ++p) issue();") < body.index(second)
+    assert not re.search(r"(?<![.\w])(x|xsc)\b", before), "x or its scales read before the plan-less wait"
 
 
 # -- on the GPU ------------------------------------------------------------------------------------------------
