@@ -206,14 +206,14 @@ def test_grouped_mma_rows_bit_identical(cuda, rng, fmt, groups, n, k, row0, grou
 
 
 def test_grouped_mma_items_by_width(rng):
-    """The tensor-core form runs 8-row items up to m = 8 and 32-row items past it (each decoded weight fragment
+    """The tensor-core form runs 8-row items up to m = 32 and 32-row items past it (each decoded weight fragment
     feeds four mmas), or what `rows` asks; a `rows` of neither size is refused before anything launches."""
     from helpers import BranchLog
     dev = BranchLog()
     W, _ = make_weight(dev, rng, "fp8_block_e8m0", 256, 256)
     tab = _table(dev, W, 2, 128, 0, None)
     x, y = up(dev, rng.standard_normal(64 * 512).astype(BF16)), out(dev, "bf16", 64 * 256)
-    for m, rows, want in ((1, None, "grouped_mma8_"), (8, None, "grouped_mma8_"), (9, None, "grouped_mma_"),
+    for m, rows, want in ((1, None, "grouped_mma8_"), (32, None, "grouped_mma8_"), (33, None, "grouped_mma_"),
                           (64, None, "grouped_mma_"), (64, 8, "grouped_mma8_"), (2, 32, "grouped_mma_")):
         dev.log.clear()
         ops.grouped_gemv(dev, x.ptr, W, y.ptr, 2, 128, m=m, table=tab.ptr, rows=rows)

@@ -1,6 +1,6 @@
 """Launcher for per-group GEMVs over row blocks of one weight matrix: cuda_src/grouped_gemv.cu (FMA, one x
 row a block) and, given a group table, the tensor-core grouped_mma8_<fmt> / grouped_mma_<fmt> of
-cuda_src/moe_mma.cu (each group's weight tile decoded once for 8 rows of x, or for 32 when m > 8).
+cuda_src/moe_mma.cu (each group's weight tile decoded once for 8 rows of x, or for 32 when m > 32).
 
 Used by MLA (q absorption with W_UK^T per head, the W_UV up-projection read in place from kv_b_proj) and
 DeepSeek-V4's grouped low-rank output projection (wo_a)."""
@@ -18,6 +18,9 @@ FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")  # both forms (kernels grouped
 THREADS = 256
 MAX_K = 12288  # x row staged in 48 KB of shared memory as fp32
 RPT = 4        # rows each lane group carries at once (cuda_src/grouped_gemv.cu)
+# 32-row items from this many rows up: at m = 16 and 32 they lose to 8-row items (half the warps an SM: 196
+# registers against 106), at m = 64 they win (H100, bench_kernels --grouped: V4's wo_a 73.5 -> 63.6 µs)
+ITEMS32_FROM = 33
 
 
 def lanes_per_row(k: int, fmt: str) -> int:
@@ -41,11 +44,11 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
     `table`: a device copy of `group_table(W, groups, n, row0, group_rows)` (the same arguments; a buffer, its
     pointer, or None for the FMA form): the tensor-core form, grouped_mma8_<fmt>, runs instead (x 16-byte
     aligned, its strides multiples of 8), in items of `rows` x rows: MMA8_ROWS or PLAN_ROWS (32: each decoded
-    weight fragment feeds four mmas), None = 8 up to m = 8, else 32. Each form gives a row the same bits whatever
+    weight fragment feeds four mmas), None = 8 up to m = ITEMS32_FROM - 1, else 32. Each form gives a row the same bits whatever
     m and `rows` are (batch-invariant); the two forms differ in their sum order."""
     tab = NULL if table is None else getattr(table, "ptr", table)
     k = W.k
-    rows = (MMA8_ROWS if m <= MMA8_ROWS else PLAN_ROWS) if rows is None else rows
+    rows = (MMA8_ROWS if m < ITEMS32_FROM else PLAN_ROWS) if rows is None else rows
     _check_rows("grouped_gemv", rows)
     name = f"grouped_{('mma8' if rows == MMA8_ROWS else 'mma') if int(tab) else 'gemv'}_{W.fmt}"
     need(W.fmt in FORMATS, f"grouped_gemv: weight format {W.fmt!r} is not supported ({', '.join(FORMATS)}; "
