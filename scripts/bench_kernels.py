@@ -15,8 +15,9 @@ times each family's mid-size projections (MID_SHAPES in mtp_cupy/bench/gemv.py) 
 plan and without split-K across blocks, beside cuBLAS. --heads times each family's LM head at decode batch
 widths (HEAD_SHAPES, HEAD_M), batch-invariant, against the 32-row kernel and cuBLAS. --mid-batch times the
 mid-size and e / h projections at m = 16, 32, 64 (MID_BATCH_M), batch-invariant: linear, the 64-row x-staged
-kernel with one and two k slices a block, the 32-row kernel under the same k-split, cuBLAS. --grouped times each family's grouped GEMVs (GROUPED_SHAPES: V4's wo_a,
-MLA's W_UK^T and W_UV) at m = 1..64 in 8- and 32-row items against cuBLAS's batched GEMM.
+kernel with one and two k slices a block, the 32-row kernel under the same k-split, cuBLAS. --grouped times
+each family's grouped GEMVs (GROUPED_SHAPES: V4's wo_a, MLA's W_UK^T and W_UV) at m = 1..64 in 8- and 32-row
+items against cuBLAS's batched GEMM.
 
 Each timed launch follows a 256 MB memset that evicts L2 (50 MB on H100/H200); the memset also covers the
 Python launch overhead, so the events bracket GPU time only. Medians of CUDA-event times after warm-up."""

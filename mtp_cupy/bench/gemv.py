@@ -254,10 +254,9 @@ GROUPED_M = [1, 8, 16, 32, 64]
 
 
 def bench_grouped(gpu, timer, copy_gbs) -> list[dict]:
-    """GROUPED_SHAPES at GROUPED_M rows: ops.grouped_gemv's tensor-core form in 8-row items (the only form
-    before 32-row items existed) and in 32-row items (m > 1), the launcher's choice, and cuBLAS's batched bf16
-    GEMM over the groups on the same weight bytes. The floor is the weight bytes read once (+ x and y) at the copy
-    bandwidth. Prints a table; returns its rows."""
+    """GROUPED_SHAPES at GROUPED_M rows: ops.grouped_gemv's tensor-core form in 8-row items, in 32-row items
+    (m > 1) and as the launcher chooses, and cuBLAS's batched GEMM over the groups on the same weight bytes. The
+    floor is the weight bytes read once (+ x and y) at the copy bandwidth. Prints a table; returns its rows."""
     import cupy as cp
     from .. import ops
     print("| family | weight | fmt | groups x n x k | m | MB | floor µs | 8-row items µs | 32-row items µs | "

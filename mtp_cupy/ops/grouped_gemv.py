@@ -42,10 +42,10 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
     all groups (x_row_stride = groups * x_group_stride, y_row_stride = groups * y_group_stride).
 
     `table`: a device copy of `group_table(W, groups, n, row0, group_rows)` (the same arguments; a buffer, its
-    pointer, or None for the FMA form): the tensor-core form, grouped_mma8_<fmt>, runs instead (x 16-byte
-    aligned, its strides multiples of 8), in items of `rows` x rows: MMA8_ROWS or PLAN_ROWS (32: each decoded
-    weight fragment feeds four mmas), None = 8 up to m = ITEMS32_FROM - 1, else 32. Each form gives a row the same bits whatever
-    m and `rows` are (batch-invariant); the two forms differ in their sum order."""
+    pointer, or None for the FMA form): the tensor-core form, grouped_mma8_<fmt> / grouped_mma_<fmt>, runs
+    instead (x 16-byte aligned, its strides multiples of 8), in items of `rows` x rows: MMA8_ROWS or PLAN_ROWS
+    (32: each decoded weight fragment feeds four mmas); None: 8 below m = ITEMS32_FROM, else 32. Each form gives
+    a row the same bits whatever m and `rows` are (batch-invariant); the two forms differ in their sum order."""
     tab = NULL if table is None else getattr(table, "ptr", table)
     k = W.k
     rows = (MMA8_ROWS if m < ITEMS32_FROM else PLAN_ROWS) if rows is None else rows

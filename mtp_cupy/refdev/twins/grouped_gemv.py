@@ -61,7 +61,8 @@ def grouped_gemv_fp8_block_e8m0(dev, x, W, scale, y, groups, m, n, k, row0, grou
          x_row_stride, y_group_stride, y_row_stride, out_f32)
 
 
-# -- grouped_mma8_<fmt> / grouped_mma_<fmt> (cuda_src/moe_mma.cu): the same products, group g's weight from table entry g ----------
+# -- grouped_mma8_<fmt> / grouped_mma_<fmt> (cuda_src/moe_mma.cu): the same products, group g's weight from
+# table entry g -------------------------------------------------------------------------------------------------
 def _table_rows(dev, fmt, entry, n, k):
     """Group weight [n, k] f32 from a group_table row (first row's address, its scale block's scales, the row's
     offset in that block): the block's rows from its first, dequantised as the FMA form's twin does."""
