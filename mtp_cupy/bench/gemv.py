@@ -85,17 +85,21 @@ def make_linear(fmt: str, n: int, k: int) -> tuple[Linear, list]:
 
 
 def peer_matmul(w16, x16):
-    """cuBLAS on the same bytes: bf16 when this cupy has it, else the bits viewed as fp16 (same traffic)."""
+    """cuBLAS on the same bytes: bf16 when this cupy has it, else the bits viewed as fp16 (same traffic). w16
+    [n, k] with x16 [m, k]; or w16 [G, n, k] with x16 [m, G, k], a batched GEMM y[g] = W[g] x[:, g]^T."""
     import cupy as cp
     import ml_dtypes
+    if w16.ndim == 3:
+        x16 = x16.transpose(1, 2, 0)   # [G, k, m]
+        call = lambda W, X: lambda: cp.matmul(W, X)   # noqa: E731
+    else:
+        call = lambda W, X: (lambda: W @ X[0]) if X.shape[0] == 1 else (lambda: X @ W.T)   # noqa: E731
     try:
-        dt = np.dtype(ml_dtypes.bfloat16)
-        W, X = w16.view(dt), x16.view(dt)
-        (W @ X[0]) if X.shape[0] == 1 else (X @ W.T)
-        kind = "bf16"
+        fn = call(w16.view(np.dtype(ml_dtypes.bfloat16)), x16.view(np.dtype(ml_dtypes.bfloat16)))
+        fn()
+        return fn, "bf16"
     except Exception:
-        W, X, kind = w16.view(cp.float16), x16.view(cp.float16), "f16"
-    return (lambda: W @ X[0]) if X.shape[0] == 1 else (lambda: X @ W.T), kind
+        return call(w16.view(cp.float16), x16.view(cp.float16)), "f16"
 
 
 def raw_call(gpu, name: str, W: Linear, x, y, m: int, tune=None):
@@ -274,7 +278,7 @@ def bench_grouped(gpu, timer, copy_gbs) -> list[dict]:
             t = {r: timer.us(lambda: ops.grouped_gemv(gpu, ptr(x), W, ptr(y), G, n, row0=row0, group_rows=gr, m=m,
                                                       table=tab, rows=r))
                  for r in (ops.MMA8_ROWS, ops.PLAN_ROWS, None) if r != ops.PLAN_ROWS or m > 1}
-            fn, kind = _batched_peer(wpeer, x.reshape(m, G, k))
+            fn, kind = peer_matmul(wpeer, x.reshape(m, G, k))
             t_peer = timer.us(fn)
             mb = (wbytes + x.nbytes + y.nbytes) / 1e6
             floor = mb * 1e3 / copy_gbs
@@ -288,22 +292,6 @@ def bench_grouped(gpu, timer, copy_gbs) -> list[dict]:
         W = keep = tab = wpeer = None
         cp.get_default_memory_pool().free_all_blocks()
     return rows
-
-
-def _batched_peer(w16, x16):
-    """cuBLAS's batched GEMM y[g] = W[g] x[:, g]^T over the groups (bf16 when this cupy has it, else the bits
-    viewed as fp16: the same traffic)."""
-    import cupy as cp
-    import ml_dtypes
-    xt = x16.transpose(1, 2, 0)   # [G, k, m]
-    try:
-        dt = np.dtype(ml_dtypes.bfloat16)
-        W, X = w16.view(dt), xt.view(dt)
-        cp.matmul(W, X)
-        kind = "bf16"
-    except Exception:
-        W, X, kind = w16.view(cp.float16), xt.view(cp.float16), "f16"
-    return (lambda: cp.matmul(W, X)), kind
 
 
 def bench_heads(gpu, timer, copy_gbs) -> list[dict]:
