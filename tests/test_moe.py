@@ -406,6 +406,23 @@ def test_moe_shared_expert_branch(rng):
         assert_close(got, b.reference(x), 1e-2, f"shared {shared_inter} gate {gate}")
 
 
+def test_moe_shared_expert_items_by_width(rng):
+    """An unfused shared expert (one weight, no plan) takes 8-row items up to m = 32 and 32-row items past it,
+    the rule the grouped GEMVs use (ops.item_rows); either way each row gets the reference's result."""
+    from helpers import BranchLog
+    b = _built(rng, "deepseek_v3", "fp8_block", shared_inter=64)
+    dev = BranchLog()
+    moe = b.build(dev, max_rows=40)
+    assert not moe.fuse_shared
+    for m, kernels in ((1, "mma8"), (9, "mma8"), (32, "mma8"), (33, "mma")):
+        x = grid_x(rng, m, b.cfg.hidden)
+        dev.log.clear()
+        got = forward(dev, moe, x, m)
+        side = [n for n, s in dev.log if s and n.startswith(("moe_gate_up", "moe_gemv"))]
+        assert side == [f"moe_gate_up_{kernels}_fp8_block", f"moe_gemv_{kernels}_fp8_block"], (m, side)
+        assert_close(got, b.reference(x), 1e-2, f"m {m}")
+
+
 def test_moe_layer_batch_shares_experts(dev, rng):
     """m = 20 rows over 8 experts: every expert serves several rows; each row still gets its own result."""
     b = Built(rng, MoeConfig(n_experts=8, top_k=4, hidden=256, inter=128), "nvfp4", shared_inter=32,

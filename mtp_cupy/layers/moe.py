@@ -225,7 +225,7 @@ class MoE:
         c, gpu, (g, _, d) = self.cfg, self.gpu, self.shared
         D, Is = c.hidden, self.inter_s
         if self.grouped(m, shared=True):  # one "expert" (table entry 0) for all m rows: no plan
-            rows = ops.MMA8_ROWS if m <= ops.MMA8_ROWS else ops.PLAN_ROWS  # the same sums, fewer passes
+            rows = ops.item_rows(m)   # the same sums in either item size
             ops.moe_gate_up_mma(gpu, self.tab_sh_gate, self.tab_sh_up, g.fmt, NULL, m, 1, 1, x, D, 0, self.hs, Is,
                                 D, c.swiglu_limit, stream=stream, rows=rows, workspace=self.xs)
             ops.moe_gemv_mma(gpu, self.tab_sh_down, d.fmt, NULL, m, 1, 1, self.hs, Is, 0, self.ys, D, Is,

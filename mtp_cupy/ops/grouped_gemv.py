@@ -9,7 +9,7 @@ import numpy as np
 from ..runtime.ptr import NULL
 from ..weights.linear import Linear
 from ._util import launch, need
-from .moe import CHUNK, MAX_PAIRS, MMA8_ROWS, PLAN_ROWS, _check_rows, _mma_launch
+from .moe import CHUNK, MAX_PAIRS, MMA8_ROWS, _check_rows, _mma_launch, item_rows
 
 __all__ = ["grouped_gemv", "group_table", "upload_group_table"]
 
@@ -18,9 +18,6 @@ FORMATS = ("bf16", "fp8_block", "fp8_block_e8m0")  # both forms (kernels grouped
 THREADS = 256
 MAX_K = 12288  # x row staged in 48 KB of shared memory as fp32
 RPT = 4        # rows each lane group carries at once (cuda_src/grouped_gemv.cu)
-# 32-row items from this many rows up: at m = 16 and 32 they lose to 8-row items (half the warps an SM: 196
-# registers against 106), at m = 64 they win (H100, bench_kernels --grouped: V4's wo_a 73.5 -> 63.6 µs)
-ITEMS32_FROM = 33
 
 
 def lanes_per_row(k: int, fmt: str) -> int:
@@ -48,7 +45,7 @@ def grouped_gemv(gpu, x, W: Linear, y, groups: int, n: int, row0: int = 0, group
     a row the same bits whatever m and `rows` are (batch-invariant); the two forms differ in their sum order."""
     tab = NULL if table is None else getattr(table, "ptr", table)
     k = W.k
-    rows = (MMA8_ROWS if m < ITEMS32_FROM else PLAN_ROWS) if rows is None else rows
+    rows = item_rows(m) if rows is None else rows
     _check_rows("grouped_gemv", rows)
     name = f"grouped_{('mma8' if rows == MMA8_ROWS else 'mma') if int(tab) else 'gemv'}_{W.fmt}"
     need(W.fmt in FORMATS, f"grouped_gemv: weight format {W.fmt!r} is not supported ({', '.join(FORMATS)}; "

@@ -16,7 +16,8 @@ from ..weights.linear import Linear
 from ._util import blocks_for, kept_workspace, launch, need
 from .gemv import SMEM_PER_BLOCK, SMEM_PER_SM, _sms, warps_by_regs
 
-__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "MAX_PLAN_PAIRS",
+__all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "ITEMS32_FROM", "item_rows",
+           "MAX_PLAN_PAIRS",
            "expert_table", "moe_gemv",
            "moe_gate_up", "moe_topk_softmax", "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash",
            "moe_weighted_sum", "plan_max_items", "moe_plan_bytes", "moe_route_plan", "moe_gate_up_mma",
@@ -194,6 +195,11 @@ MMA_FORMATS = ("bf16", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4
 X16_FORMATS = ("fp8_row", "fp8_block", "fp8_block_e8m0", "mxfp4")
 PLAN_ROWS = 32                   # pairs per item: the kernels' 4 n-tiles of 8 x rows
 MMA8_ROWS = 8                    # pairs per item of the one-n-tile kernels (moe_*_mma8_*)
+# A plan-less call (one weight: a shared expert; the grouped GEMVs) takes 32-row items from this many rows up: at
+# m = 16 and 32 they lose to 8-row items (half the warps an SM: ~190 registers against ~110), at m = 64 they win
+# (H100: V4's shared expert 38.0 / 50.4 µs at m = 32 in 8- / 32-row items, 58.0 / 55.3 at 64; V4's wo_a 40.8 /
+# 40.7 and 72.7 / 62.4; BENCHMARKS.md, twenty-eighth session)
+ITEMS32_FROM = 33
 PLAN_HEADER = 4                  # u32 words before the items
 MAX_PLAN_PAIRS = 32768           # the plan kernel keeps 4 bytes per pair and 8 per expert in shared memory
 MMA_STAGE = 32 * 8 * 16          # ring bytes per warp and stage: 32 weight rows x 8 chunks of 16 bytes
@@ -305,6 +311,12 @@ def _dynamic_smem(nbytes: int, static: int = 256) -> int:
     128-byte pair list, the plan's 256-byte scan area): a size just under 48 KiB is raised past it (the kernels
     size their rings by whole stages, so the extra bytes go unused)."""
     return 48 * 1024 + 16 if 48 * 1024 - static < nbytes <= 48 * 1024 else nbytes
+
+
+def item_rows(m: int) -> int:
+    """Rows an item of a plan-less grouped GEMM takes at m rows: MMA8_ROWS below ITEMS32_FROM, else PLAN_ROWS.
+    A row's sums are the same either way (batch invariance holds across the switch)."""
+    return MMA8_ROWS if m < ITEMS32_FROM else PLAN_ROWS
 
 
 def _check_rows(name: str, rows: int) -> None:
