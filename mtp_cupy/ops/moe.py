@@ -17,8 +17,7 @@ from ._util import blocks_for, kept_workspace, launch, need
 from .gemv import SMEM_PER_BLOCK, SMEM_PER_SM, _sms, warps_by_regs
 
 __all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_ROWS", "ITEMS32_FROM", "item_rows",
-           "MAX_PLAN_PAIRS",
-           "expert_table", "moe_gemv",
+           "MAX_PLAN_PAIRS", "expert_table", "moe_gemv",
            "moe_gate_up", "moe_topk_softmax", "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash",
            "moe_weighted_sum", "plan_max_items", "moe_plan_bytes", "moe_route_plan", "moe_gate_up_mma",
            "moe_gemv_mma", "X16_FORMATS", "mma_x_bytes", "moe_stage_f16"]
