@@ -196,6 +196,15 @@ __device__ __forceinline__ void post_comb(const float* mixes, const float* scale
     if (in) comb_out[(u64)r * hc * hc + j * hc + k] = c;
 }
 
+// Row r's post and its comb's Sinkhorn logits L[j, k] = mix_{2hc+hc j+k} s2 + b_{..} (hc_pre_norm: hc_post runs the
+// Sinkhorn, off the collapse's path).
+__device__ __forceinline__ void post_logits(const float* mixes, const float* scale, const float* base, u32 r, u32 hc,
+                                            float* post_out, float* logit_out) {
+    const u32 t = threadIdx.x & 31;
+    if (t < hc) post_out[(u64)r * hc + t] = 2.f * sigmoidf_(mixes[hc + t] * scale[1] + base[hc + t]);
+    if (t < hc * hc) logit_out[(u64)r * hc * hc + t] = mixes[2 * hc + t] * scale[2] + base[2 * hc + t];
+}
+
 // part from hc_mix with mix = (2 + hc) hc. grid (rows, dim splits), blockDim a multiple of 32.
 extern "C" __global__ void hc_pre(const __nv_bfloat16* __restrict__ X, const float* __restrict__ part,
                                   const float* __restrict__ scale, const float* __restrict__ base,
@@ -235,13 +244,15 @@ extern "C" __global__ void hc_head(const __nv_bfloat16* __restrict__ X, const fl
 // hc_pre (PRE) or hc_head, then rms_norm_w with w of the collapsed row into y: one block a row at the threads
 // rms_norm_w takes for dim, holding the row in norm.cuh's layout, so y has the bits of the two launches (the
 // collapse is the same fp32 sum over streams in order, one bf16 rounding). The streams and w are loaded before
-// the coefficients arrive; warp 0 computes pre, warp 1 (warp 0 when it is alone) post and comb. The collapsed
-// row itself is not stored. grid rows.
+// the coefficients arrive; warp 0 computes pre, warp 1 (warp 0 when it is alone) writes post and the comb's
+// Sinkhorn logits, which hc_post finishes: the 20 dependent Sinkhorn passes (6-7 us a V4 step on an H100) are
+// then off this kernel's path, which every block after it waits for. The collapsed row itself is not stored.
+// grid rows.
 template <bool PRE>
 __device__ __forceinline__ void collapse_norm(const __nv_bfloat16* X, const float* part, const float* scale,
                                               const float* base, const __nv_bfloat16* w, __nv_bfloat16* y,
-                                              float* post_out, float* comb_out, u32 rows, u32 dim, u32 hc,
-                                              u32 nsplit, float rms_eps, float hc_eps, u32 iters, float norm_eps) {
+                                              float* post_out, float* logit_out, u32 rows, u32 dim, u32 hc,
+                                              u32 nsplit, float rms_eps, float hc_eps, float norm_eps) {
     __shared__ float mixes[MIX_MAX];
     __shared__ float pre[HC_MAX];
     __shared__ float red[64];
@@ -259,8 +270,7 @@ __device__ __forceinline__ void collapse_norm(const __nv_bfloat16* X, const floa
     load_row(w, nvec, wv);
     reduce_mixes(part, r, rows, PRE ? (2 + hc) * hc : hc, nsplit, hc * dim, rms_eps, mixes);
     if (wid == 0 && lane < hc) pre[lane] = pre_coef(mixes, scale, base, lane, hc_eps);
-    if (PRE && wid == (blockDim.x > 32 ? 1u : 0u))
-        post_comb(mixes, scale, base, r, hc, hc_eps, iters, post_out, comb_out);
+    if (PRE && wid == (blockDim.x > 32 ? 1u : 0u)) post_logits(mixes, scale, base, r, hc, post_out, logit_out);
     __syncthreads();
 #pragma unroll
     for (int k = 0; k < MAXV; ++k) {
@@ -283,10 +293,10 @@ __device__ __forceinline__ void collapse_norm(const __nv_bfloat16* X, const floa
 extern "C" __global__ __launch_bounds__(512) void hc_pre_norm(
     const __nv_bfloat16* __restrict__ X, const float* __restrict__ part, const float* __restrict__ scale,
     const float* __restrict__ base, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y,
-    float* __restrict__ post_out, float* __restrict__ comb_out, u32 rows, u32 dim, u32 hc, u32 nsplit, float rms_eps,
-    float hc_eps, u32 iters, float norm_eps) {
+    float* __restrict__ post_out, float* __restrict__ logit_out, u32 rows, u32 dim, u32 hc, u32 nsplit, float rms_eps,
+    float hc_eps, float norm_eps) {
     pdl_entry();
-    collapse_norm<true>(X, part, scale, base, w, y, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters,
+    collapse_norm<true>(X, part, scale, base, w, y, post_out, logit_out, rows, dim, hc, nsplit, rms_eps, hc_eps,
                         norm_eps);
 }
 
@@ -295,22 +305,39 @@ extern "C" __global__ __launch_bounds__(512) void hc_head_norm(
     const float* __restrict__ base, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, u32 rows,
     u32 dim, u32 hc, u32 nsplit, float rms_eps, float hc_eps, float norm_eps) {
     pdl_entry();
-    collapse_norm<false>(X, part, scale, base, w, y, nullptr, nullptr, rows, dim, hc, nsplit, rms_eps, hc_eps, 0u,
-                         norm_eps);
+    collapse_norm<false>(X, part, scale, base, w, y, nullptr, nullptr, rows, dim, hc, nsplit, rms_eps, hc_eps, norm_eps);
 }
 
 // Y[r, k, d] = post[r, k] f[r, d] + sum_j comb[r, j, k] X[r, j, d] (fp32, one bf16 rounding). One thread owns
 // every stream of its (r, d), reading all of X before writing, so Y may be X. grid (dim blocks, rows).
-extern "C" __global__ void hc_post(const __nv_bfloat16* f, const __nv_bfloat16* X, const float* __restrict__ post,
-                                   const float* __restrict__ comb, __nv_bfloat16* Y, u32 rows, u32 dim, u32 hc) {
-    pdl_entry();
+// iters == 0: comb is the matrix (hc_pre's). iters > 0: comb holds the Sinkhorn logits hc_pre_norm wrote, and warp 0
+// of each block runs the Sinkhorn (hc_eps, iters) first. PDL: that path reads post and the logits before its wait:
+// the launcher's caller keeps at least one kernel that waits before it triggers (pdl_entry) between hc_pre_norm and
+// this launch (layers/mhc.py: the attention or the MoE between), so hc_pre_norm has finished when this kernel
+// launches, and the Sinkhorn overlaps the kernel ahead. f and X are read after the wait on both paths.
+__device__ __forceinline__ void post_rows(const __nv_bfloat16* f, const __nv_bfloat16* X, const float* post,
+                                          const float* comb, __nv_bfloat16* Y, u32 rows, u32 dim, u32 hc,
+                                          float hc_eps, u32 iters) {
     __shared__ float p[HC_MAX], cm[HC_MAX * HC_MAX];
-    const u32 r = blockIdx.y;
-    if (threadIdx.x < hc) p[threadIdx.x] = post[(u64)r * hc + threadIdx.x];
-    if (threadIdx.x < hc * hc) cm[threadIdx.x] = comb[(u64)r * hc * hc + threadIdx.x];
+    const u32 r = blockIdx.y, t = threadIdx.x;
+    if (iters) {
+        pdl_trigger();
+        if (t < 32) {   // lane j * HC_MAX + k holds entry (j, k), as sinkhorn_lanes wants
+            const u32 j = t / HC_MAX, k = t % HC_MAX;
+            const bool in = t < HC_MAX * HC_MAX && j < hc && k < hc;
+            const float c = sinkhorn_lanes(in ? comb[(u64)r * hc * hc + j * hc + k] : 0.f, in, hc_eps, iters);
+            if (in) cm[j * hc + k] = c;
+            if (t < hc) p[t] = post[(u64)r * hc + t];
+        }
+        pdl_wait();
+    } else {
+        pdl_entry();
+        if (t < hc) p[t] = post[(u64)r * hc + t];
+        if (t < hc * hc) cm[t] = comb[(u64)r * hc * hc + t];
+    }
     __syncthreads();
     const u64 row = (u64)r * hc * dim;
-    for (u32 d = blockIdx.x * blockDim.x + threadIdx.x; d < dim; d += gridDim.x * blockDim.x) {
+    for (u32 d = blockIdx.x * blockDim.x + t; d < dim; d += gridDim.x * blockDim.x) {
         float xs[HC_MAX];
 #pragma unroll
         for (int j = 0; j < HC_MAX; ++j) xs[j] = j < (int)hc ? bf2f(X[row + (u64)j * dim + d]) : 0.f;
@@ -325,6 +352,12 @@ extern "C" __global__ void hc_post(const __nv_bfloat16* f, const __nv_bfloat16* 
             Y[row + (u64)kk * dim + d] = f2bf(acc);
         }
     }
+}
+
+extern "C" __global__ void hc_post(const __nv_bfloat16* f, const __nv_bfloat16* X, const float* __restrict__ post,
+                                   const float* __restrict__ comb, __nv_bfloat16* Y, u32 rows, u32 dim, u32 hc,
+                                   float hc_eps, u32 iters) {
+    post_rows(f, X, post, comb, Y, rows, dim, hc, hc_eps, iters);
 }
 
 // out[r, j, :] = x[r, :] for every stream j (the seed's expansion of one hidden into hc streams).

@@ -32,7 +32,7 @@ def hc_pre_f64(X, fn, scale, base):
         c = c / (c.sum(-1, keepdims=True) + HC_EPS)
         c = c / (c.sum(-2, keepdims=True) + HC_EPS)
     x = np.einsum("tj,tjd->td", pre, f32(X).astype(np.float64))
-    return x, post, c
+    return x, post, c, logits
 
 
 def coeffs(rng, hc, dim, mix, spread=2.0):
@@ -61,11 +61,12 @@ def run_head(dev, X, fn, scale, base):
     return f32(get(dev, y, "bf16", (rows, dim)))
 
 
-def run_post(dev, f, X, post, comb, in_place):
+def run_post(dev, f, X, post, comb, in_place, iters=0):
+    """hc_post; iters > 0: comb holds Sinkhorn logits (hc_pre_norm's), finished in the kernel."""
     rows, hc, dim = X.shape
     bf, bx, bp, bc = up(dev, f), up(dev, X), up(dev, post), up(dev, comb)
     y = bx if in_place else out(dev, "bf16", (rows, hc, dim))
-    ops.hc_post(dev, bf.ptr, bx.ptr, bp.ptr, bc.ptr, y.ptr, rows, dim, hc)
+    ops.hc_post(dev, bf.ptr, bx.ptr, bp.ptr, bc.ptr, y.ptr, rows, dim, hc, hc_eps=HC_EPS, iters=iters)
     return f32(get(dev, y, "bf16", (rows, hc, dim)))
 
 
@@ -74,7 +75,7 @@ def test_hc_pre(dev, rng, rows, hc, dim):
     X = rand_bf16(rng, (rows, hc, dim), 3.0)
     fn, scale, base = coeffs(rng, hc, dim, (2 + hc) * hc)
     x, post, comb = run_pre(dev, X, fn, scale, base)
-    rx, rpost, rcomb = hc_pre_f64(X, fn, scale, base)
+    rx, rpost, rcomb, _ = hc_pre_f64(X, fn, scale, base)
     assert_close(x, rx, 8e-3, "x")
     np.testing.assert_allclose(post, rpost, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(comb, rcomb, rtol=1e-4, atol=1e-6)
@@ -91,7 +92,7 @@ def test_hc_pre_sharp_logits(dev, rng):
     X = rand_bf16(rng, (4, 4, 256), 1.0)
     fn, scale, base = coeffs(rng, 4, 256, 24, spread=40.0)
     x, post, comb = run_pre(dev, X, fn, scale, base)
-    rx, rpost, rcomb = hc_pre_f64(X, fn, scale, base)
+    rx, rpost, rcomb, _ = hc_pre_f64(X, fn, scale, base)
     assert np.all(np.isfinite(comb))
     np.testing.assert_allclose(comb, rcomb, rtol=1e-3, atol=1e-5)
     np.testing.assert_allclose(comb.sum(-2), 1.0, atol=1e-5)
@@ -106,7 +107,7 @@ def test_hc_pre_rows_alone(dev, rng, monkeypatch, rpb):
     X = rand_bf16(rng, (19, 4, 512), 3.0)
     fn, scale, base = coeffs(rng, 4, 512, 24)
     x, post, comb = run_pre(dev, X, fn, scale, base)
-    rx, _, rcomb = hc_pre_f64(X, fn, scale, base)
+    rx, _, rcomb, _ = hc_pre_f64(X, fn, scale, base)
     assert_close(x, rx, 8e-3, "x")
     np.testing.assert_allclose(comb, rcomb, rtol=1e-4, atol=1e-6)
     for r in (0, 2, 3, 7, 8, 16, 18):
@@ -160,7 +161,9 @@ def run_site(dev, case, fused):
     """One mHC site as a step runs it: the streams written (`add`: src + e, src one row a token when src_hc is 1;
     `post`: hc_post of the site before, in place), the collapse (`pre`: hc_pre; `head`: hc_head) and the RMSNorm
     after it. Fused: hc_add_mix (add) or hc_post + hc_mix (post), then hc_pre_norm / hc_head_norm; else the
-    separate launches (hc_expand, hc_add / hc_post, hc_pre / hc_head, rms_norm). Returns {name: host array}."""
+    separate launches (hc_expand, hc_add / hc_post, hc_pre / hc_head, rms_norm). A collapse site then folds a
+    fixed layer output back with its coefficients ("next": the next hc_post; fused, it finishes the Sinkhorn from
+    hc_pre_norm's logits itself). Returns {name: host array}."""
     kind, head, rows, hc, dim = case["kind"], case["head"], case["rows"], case["hc"], case["dim"]
     mix = ops.hc_mix_width(hc, head)
     fn, scale, base = (up(dev, a) for a in case["coef"])
@@ -185,7 +188,7 @@ def run_site(dev, case, fused):
         X = up(dev, case["X_in"])
         f, pp, pc = (up(dev, a) for a in (case["f"], case["post"], case["comb"]))
         keep += [f, pp, pc]
-        ops.hc_post(dev, f.ptr, X.ptr, pp.ptr, pc.ptr, X.ptr, rows, dim, hc)
+        ops.hc_post(dev, f.ptr, X.ptr, pp.ptr, pc.ptr, X.ptr, rows, dim, hc)   # a finished comb (iters 0)
         if fused:
             ops.hc_mix(dev, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix)
     if fused and head:
@@ -193,7 +196,7 @@ def run_site(dev, case, fused):
                          RMS_EPS)
     elif fused:
         ops.hc_pre_norm(dev, X.ptr, work.ptr, scale.ptr, base.ptr, w.ptr, y.ptr, po.ptr, co.ptr, rows, dim, hc,
-                        RMS_EPS, HC_EPS, ITERS, RMS_EPS)
+                        RMS_EPS, HC_EPS, RMS_EPS)
     else:
         x = out(dev, "bf16", (rows, dim))
         if head:
@@ -204,7 +207,12 @@ def run_site(dev, case, fused):
         ops.rms_norm(dev, x.ptr, w.ptr, y.ptr, rows, dim, RMS_EPS)
     res = {"X": get(dev, X, "bf16", (rows, hc, dim)), "y": get(dev, y, "bf16", (rows, dim))}
     if not head:
-        res |= {"post": get(dev, po, "f32", (rows, hc)), "comb": get(dev, co, "f32", (rows, hc, hc))}
+        res |= {"post": get(dev, po, "f32", (rows, hc)), "logits" if fused else "comb": get(dev, co, "f32", (rows, hc, hc))}
+        f2, X2 = up(dev, case["f2"]), up(dev, case["X2"])
+        nxt = out(dev, "bf16", (rows, hc, dim))
+        ops.hc_post(dev, f2.ptr, X2.ptr, po.ptr, co.ptr, nxt.ptr, rows, dim, hc, hc_eps=HC_EPS,
+                    iters=ITERS if fused else 0)
+        res["next"] = get(dev, nxt, "bf16", (rows, hc, dim))
     return res
 
 
@@ -212,7 +220,7 @@ def site_case(rng, kind, head, rows, hc, dim, src_hc=None):
     mix = ops.hc_mix_width(hc, head)
     fn, scale, base = coeffs(rng, hc, dim, mix)
     c = dict(kind=kind, head=head, rows=rows, hc=hc, dim=dim, coef=(fn, scale[:1] if head else scale, base),
-             w=rand_bf16(rng, dim, 0.5))
+             w=rand_bf16(rng, dim, 0.5), f2=rand_bf16(rng, (rows, dim)), X2=rand_bf16(rng, (rows, hc, dim), 2.0))
     if kind == "add":
         c |= dict(src_hc=src_hc, src=rand_bf16(rng, (rows, src_hc, dim), 2.0), e=rand_bf16(rng, (rows, dim)))
     else:
@@ -238,11 +246,12 @@ SITES = [("add", False, 4), ("add", False, 1), ("post", False, None), ("post", T
 @pytest.mark.parametrize("rows,hc,dim", [(1, 4, 512), (3, 4, 256), (19, 4, 512), (2, 2, 1024), (5, 3, 64),
                                          (2, 4, 4096)])
 def test_hc_fused_site(dev, rng, kind, head, src_hc, rows, hc, dim):
-    """The fused launches give the bytes of the separate ones (streams, normed collapse, post, comb), and the
-    normed collapse matches float64 math from the streams' formula."""
+    """The fused launches give the bytes of the separate ones (streams, normed collapse, post, and the next hc_post:
+    from hc_pre_norm's Sinkhorn logits as from hc_pre's comb), and the normed collapse, post, logits and comb match
+    float64 math from the streams' formula."""
     c = site_case(rng, kind, head, rows, hc, dim, None if src_hc is None else min(src_hc, hc))  # 4: every stream
     got, want = run_site(dev, c, True), run_site(dev, c, False)
-    for name in want:
+    for name in ("X", "y") + (() if head else ("post", "next")):
         assert np.array_equal(bits(got[name]), bits(want[name])), f"{name} differs from the separate launches"
     Xr = site_streams_f64(c)
     assert_close(f32(got["X"]), Xr, 8e-3, "streams")
@@ -251,9 +260,10 @@ def test_hc_fused_site(dev, rng, kind, head, src_hc, rows, hc, dim):
         pre = sigmoid(mixes_f64(got["X"], fn) * scale[0] + base) + HC_EPS
         x = np.einsum("tj,tjd->td", pre, f32(got["X"]).astype(np.float64))
     else:
-        x, post, comb = hc_pre_f64(got["X"], fn, scale, base)
+        x, post, comb, logits = hc_pre_f64(got["X"], fn, scale, base)
         np.testing.assert_allclose(got["post"], post, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got["comb"], comb, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got["logits"], logits, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(want["comb"], comb, rtol=1e-4, atol=1e-6)
     assert_close(f32(got["y"]), norm_w_f64(x, c["w"]), 1e-2, "normed collapse")
 
 
@@ -265,7 +275,9 @@ def test_hc_fused_refuse_bad_geometry(ref):
     with pytest.raises(KernelError, match="mix 7"):
         ops.hc_add_mix(ref, p, 4, p, p, p, p, 1, 64, 4, 7)
     with pytest.raises(KernelError, match="norm weight"):
-        ops.hc_pre_norm(ref, p, p, p, p, 0, p, p, p, 1, 64, 4, 1e-6, 1e-6, 20, 1e-6)
+        ops.hc_pre_norm(ref, p, p, p, p, 0, p, p, p, 1, 64, 4, 1e-6, 1e-6, 1e-6)
+    with pytest.raises(KernelError, match="-1 Sinkhorn"):
+        ops.hc_post(ref, p, p, p, p, p, 1, 64, 4, iters=-1)
     with pytest.raises(KernelError, match="dim 36"):
         ops.hc_head_norm(ref, p, p, p, p, p, p, 1, 36, 4, 1e-6, 1e-6, 1e-6)
 
@@ -364,4 +376,5 @@ def test_hc_fused_cuda_vs_twin_real_dims(rng, rows):
         assert_close(f32(b["y"]), f32(a["y"]), 4e-3, f"{kind} head={head} y")
         if not head:   # after hc_post the two devices' streams differ by a bf16 ulp here and there
             np.testing.assert_allclose(b["post"], a["post"], rtol=1e-4 if kind == "add" else 1e-3, atol=1e-6)
-            np.testing.assert_allclose(b["comb"], a["comb"], rtol=1e-3, atol=1e-6)
+            np.testing.assert_allclose(b["logits"], a["logits"], rtol=1e-3, atol=1e-5)
+            assert_close(f32(b["next"]), f32(a["next"]), 4e-3, f"{kind} next hc_post")

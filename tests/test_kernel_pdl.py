@@ -6,7 +6,8 @@ The rule checked: a kernel's first statement is `pdl_entry();` (wait, then trigg
 trigger later: moe_stage_f16 lets the GEMM after it start only near its own end), or `pdl_trigger();` when its
 body calls one of LATE_WAIT, device functions that read only weights before their own `pdl_wait()`, or a call of
 one of SELF_WAIT, which wait and trigger themselves (moe_mma.cu's expert_mma: a call with a routing plan waits
-first; a plan-less one issues its weight ring, then waits).
+first; a plan-less one issues its weight ring, then waits. hyper_connection.cu's post_rows: with Sinkhorn logits
+it reads them before its wait, which a step's launch order makes safe: test_hc_post_reads_a_finished_collapse).
 
 On a GPU: kernels chained on one stream give the same bits with PDL on and off, eagerly and in a graph, and a
 launch that the driver refuses raises KernelError."""
@@ -22,7 +23,8 @@ from mtp_cupy.runtime.cuda_text import close_paren, expand_kernel_macros, strip_
 from test_kernel_signatures import _KERNEL
 
 LATE_WAIT = {"mma_stream", "x64_body"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
-SELF_WAIT = {"expert_mma"}               # moe_mma.cu: `if (plan) pdl_wait();` ... ring ... `if (!plan) pdl_wait();`
+SELF_WAIT = {"expert_mma",               # moe_mma.cu: `if (plan) pdl_wait();` ... ring ... `if (!plan) pdl_wait();`
+             "post_rows"}                # hyper_connection.cu: `if (iters) {pdl_trigger(); Sinkhorn; pdl_wait();}`
 
 
 def _body(code: str, paren: int, name: str) -> str:
@@ -99,6 +101,66 @@ def test_expert_mma_waits_before_it_reads():
     before = re.sub(r'"[^"]*"', '""', body[:body.index(second)])   # string literals (static_assert texts) out
     assert body.index("for (u32 p = 1; p < NS; ++p) issue();") < body.index(second)
     assert not re.search(r"(?<![.\w])(x|xsc)\b", before), "x or its scales read before the plan-less wait"
+
+
+def wait_first_kernels() -> set[str]:
+    """Every kernel whose first statement waits for the kernel ahead (pdl_entry() or pdl_wait()): when it lets
+    the next launch start, everything launched before it has finished."""
+    names = set()
+    for module in cuda_modules():
+        code = expand_kernel_macros(strip_comments((CUDA_SRC / f"{module}.cu").read_text()))
+        for m in _KERNEL.finditer(code):
+            first = _body(code, m.end() - 1, m.group(1)).strip().split(";", 1)[0].strip()
+            if first in ("pdl_entry()", "pdl_wait()"):
+                names.add(m.group(1))
+    return names
+
+
+def test_wait_first_kernels_are_told_apart():
+    waits = wait_first_kernels()
+    assert {"rms_norm_strided_w", "norm_rope_w", "moe_topk_sqrtsoftplus", "hc_pre_norm", "moe_stage_f16"} <= waits
+    assert not waits & {"dense_gemv_bf16_batchm", "w8a16_gemv_e8m0", "moe_gemv_mma8_mxfp4", "hc_post"}
+
+
+def test_post_rows_reads_logits_only_on_their_path():
+    """hc_post's body: with Sinkhorn logits (iters > 0) it triggers, reads post and the logits, then waits; with a
+    finished comb it waits first. f and X (the layer's output and the streams) only after either wait."""
+    body = _device_fn_body(strip_comments((CUDA_SRC / "hyper_connection.cu").read_text()), "post_rows")
+    early, late = body.index("if (iters) {"), body.index("} else {")
+    first = body[early:late]
+    assert first.index("pdl_trigger();") < first.index("pdl_wait();")
+    assert body[late + len("} else {"):].strip().startswith("pdl_entry();")
+    rest = body[body.index("__syncthreads();"):]
+    assert not re.search(r"(?<![.\w])(f|X)\b", body[:body.index("__syncthreads();")]), "f or X read before the wait"
+    assert re.search(r"\bX\[", rest) and re.search(r"\bf\[", rest)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_hc_post_reads_a_finished_collapse(B):
+    """hc_post reads its site's post and Sinkhorn logits before its PDL wait (the Sinkhorn then overlaps the kernel
+    ahead). That is safe because, in a V4 step, a kernel that waits before it triggers runs between each hc_pre_norm
+    and the hc_post that reads its coefficients: by the time hc_post may launch, hc_pre_norm has finished. Checked
+    on the embedded V4 model's launches (k = 2)."""
+    import mtp_cupy
+    from helpers import BranchLog
+    gpu = BranchLog()
+    prop = mtp_cupy.load_proposer(mtp_cupy.EMBEDDED["deepseek_v4"], gpu=gpu)
+    rng = np.random.default_rng(0)
+    shape, T = prop._hidden_shapes()[0], 12
+    sts = [prop.alloc_state() for _ in range(B)]
+    for st in sts:
+        prop.prefill(st, rng.integers(0, 200, T).astype(np.int32), rng.standard_normal((T - 1,) + shape).astype(np.float32))
+    gpu.log.clear()
+    prop.propose_batch(sts, [int(t) for t in rng.integers(0, 200, B)], rng.standard_normal((B,) + shape).astype(
+        np.float32), [T - 1] * B, 2)
+    main = [n for n, side in gpu.log if not side and n not in ("record", "wait")]
+    waits = wait_first_kernels()
+    posts = [i for i, n in enumerate(main) if n == "hc_post"]
+    assert len(posts) == 2 * 2, main            # two sites' folds a step (the attention's, the FFN's), two steps
+    for i in posts:
+        j = max(q for q in range(i) if main[q] == "hc_pre_norm")
+        between = main[j + 1:i]
+        assert any(n in waits for n in between), f"no waiting kernel between hc_pre_norm and hc_post: {between}"
 
 
 # -- on the GPU ------------------------------------------------------------------------------------------------

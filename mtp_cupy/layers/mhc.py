@@ -1,7 +1,10 @@
 """mHC around one DeepSeek-V4 block (docs/model_math.md B.2): the residual is hc streams per row, X bf16
 [rows, hc, D]. Each site (attention, FFN) collapses X into the layer input with hc_pre and folds the layer
 output back with hc_post, using the post / comb coefficients hc_pre left for that site; the head collapses
-the output streams before the final norm.
+the output streams before the final norm. The collapse leaves comb as its Sinkhorn logits and hc_post runs the
+Sinkhorn before its PDL wait, beside the layer's last kernel: the layer between (attention, MoE) always holds a
+kernel that waits before it triggers, which that early read needs (ops.hc_post; tests/test_kernel_pdl.py checks
+a step's launches).
 
 A step runs them with their neighbours, the RMSNorm after each collapse in the collapse's launch:
 
@@ -36,7 +39,7 @@ class Mhc:
         self.rms_eps, self.hc_eps, self.iters, self.max_rows = float(rms_eps), float(hc_eps), int(iters), int(max_rows)
         self.norm_eps = self.rms_eps if norm_eps is None else float(norm_eps)
         r = self.max_rows
-        # per site: post f32 [rows, hc] and comb f32 [rows, hc, hc]; one shared GEMV workspace
+        # per site: post f32 [rows, hc] and comb's Sinkhorn logits f32 [rows, hc, hc]; one shared GEMV workspace
         regions = {f"{s}.{c}": 4 * r * hc * (hc if c == "comb" else 1) for s in sites for c in ("post", "comb")}
         self._buf, p = carve(gpu, {**regions, "work": ops.hc_work_bytes(r, dim, hc)})
         self._coef = {s: (p[f"{s}.post"], p[f"{s}.comb"]) for s in sites}
@@ -54,7 +57,7 @@ class Mhc:
     def _pre_norm(self, site: str, X: DevicePtr, norm_w: DevicePtr, y: DevicePtr, rows: int, stream) -> None:
         p, (post, comb) = self.sites[site], self._coef[site]
         ops.hc_pre_norm(self.gpu, X, self._work, p.scale, p.base, norm_w, y, post, comb, rows, self.dim, self.hc,
-                        self.rms_eps, self.hc_eps, self.iters, self.norm_eps, stream)
+                        self.rms_eps, self.hc_eps, self.norm_eps, stream)
 
     def add_pre(self, site: str, src: DevicePtr, src_hc: int, e: DevicePtr, X: DevicePtr, norm_w: DevicePtr,
                 y: DevicePtr, rows: int, stream=None) -> None:
@@ -80,7 +83,7 @@ class Mhc:
         collapse of X."""
         self._rows(rows)
         post, comb = self._coef[prev]
-        ops.hc_post(self.gpu, f, X, post, comb, X, rows, self.dim, self.hc, stream)
+        ops.hc_post(self.gpu, f, X, post, comb, X, rows, self.dim, self.hc, stream, self.hc_eps, self.iters)
         ops.hc_mix(self.gpu, X, self.sites[site].fn, self._work, rows, self.dim, self.hc, ops.hc_mix_width(self.hc),
                    stream)
         self._pre_norm(site, X, norm_w, y, rows, stream)
@@ -91,7 +94,7 @@ class Mhc:
         row's first stream when there are no head weights)."""
         self._rows(rows)
         p, D, hc, (post, comb) = self.head_params, self.dim, self.hc, self._coef[prev]
-        ops.hc_post(self.gpu, f, X, post, comb, X, rows, D, hc, stream)
+        ops.hc_post(self.gpu, f, X, post, comb, X, rows, D, hc, stream, self.hc_eps, self.iters)
         if p is None:
             ops.rms_norm_strided(self.gpu, X, norm_w, y, rows, 1, D, hc * D, D, D, D, self.norm_eps, stream=stream)
             return

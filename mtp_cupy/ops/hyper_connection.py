@@ -88,12 +88,18 @@ def hc_pre(gpu, X, fn, scale, base, x_out, post, comb, work, rows, dim, hc, rms_
         .arg_u32(iters).launch(stream)
 
 
-def hc_post(gpu, f, X, post, comb, Y, rows, dim, hc, stream=None):
-    """Y[r, k] = post[r, k] f[r] + sum_j comb[r, j, k] X[r, j] (bf16 streams; Y may be X)."""
+def hc_post(gpu, f, X, post, comb, Y, rows, dim, hc, stream=None, hc_eps=0.0, iters=0):
+    """Y[r, k] = post[r, k] f[r] + sum_j comb[r, j, k] X[r, j] (bf16 streams; Y may be X).
+
+    iters 0: comb f32 [rows, hc, hc] is the matrix (hc_pre's). iters > 0: comb holds the Sinkhorn logits that
+    hc_pre_norm wrote, and the kernel runs the Sinkhorn (hc_eps, iters) as hc_pre would, before its PDL wait. That
+    read is safe only when a kernel that waits before it triggers runs between the hc_pre_norm and this launch (in
+    a block step, the attention or the MoE does: layers/mhc.py)."""
     _check("hc_post", rows, dim, hc)
+    need(iters >= 0, f"hc_post: {iters} Sinkhorn iterations")
     launch(gpu, "hyper_connection", "hc_post").grid(blocks_for(dim), rows).block(THREADS) \
         .arg_ptr(f).arg_ptr(X).arg_ptr(post).arg_ptr(comb).arg_ptr(Y).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
-        .launch(stream)
+        .arg_f32(hc_eps).arg_u32(iters).launch(stream)
 
 
 def hc_head(gpu, X, fn, scale, base, y, work, rows, dim, hc, rms_eps, hc_eps, stream=None):
@@ -129,15 +135,16 @@ def _norm_geometry(name, X, w, y, rows, dim, hc):
     return _threads(name, dim, max_threads=512)
 
 
-def hc_pre_norm(gpu, X, work, scale, base, w, y, post, comb, rows, dim, hc, rms_eps, hc_eps, iters, norm_eps,
+def hc_pre_norm(gpu, X, work, scale, base, w, y, post, logits, rows, dim, hc, rms_eps, hc_eps, norm_eps,
                 stream=None):
     """hc_pre's finish over the partials an hc_mix / hc_add_mix left in `work`, then y = rms_norm_w(x, w,
-    norm_eps) of the collapsed row x (not stored): the bits of hc_pre then rms_norm. post / comb as hc_pre."""
+    norm_eps) of the collapsed row x (not stored): the bits of hc_pre then rms_norm. post as hc_pre; logits f32
+    [rows, hc, hc]: the comb's Sinkhorn logits L[j, k], which hc_post(..., hc_eps, iters) finishes into hc_pre's
+    comb (the Sinkhorn's dependent passes then run beside the layer, not before it)."""
     t = _norm_geometry("hc_pre_norm", X, w, y, rows, dim, hc)
-    need(iters >= 1, f"hc_pre_norm: {iters} Sinkhorn iterations")
     launch(gpu, "hyper_connection", "hc_pre_norm").grid(rows).block(t).arg_ptr(X).arg_ptr(work).arg_ptr(scale) \
-        .arg_ptr(base).arg_ptr(w).arg_ptr(y).arg_ptr(post).arg_ptr(comb).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
-        .arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).arg_u32(iters).arg_f32(norm_eps).launch(stream)
+        .arg_ptr(base).arg_ptr(w).arg_ptr(y).arg_ptr(post).arg_ptr(logits).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
+        .arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).arg_f32(norm_eps).launch(stream)
 
 
 def hc_head_norm(gpu, X, work, scale, base, w, y, rows, dim, hc, rms_eps, hc_eps, norm_eps, stream=None):

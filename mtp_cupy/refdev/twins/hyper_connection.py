@@ -81,14 +81,15 @@ def hc_add_mix(dev, X, src, src_hc, e, fn, part, rows, dim, hc, mix, chunk, rpb)
 
 
 def _pre(dev, part, scale, base, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters) -> np.ndarray:
-    """hc_pre's coefficients: writes post and comb, returns pre [rows, hc]."""
+    """hc_pre's coefficients: writes post and comb (iters None: the comb's Sinkhorn logits, as hc_pre_norm),
+    returns pre [rows, hc]."""
     mix = (2 + hc) * hc
     s = dev.view(scale, np.float32, 3)
     b = dev.view(base, np.float32, mix)
     m = _mixes(dev, part, rows, mix, nsplit, hc * dim, rms_eps)
     dev.view(post_out, np.float32, (rows, hc))[:] = F32(2) * _sigmoid(m[:, hc:2 * hc] * s[1] + b[hc:2 * hc])
     logits = (m[:, 2 * hc:] * s[2] + b[2 * hc:]).reshape(rows, hc, hc)
-    dev.view(comb_out, np.float32, (rows, hc, hc))[:] = sinkhorn(logits, hc_eps, iters)
+    dev.view(comb_out, np.float32, (rows, hc, hc))[:] = logits if iters is None else sinkhorn(logits, hc_eps, iters)
     return _sigmoid(m[:, :hc] * s[0] + b[:hc]) + F32(hc_eps)
 
 
@@ -111,9 +112,9 @@ def hc_head(dev, X, part, scale, base, y, rows, dim, hc, nsplit, rms_eps, hc_eps
 
 
 @twin("hyper_connection", "hc_pre_norm")
-def hc_pre_norm(dev, X, part, scale, base, w, y, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters,
+def hc_pre_norm(dev, X, part, scale, base, w, y, post_out, logit_out, rows, dim, hc, nsplit, rms_eps, hc_eps,
                 norm_eps):
-    pre = _pre(dev, part, scale, base, post_out, comb_out, rows, dim, hc, nsplit, rms_eps, hc_eps, iters)
+    pre = _pre(dev, part, scale, base, post_out, logit_out, rows, dim, hc, nsplit, rms_eps, hc_eps, None)
     x = _stream_sum(dev, X, pre, rows, dim, hc).astype(F32)
     dev.view(y, BF16, (rows, dim))[:] = _rms_norm(x, _gain(dev, w, dim, False), norm_eps)
 
@@ -126,11 +127,13 @@ def hc_head_norm(dev, X, part, scale, base, w, y, rows, dim, hc, nsplit, rms_eps
 
 
 @twin("hyper_connection", "hc_post")
-def hc_post(dev, f, X, post, comb, Y, rows, dim, hc):
+def hc_post(dev, f, X, post, comb, Y, rows, dim, hc, hc_eps, iters):
     fv = dev.view(f, BF16, (rows, dim)).astype(F32)
     xv = dev.view(X, BF16, (rows, hc, dim)).astype(F32)
     p = dev.view(post, np.float32, (rows, hc))
     c = dev.view(comb, np.float32, (rows, hc, hc))
+    if iters:   # comb holds hc_pre_norm's logits
+        c = sinkhorn(c, hc_eps, iters)
     y = np.empty((rows, hc, dim), F32)
     for k in range(hc):
         acc = p[:, k, None] * fv
