@@ -69,6 +69,8 @@ def bench(launches: int, reps: int) -> None:
         gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr, post.ptr, comb.ptr, work.ptr, rows, dim, hc, 1e-6, 1e-6,
         20, stream=s))
     timed("hc_post", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr, Y.ptr, rows, dim, hc, stream=s))
+    timed("hc_post from Sinkhorn logits, 20 iterations", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr,
+                                                                             Y.ptr, rows, dim, hc, s, 1e-6, 20))
     timed("hc_head (hc_mix + hc_head)", lambda: ops.hc_head(gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr,
                                                            work.ptr, rows, dim, hc, 1e-6, 1e-6, stream=s))
     timed("hc_add", lambda: ops.hc_add(gpu, X.ptr, xo.ptr, rows, dim, hc, stream=s))

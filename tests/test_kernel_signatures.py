@@ -360,8 +360,9 @@ def _hyper_connection(dev, mem):
     mix = (2 + hc) * hc
     ops.hc_pre(dev, X, mem(4 * mix * hc * dim), mem(12), mem(4 * mix), mem(2 * rows * dim), mem(4 * rows * hc),
                mem(4 * rows * hc * hc), work, rows, dim, hc, 1e-6, 1e-5, iters=4)
-    ops.hc_post(dev, mem(2 * rows * dim), X, mem(4 * rows * hc), mem(4 * rows * hc * hc), mem(2 * rows * hc * dim),
-                rows, dim, hc)
+    for iters in (0, 4):   # a finished comb, or Sinkhorn logits
+        ops.hc_post(dev, mem(2 * rows * dim), X, mem(4 * rows * hc), mem(4 * rows * hc * hc), mem(2 * rows * hc * dim),
+                    rows, dim, hc, hc_eps=1e-5, iters=iters)
     ops.hc_head(dev, X, mem(4 * hc * hc * dim), mem(4), mem(4 * hc), mem(2 * rows * dim), work, rows, dim, hc,
                 1e-6, 1e-5)
     fn, X2 = mem(4 * mix * hc * dim), mem(2 * rows * hc * dim)
@@ -369,7 +370,7 @@ def _hyper_connection(dev, mem):
         ops.hc_add_mix(dev, src, src_hc, mem(2 * rows * dim), X, fn, work, rows, dim, hc, mix)
     ops.hc_mix(dev, X2, fn, work, rows, dim, hc, mix)
     ops.hc_pre_norm(dev, X2, work, mem(12), mem(4 * mix), mem(2 * dim), mem(2 * rows * dim), mem(4 * rows * hc),
-                    mem(4 * rows * hc * hc), rows, dim, hc, 1e-6, 1e-5, 4, 1e-6)
+                    mem(4 * rows * hc * hc), rows, dim, hc, 1e-6, 1e-5, 1e-6)
     ops.hc_head_norm(dev, X2, work, mem(4), mem(4 * hc), mem(2 * dim), mem(2 * rows * dim), rows, dim, hc, 1e-6, 1e-5,
                      1e-6)
     ops.hc_expand(dev, mem(2 * rows * dim), mem(2 * rows * hc * dim), rows, dim, hc)
