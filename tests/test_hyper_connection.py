@@ -376,5 +376,6 @@ def test_hc_fused_cuda_vs_twin_real_dims(rng, rows):
         assert_close(f32(b["y"]), f32(a["y"]), 4e-3, f"{kind} head={head} y")
         if not head:   # after hc_post the two devices' streams differ by a bf16 ulp here and there
             np.testing.assert_allclose(b["post"], a["post"], rtol=1e-4 if kind == "add" else 1e-3, atol=1e-6)
-            np.testing.assert_allclose(b["logits"], a["logits"], rtol=1e-3, atol=1e-5)
+            # logits are sums of +-terms that can cancel to ~0: their error is on the scale of the largest one
+            np.testing.assert_allclose(b["logits"], a["logits"], rtol=1e-3, atol=1e-4 * np.abs(a["logits"]).max())
             assert_close(f32(b["next"]), f32(a["next"]), 4e-3, f"{kind} next hc_post")
