@@ -111,6 +111,10 @@ __device__ __forceinline__ i64 row_slot(const i64* slots, u32 slot_stride, u32 r
     return *reinterpret_cast<const i64*>(reinterpret_cast<const u8*>(slots) + (u64)r * slot_stride);
 }
 
+// sigmoid in fp32: 1 / (1 + exp(-g)), correctly rounded division (the twins' np.float32 formula). Qwen3-Next's output
+// and shared-expert gates, SwiGLU's silu, sigmoid routing, the mHC coefficients.
+__device__ __forceinline__ float sigmoid_f32(float g) { return 1.f / (1.f + expf(-g)); }
+
 // RoPE of one pair (a, b) at position p: theta = float(p) * inv_freq in fp32, accurate sincosf (no fast-math:
 // large positions need the full range reduction), cos and sin scaled by mscale, -theta when inverse; products
 // unfused, so the twin rounds alike. rope.cu and norm_rope.cu both rotate through it.

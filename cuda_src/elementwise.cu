@@ -34,7 +34,6 @@ extern "C" __global__ void bf16_concat(const u16* a, const u16* b, u16* out, u32
     }
 }
 
-__device__ __forceinline__ float sigmoid_f32(float g) { return 1.f / (1.f + expf(-g)); }
 
 // out[r, h, d] = x[r, h, d] * sigmoid(gate[r * gate_row_stride + h * gate_head_stride + d]); x and out
 // are contiguous [rows, heads, dim] (out may be x). Qwen's gated attention output.

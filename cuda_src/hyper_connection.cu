@@ -99,8 +99,6 @@ extern "C" __global__ void hc_add_mix(__nv_bfloat16* X, const __nv_bfloat16* src
     mix_body<true>(X, src, src_hc, e, fn, part, rows, dim, hc, mix, chunk, rpb);
 }
 
-__device__ __forceinline__ float sigmoidf_(float x) { return 1.f / (1.f + expf(-x)); }
-
 // Sum of the chunk partials of row r, scaled by the folded RMS factor; fills mixes[0..mix). One warp per
 // coefficient (lanes stride the chunks, then a fixed-order warp sum), RED_Q coefficients per warp at once so
 // their loads are in flight together (mix + 1 = 25 coefficients on 8 warps: one round of L2 latency, not
@@ -181,14 +179,15 @@ __device__ __forceinline__ float sinkhorn_lanes(float logit, bool in, float eps,
 // C = softmax_k(L) + eps, C /= colsum + eps, then (iters-1) x {C /= rowsum + eps; C /= colsum + eps}.
 __device__ __forceinline__ float pre_coef(const float* mixes, const float* scale, const float* base, u32 j,
                                           float hc_eps) {
-    return sigmoidf_(mixes[j] * scale[0] + base[j]) + hc_eps;
+    return sigmoid_f32(mixes[j] * scale[0] + base[j]) + hc_eps;
 }
 
 // Row r's post and comb from its mixes; all 32 lanes of one warp call it.
 __device__ __forceinline__ void post_comb(const float* mixes, const float* scale, const float* base, u32 r, u32 hc,
                                           float hc_eps, u32 iters, float* post_out, float* comb_out) {
     const int lane = threadIdx.x & 31;
-    if (lane < (int)hc) post_out[(u64)r * hc + lane] = 2.f * sigmoidf_(mixes[hc + lane] * scale[1] + base[hc + lane]);
+    if (lane < (int)hc)
+        post_out[(u64)r * hc + lane] = 2.f * sigmoid_f32(mixes[hc + lane] * scale[1] + base[hc + lane]);
     const int j = lane / HC_MAX, k = lane % HC_MAX;
     const bool in = lane < HC_MAX * HC_MAX && j < (int)hc && k < (int)hc;
     const int m = 2 * (int)hc + j * (int)hc + k;
@@ -201,7 +200,7 @@ __device__ __forceinline__ void post_comb(const float* mixes, const float* scale
 __device__ __forceinline__ void post_logits(const float* mixes, const float* scale, const float* base, u32 r, u32 hc,
                                             float* post_out, float* logit_out) {
     const u32 t = threadIdx.x & 31;
-    if (t < hc) post_out[(u64)r * hc + t] = 2.f * sigmoidf_(mixes[hc + t] * scale[1] + base[hc + t]);
+    if (t < hc) post_out[(u64)r * hc + t] = 2.f * sigmoid_f32(mixes[hc + t] * scale[1] + base[hc + t]);
     if (t < hc * hc) logit_out[(u64)r * hc * hc + t] = mixes[2 * hc + t] * scale[2] + base[2 * hc + t];
 }
 

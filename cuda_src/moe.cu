@@ -63,7 +63,7 @@ __device__ __forceinline__ void lane_best(const float* sel, u32 n, u32 lane, u32
 }
 
 __device__ __forceinline__ float score_of(int fn, float z) {
-    if (fn == SCORE_SIGMOID) return 1.f / (1.f + expf(-z));
+    if (fn == SCORE_SIGMOID) return sigmoid_f32(z);
     return sqrtf(z > 20.f ? z : log1pf(expf(z)));  // sqrt(softplus(z)); softplus(z) = z above 20 (torch)
 }
 
@@ -682,7 +682,7 @@ extern "C" __global__ void moe_weighted_sum(const float* y, const float* w, u32 
         const u64 r = i / hidden, d = i - r * hidden;
         float acc = 0.f;
         for (u32 k = 0; k < top_k; ++k) acc = fmaf(w[r * top_k + k], y[(r * y_slots + k) * hidden + d], acc);
-        if (ys) acc = fmaf(gate ? 1.f / (1.f + expf(-gate[r])) : 1.f, ys[r * ys_stride + d], acc);
+        if (ys) acc = fmaf(gate ? sigmoid_f32(gate[r]) : 1.f, ys[r * ys_stride + d], acc);
         out[i] = f2bf(acc);
     }
 }

@@ -690,9 +690,11 @@ gqa_decode_walk_fp8(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache,
 // 1 / L (merge_finish): the walk kernels' arithmetic exactly. Splits with m_c == -inf (empty, or nothing in
 // them attended) are skipped, so their O is never read. Nothing attended -> 0. grid (heads, num_seqs), 128
 // threads: thread 0 runs the (M, L) recurrence once into shared memory, then each thread merges 4 columns.
+// gate != NULL (Qwen3-Next): then out = bf16(out * sigmoid(gate[s * gate_row_stride + h * gate_head_stride + d])),
+// sigmoid_gate_mul's arithmetic on the stored values.
 extern "C" __global__ __launch_bounds__(128) void
 attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bfloat16* out, u32 num_seqs,
-             u32 heads, u32 dv, u32 splits) {
+             u32 heads, u32 dv, u32 splits, const __nv_bfloat16* gate, u32 gate_row_stride, u32 gate_head_stride) {
     pdl_entry();
     __shared__ float2 ml[MAX_SPLITS];   // (m_c, l_c)
     __shared__ MergeAB ab[MAX_SPLITS];  // merge_ml's (a, b) of each live split
@@ -759,7 +761,13 @@ attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bflo
                 }
             }
         }
+        __nv_bfloat16 ob[4] = {merge_out(acc.x, f), merge_out(acc.y, f), merge_out(acc.z, f), merge_out(acc.w, f)};
+        if (gate != nullptr) {
+            const __nv_bfloat16* g = gate + (u64)s * gate_row_stride + (u64)h * gate_head_stride + d;
+#pragma unroll
+            for (u32 k = 0; k < 4; ++k) ob[k] = f2bf(__fmul_rn(bf2f(ob[k]), sigmoid_f32(bf2f(g[k]))));
+        }
         __nv_bfloat16* o = out + ((u64)s * heads + h) * dv + d;
-        o[0] = merge_out(acc.x, f); o[1] = merge_out(acc.y, f); o[2] = merge_out(acc.z, f); o[3] = merge_out(acc.w, f);
+        o[0] = ob[0]; o[1] = ob[1]; o[2] = ob[2]; o[3] = ob[3];
     }
 }

@@ -395,7 +395,7 @@ def _paged_attention(dev, mem):
         for kv_dtype in ("bf16", "fp8"):
             ops.gqa_decode(dev, mem(2 * 2 * 4 * 64 + 64), 4 * 64 + 32, mem(2 * 16 * 2 * 64), mem(2 * 16 * 2 * 64),
                            meta, 768, mem(2 * 2 * 4 * 64), 2, 4, 2, 64, 0.125, kv_dtype=kv_dtype, kv_scale=0.5,
-                           walk=walk)
+                           walk=walk, out_gate=(mem(2 * 2 * 4 * 128), 4 * 128, 128))   # Qwen's output gate
 
 
 @exercise

@@ -365,6 +365,30 @@ def test_mla_walk_is_split_bit_for_bit(dev, rng, case):
     assert np.all(got[RAGGED.index(0)] == 0)   # nothing attended -> zeros
 
 
+@pytest.mark.parametrize("walk", [False, True])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_gqa_out_gate_is_decode_then_gate_mul(dev, rng, kv_dtype, walk):
+    """out_gate (Qwen3-Next's sigmoid gate on the attention output) gives the bits of the call without it followed
+    by sigmoid_gate_mul: inside attn_combine in split mode, by the launcher's launch after the walk."""
+    kc, vc, q, (stride, qh, kvh, hd, scale, kvd) = _gqa_walk_inputs(rng, kv_dtype, [300, 17, 1, 40])
+    n = len(kc.seq_lens)
+    grow = 2 * qh * hd + 32                     # the gate halves interleave with q, as the layer's projection
+    gate = rand_bf16(rng, (n, grow), 4.0)
+    qb, kb, vb, mb, gb = up(dev, q), up(dev, kc.pool), up(dev, vc.pool), up(dev, kc.meta()), up(dev, gate)
+    outs = []
+    for fused in (True, False):
+        ob = out(dev, "bf16", (n, qh, hd))
+        ops.gqa_decode(dev, qb.ptr, stride, kb.ptr, vb.ptr, mb.ptr, META_STRIDE, ob.ptr, n, qh, kvh, hd, scale,
+                       kv_dtype=kvd, kv_scale=0.37, invariant=True, walk=walk,
+                       out_gate=(gb.ptr.offset(2 * hd), grow, 2 * hd) if fused else None)
+        plain = np.asarray(get(dev, ob, "bf16", (n, qh, hd))).view(np.uint16).copy()
+        if not fused:
+            ops.sigmoid_gate_mul(dev, ob.ptr, gb.ptr.offset(2 * hd), ob.ptr, n, qh, hd, grow, 2 * hd)
+        outs.append(np.asarray(get(dev, ob, "bf16", (n, qh, hd))).view(np.uint16))
+    assert np.array_equal(outs[0], outs[1]), f"{np.count_nonzero(outs[0] != outs[1])} elements differ"
+    assert not np.array_equal(outs[1], plain), "the gate moved nothing"
+
+
 @pytest.mark.parametrize("kv_dtype,kv_scale", [("bf16", 1.0), ("fp8", 0.37)])
 def test_gqa_walk_is_split_bit_for_bit(dev, rng, kv_dtype, kv_scale):
     """Qwen3-Next's gated attention (16 q heads, 2 KV heads, head_dim 256), as the MLA test."""

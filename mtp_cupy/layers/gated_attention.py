@@ -120,6 +120,6 @@ class GatedAttention:
         self._project(xn, [self._qkv] if self._qkv else [w.q_proj, w.k_proj, w.v_proj], qg, row, m, stream)
         self._store_kv(qg, row, m, meta, meta_stride, meta.offset(SLOT_OFFSET), meta_stride, stream, q_out=q)
         ops.gqa_decode(gpu, q, H * hd, self.kv.base("k"), self.kv.base("v"), meta, meta_stride, o, m, H, KV, hd,
-                       float(hd) ** -0.5, kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream, invariant=self.inv)
-        ops.sigmoid_gate_mul(gpu, o, qg.offset(2 * hd), o, m, H, hd, row, 2 * hd, stream=stream)
+                       float(hd) ** -0.5, kv_dtype=self.kv_dtype, kv_scale=self.kv_scale, stream=stream,
+                       invariant=self.inv, out_gate=(qg.offset(2 * hd), row, 2 * hd))   # o * sigmoid(gate)
         ops.linear(gpu, o, self.w.o_proj, out, m, stream=stream, invariant=self.inv)

@@ -16,6 +16,7 @@ from ..runtime.ptr import NULL, DevicePtr
 from ..runtime.slab import TABLE_OFFSET
 from ._util import kept_workspace, launch, need
 from .kv_cache import fp8_block_layout
+from .elementwise import sigmoid_gate_mul
 
 __all__ = ["gqa_decode", "mla_decode", "attention_workspace_bytes", "MAX_ROW_WIDTH", "MAX_HEAD_DIM"]
 
@@ -131,10 +132,11 @@ def _prepare_walk(gpu, name: str, num_seqs: int, head_blocks: int, smem: int, in
     return k, _splits(num_seqs, head_blocks, invariant)
 
 
-def _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, dv, splits, stream):
+def _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, dv, splits, stream, out_gate=None):
+    gate, grs, ghs = (NULL, 0, 0) if out_gate is None else out_gate
     launch(gpu, "paged_attention", "attn_combine").grid(heads, num_seqs).block(_COMBINE_THREADS) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_ptr(sink).arg_ptr(out).arg_u32(num_seqs).arg_u32(heads).arg_u32(dv) \
-        .arg_u32(splits).launch(stream)
+        .arg_u32(splits).arg_ptr(gate).arg_u32(grs).arg_u32(ghs).launch(stream)
 
 
 def _check_common(name: str, meta, meta_stride: int, num_seqs: int, scale: float) -> None:
@@ -147,7 +149,7 @@ def _check_common(name: str, meta, meta_stride: int, num_seqs: int, scale: float
 
 def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, num_seqs, q_heads, kv_heads,
                head_dim, scale, kv_dtype="bf16", kv_scale=1.0, stream=None, *, workspace=None, invariant=False,
-               walk=None):
+               walk=None, out_gate=None):
     """Decode attention for num_seqs sequences, one query row each.
 
     Parameters
@@ -161,6 +163,10 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     walk : None (choose for invariant calls by the cost model of `_walks`: walk from 32 Qwen3-Next sequences
         up), True (one block per (head block, sequence) walks the splits; no workspace) or False (split mode).
         The same bits either way.
+    out_gate : (gate, gate_row_stride, gate_head_stride) or None. Qwen3-Next's output gate: out[s, h, d] *=
+        sigmoid(gate[s * gate_row_stride + h * gate_head_stride + d]) (bf16 gate, strides in elements), inside the
+        combine in split mode, by a sigmoid_gate_mul launch after the walk: the bits of the call without it then
+        `sigmoid_gate_mul`.
     """
     name = "gqa_decode_partial" + ("_fp8" if kv_dtype == "fp8" else "")
     _check_common(name, meta, meta_stride, num_seqs, scale)
@@ -181,17 +187,22 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     if num_seqs == 0:
         return
     smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
+    if out_gate is not None:
+        need(int(out_gate[0]) != 0, f"{name}: out_gate needs a gate pointer")
     if walks:
         k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
         k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
             .arg_ptr(out).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim).arg_f32(scale) \
             .arg_f32(kv_scale).arg_u32(splits).arg_u32(mc).launch(stream)
+        if out_gate is not None:
+            sigmoid_gate_mul(gpu, out, out_gate[0], out, num_seqs, q_heads, head_dim, out_gate[1], out_gate[2],
+                             stream=stream)
         return
     k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, invariant)
     k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim) \
         .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(mc).launch(stream)
-    _combine(gpu, ws, ws_ml, NULL, out, num_seqs, q_heads, head_dim, splits, stream)
+    _combine(gpu, ws, ws_ml, NULL, out, num_seqs, q_heads, head_dim, splits, stream, out_gate=out_gate)
 
 
 def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width, v_width, scale, window=0,

@@ -13,6 +13,7 @@ from ...runtime.dtypes import BF16, FP8
 from ..access import kv_slots, meta_slab, slab_seq_len, slab_table
 from ..registry import twin
 from .kv_cache import decode_fp8_blocks
+from .elementwise import sigmoid_gate_mul
 
 
 def _seq(dev, meta, meta_stride, s, window, dsa, sel_stride):
@@ -232,7 +233,7 @@ def gqa_decode_walk_fp8(dev, q, q_row_stride, k_cache, v_cache, meta, meta_strid
 
 
 @twin("paged_attention", "attn_combine")
-def attn_combine(dev, ws_o, ws_ml, sink, out, num_seqs, heads, dv, splits):
+def attn_combine(dev, ws_o, ws_ml, sink, out, num_seqs, heads, dv, splits, gate, gate_row_stride, gate_head_stride):
     ov = dev.view(out, BF16, (num_seqs, heads, dv))
     sk = dev.view(sink, np.float32, heads).copy() if sink else None
     for s in range(num_seqs):
@@ -240,3 +241,5 @@ def attn_combine(dev, ws_o, ws_ml, sink, out, num_seqs, heads, dv, splits):
         ml = dev.view(ws_ml.offset(8 * base), np.float32, (splits, heads, 2))
         o = dev.view(ws_o.offset(4 * base * dv), np.float32, (splits, heads, dv))
         ov[s] = _merge(ml, o, sk)
+    if gate:   # Qwen3-Next's output gate, as sigmoid_gate_mul
+        sigmoid_gate_mul(dev, out, gate, out, num_seqs, heads, dv, gate_row_stride, gate_head_stride)
