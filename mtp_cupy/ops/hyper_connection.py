@@ -7,6 +7,7 @@ A block step (layers/mhc.py) runs `hc_mix` and a finishing kernel fused with the
 (`hc_pre_norm`, `hc_head_norm`); at the attention site of small batches `hc_add_mix` also writes the streams
 (hc_add, or hc_expand + hc_add) in the mix's launch. Each fused kernel gives the bits of the launches it replaces."""
 from ._util import THREADS, blocks_for, launch, need
+from .gemv import _sms
 from .rms_norm import _aligned, _threads
 
 __all__ = ["HC_MAX", "hc_work_bytes", "hc_mix_width", "hc_expand", "hc_add", "hc_pre", "hc_post", "hc_head",
@@ -97,7 +98,10 @@ def hc_post(gpu, f, X, post, comb, Y, rows, dim, hc, stream=None, hc_eps=0.0, it
     a block step, the attention or the MoE does: layers/mhc.py)."""
     _check("hc_post", rows, dim, hc)
     need(iters >= 0, f"hc_post: {iters} Sinkhorn iterations")
-    launch(gpu, "hyper_connection", "hc_post").grid(blocks_for(dim), rows).block(THREADS) \
+    gx = blocks_for(dim)
+    if iters:   # each block runs its row's Sinkhorn: at most ~2 blocks an SM, so it is paid in one wave
+        gx = min(gx, max(1, 2 * _sms(gpu) // rows))
+    launch(gpu, "hyper_connection", "hc_post").grid(gx, rows).block(THREADS) \
         .arg_ptr(f).arg_ptr(X).arg_ptr(post).arg_ptr(comb).arg_ptr(Y).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
         .arg_f32(hc_eps).arg_u32(iters).launch(stream)
 
