@@ -34,7 +34,6 @@ extern "C" __global__ void bf16_concat(const u16* a, const u16* b, u16* out, u32
     }
 }
 
-
 // out[r, h, d] = x[r, h, d] * sigmoid(gate[r * gate_row_stride + h * gate_head_stride + d]); x and out
 // are contiguous [rows, heads, dim] (out may be x). Qwen's gated attention output.
 extern "C" __global__ void sigmoid_gate_mul(const __nv_bfloat16* x, const __nv_bfloat16* gate, __nv_bfloat16* out,

@@ -182,26 +182,34 @@ __device__ __forceinline__ float pre_coef(const float* mixes, const float* scale
     return sigmoid_f32(mixes[j] * scale[0] + base[j]) + hc_eps;
 }
 
+// post_j = 2 sigmoid(mix_{hc+j} s1 + b_{hc+j}) and the comb's Sinkhorn logit m = 2hc + hc j + k: the one spelling of
+// each, for hc_pre (post_comb) and hc_pre_norm (post_logits).
+__device__ __forceinline__ float post_coef(const float* mixes, const float* scale, const float* base, u32 j, u32 hc) {
+    return 2.f * sigmoid_f32(mixes[hc + j] * scale[1] + base[hc + j]);
+}
+
+__device__ __forceinline__ float comb_logit(const float* mixes, const float* scale, const float* base, u32 m) {
+    return mixes[m] * scale[2] + base[m];
+}
+
 // Row r's post and comb from its mixes; all 32 lanes of one warp call it.
 __device__ __forceinline__ void post_comb(const float* mixes, const float* scale, const float* base, u32 r, u32 hc,
                                           float hc_eps, u32 iters, float* post_out, float* comb_out) {
     const int lane = threadIdx.x & 31;
-    if (lane < (int)hc)
-        post_out[(u64)r * hc + lane] = 2.f * sigmoid_f32(mixes[hc + lane] * scale[1] + base[hc + lane]);
+    if (lane < (int)hc) post_out[(u64)r * hc + lane] = post_coef(mixes, scale, base, lane, hc);
     const int j = lane / HC_MAX, k = lane % HC_MAX;
     const bool in = lane < HC_MAX * HC_MAX && j < (int)hc && k < (int)hc;
-    const int m = 2 * (int)hc + j * (int)hc + k;
-    const float c = sinkhorn_lanes(in ? mixes[m] * scale[2] + base[m] : 0.f, in, hc_eps, iters);
+    const float c = sinkhorn_lanes(in ? comb_logit(mixes, scale, base, 2 * hc + j * hc + k) : 0.f, in, hc_eps, iters);
     if (in) comb_out[(u64)r * hc * hc + j * hc + k] = c;
 }
 
-// Row r's post and its comb's Sinkhorn logits L[j, k] = mix_{2hc+hc j+k} s2 + b_{..} (hc_pre_norm: hc_post runs the
-// Sinkhorn, off the collapse's path).
+// Row r's post and its comb's Sinkhorn logits L[j, k] (hc_pre_norm: hc_post runs the Sinkhorn, off the collapse's
+// path).
 __device__ __forceinline__ void post_logits(const float* mixes, const float* scale, const float* base, u32 r, u32 hc,
                                             float* post_out, float* logit_out) {
     const u32 t = threadIdx.x & 31;
-    if (t < hc) post_out[(u64)r * hc + t] = 2.f * sigmoid_f32(mixes[hc + t] * scale[1] + base[hc + t]);
-    if (t < hc * hc) logit_out[(u64)r * hc * hc + t] = mixes[2 * hc + t] * scale[2] + base[2 * hc + t];
+    if (t < hc) post_out[(u64)r * hc + t] = post_coef(mixes, scale, base, t, hc);
+    if (t < hc * hc) logit_out[(u64)r * hc * hc + t] = comb_logit(mixes, scale, base, 2 * hc + t);
 }
 
 // part from hc_mix with mix = (2 + hc) hc. grid (rows, dim splits), blockDim a multiple of 32.
@@ -304,7 +312,8 @@ extern "C" __global__ __launch_bounds__(512) void hc_head_norm(
     const float* __restrict__ base, const __nv_bfloat16* __restrict__ w, __nv_bfloat16* __restrict__ y, u32 rows,
     u32 dim, u32 hc, u32 nsplit, float rms_eps, float hc_eps, float norm_eps) {
     pdl_entry();
-    collapse_norm<false>(X, part, scale, base, w, y, nullptr, nullptr, rows, dim, hc, nsplit, rms_eps, hc_eps, norm_eps);
+    collapse_norm<false>(X, part, scale, base, w, y, nullptr, nullptr, rows, dim, hc, nsplit, rms_eps, hc_eps,
+                         norm_eps);
 }
 
 // Y[r, k, d] = post[r, k] f[r, d] + sum_j comb[r, j, k] X[r, j, d] (fp32, one bf16 rounding). One thread owns
