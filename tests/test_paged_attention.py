@@ -190,6 +190,8 @@ def test_launchers_reject_bad_shapes(ref):
         ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 100, 0.1)
     with pytest.raises(KernelError, match="head_dim"):     # fp8 caches: 16-byte rows
         ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 40, 0.1, kv_dtype="fp8")
+    with pytest.raises(KernelError, match="out_gate needs a gate"):
+        ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 64, 0.1, out_gate=(NULL, 128, 64))
 
 
 def test_every_kernel_has_a_twin():
