@@ -139,7 +139,12 @@ def have_grouped_mm() -> bool:
 @pytest.mark.parametrize("moe", ["grouped", "gather"])
 def test_batched_torch_peer_equals_one_row_peers(moe):
     """A peer of B sequences drafts, row for row, what B one-row peers with the same weights and inputs draft:
-    the same ids at every step of a chain, the carried hidden close (the batching is checked, not only timed)."""
+    the same ids at every step of a chain, the carried hidden close (the batching is checked, not only timed).
+
+    Close, not equal: an M = B matmul may sum in another order than the M = 1 one (MKL's f32 sgemm vs sgemv
+    does, in V4's mHC mix), and a last-bit f32 difference that flips a bf16 rounding is carried down the chain
+    (one bf16 ulp of the largest element is up to 2^-7 of it). So the error is measured against the hidden's
+    scale, max|diff| <= 2e-2 max|ref|; a row mixed up with another sequence's is off by O(1)."""
     torch = pytest.importorskip("torch")
     from mtp_cupy.bench.drafter import real_config
     from mtp_cupy.testing.torch_peers import PEERS
@@ -161,7 +166,9 @@ def test_batched_torch_peer_equals_one_row_peers(moe):
                 one.state[n].copy_(t[b:b + 1])
             one.chain(k)
             assert torch.stack(one.out["ids"], 1)[0].tolist() == ids[b].tolist(), (fam, b)
-            torch.testing.assert_close(one.out["h"][0].float(), peer.out["h"][b].float(), rtol=1e-2, atol=1e-3)
+            ref, got = one.out["h"][0].float(), peer.out["h"][b].float()
+            err = float((got - ref).abs().max() / ref.abs().max())
+            assert err <= 2e-2, f"{fam} row {b}: carried hidden max|diff| / max|ref| = {err:.3g} > 2e-2"
         one = build(cfg, ctx, k, "cpu", 0)
         assert peer.dense_bytes == one.dense_bytes + (B - 1) * 2 * cfg["hidden_size"]
         assert peer.kv_bytes == B * one.kv_bytes and one.weight_bytes == one.weight_bytes_for(
