@@ -198,6 +198,39 @@ def test_draft_glm_one_rank_ref(args):
     assert "1 rank(s)" in text and "ms per draft step" in text and text.count("cycle ") == 2, text
 
 
+def test_draft_hash_ref(tmp_path):
+    """A line per width whose fingerprints follow the weights (another seed moves them) and repeat (the same
+    seed gives the same lines); --save holds the logits' first columns, which the logits hash covers."""
+    args = ["--device", "ref", "--tiny", "--ctx", "16", "--batches", "1,3", "--k", "2"]
+    lines = lambda text: [ln for ln in text.splitlines() if " tokens " in ln]
+    a = lines(ok(run("draft_hash.py", *args, "--save", str(tmp_path / "a.npz"))))
+    b = lines(ok(run("draft_hash.py", *args)))
+    c = lines(ok(run("draft_hash.py", *args, "--seed", "1")))
+    assert len(a) == 2 and a == b and all(x.split()[4:] != y.split()[4:] for x, y in zip(a, c)), (a, c)
+    assert [ln.split()[1] for ln in a] == ["B=1", "B=3"] and all(ln.endswith("finite True") for ln in a), a
+    saved = np.load(tmp_path / "a.npz")
+    assert saved["B1"].shape[:2] == (1, 2) and saved["B3"].shape[:2] == (3, 2) and np.isfinite(saved["B3"]).all()
+
+
+def test_ab_trees(tmp_path):
+    """build: a tree per NAME=REF from `git archive` with the data linked in; run: the command in every tree,
+    interleaved by rounds, with the tree as working directory and import path; bad arguments are one line."""
+    repo = tmp_path / "repo"
+    subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(repo)], check=True, timeout=120)
+    sh = lambda *a: subprocess.run(["bash", str(repo / "scripts" / "ab_trees.sh"), *a], cwd=repo, env=ENV,
+                                   capture_output=True, text=True, timeout=120)
+    r = sh("build", "x=HEAD", "y=HEAD")
+    assert r.returncode == 0 and (repo / ".ab/x/mtp_cupy/data").resolve() == (repo / "mtp_cupy/data").resolve(), r
+    probe = "import mtp_cupy, pathlib; print('in', pathlib.Path(mtp_cupy.__file__).parents[1].name)"
+    r = sh("run", "-r", "2", "--", sys.executable, "-c", probe)
+    lines = [ln.split(" (")[0] if ln.startswith("==") else ln for ln in r.stdout.splitlines()]
+    assert r.returncode == 0 and lines == ["== x", "in x", "== y", "in y"] * 2, r.stdout
+    for args, code in ((["build", "nameonly"], 2), (["build", "z=no-such-ref"], 1), (["run", "-r", "0", "--", "ls"], 2),
+                       (["run", "ls"], 2), (["nope"], 2)):
+        r = sh(*args)
+        assert r.returncode == code and len(r.stderr.strip().splitlines()) == 1, (args, r.returncode, r.stderr)
+
+
 def test_acceptance_ref():
     text = ok(run("acceptance.py", "--device", "ref", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "3",
                   "--ks", "1"))
