@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A/B of git refs on one GPU in one process tree: timings compare only within one machine and call.
+# A/B of git refs on one GPU in one device call (timings compare only within one machine and call).
 #   bash scripts/ab_trees.sh build NAME=REF [NAME=REF ...]   # here (needs git): .ab/NAME = `git archive REF`
 #   bash scripts/ab_trees.sh run [-r ROUNDS] [-t SECONDS] -- CMD [ARGS ...]   # there: CMD in every tree
 # `build` writes each ref's sources (cuda_src, host_src, mtp_cupy, scripts, tests, docs and the packaging files)
@@ -31,9 +31,10 @@ build)
 run)
   rounds=2; secs=300
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do
+    [ $# -ge 2 ] || usage
     case $1 in
-      -r) rounds=${2:-}; shift 2 ;;
-      -t) secs=${2:-}; shift 2 ;;
+      -r) rounds=$2; shift 2 ;;
+      -t) secs=$2; shift 2 ;;
       *) usage ;;
     esac
   done

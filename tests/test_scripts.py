@@ -226,7 +226,7 @@ def test_ab_trees(tmp_path):
     lines = [ln.split(" (")[0] if ln.startswith("==") else ln for ln in r.stdout.splitlines()]
     assert r.returncode == 0 and lines == ["== x", "in x", "== y", "in y"] * 2, r.stdout
     for args, code in ((["build", "nameonly"], 2), (["build", "z=no-such-ref"], 1), (["run", "-r", "0", "--", "ls"], 2),
-                       (["run", "ls"], 2), (["nope"], 2)):
+                       (["run", "ls"], 2), (["run", "-r"], 2), (["nope"], 2)):
         r = sh(*args)
         assert r.returncode == code and len(r.stderr.strip().splitlines()) == 1, (args, r.returncode, r.stderr)
 
