@@ -14,6 +14,7 @@ two trees' lines differ."""
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
 import numpy as np
 
@@ -46,6 +47,8 @@ def main() -> int:
     a = ap.parse_args()
     if max(a.batches) > 64:
         ap.error(f"--batches: {max(a.batches)} is more than 64")
+    if a.save and not Path(a.save).resolve().parent.is_dir():
+        ap.error(f"--save: no directory {Path(a.save).resolve().parent}")
     d = Drafter(a.family, mtp_cupy.device(a.device), ctx=a.ctx, kmax=a.k, bmax=max(a.batches), tiny=a.tiny,
                 seed=a.seed)
     saved = {}

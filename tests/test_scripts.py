@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -71,7 +72,7 @@ def test_every_script_has_help_and_one_line_errors():
 
 
 def test_bad_values_are_one_line():
-    for script, args in (("bench_draft.py", ["--ks", "0"]), ("run_real_dims_qwen.py", ["--batch", "65"]),
+    for script, args in (("bench_draft.py", ["--ks", "0"]), ("draft_hash.py", ["--save", "/no/such/dir/x.npz"]), ("run_real_dims_qwen.py", ["--batch", "65"]),
                          ("draft_glm.py", ["--checkpoint", "x", "--real-dims"]), ("stdlib_corpus.py", ["--fold", "20"])):
         r = run(script, *args)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, (script, r.stderr)
@@ -217,6 +218,7 @@ def test_ab_trees(tmp_path):
     interleaved by rounds, with the tree as working directory and import path; bad arguments are one line."""
     repo = tmp_path / "repo"
     subprocess.run(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(repo)], check=True, timeout=120)
+    shutil.copy(ROOT / "scripts" / "ab_trees.sh", repo / "scripts" / "ab_trees.sh")   # the checkout's, not HEAD's
     sh = lambda *a: subprocess.run(["bash", str(repo / "scripts" / "ab_trees.sh"), *a], cwd=repo, env=ENV,
                                    capture_output=True, text=True, timeout=120)
     r = sh("build", "x=HEAD", "y=HEAD")
