@@ -2,39 +2,33 @@
 captured as a CUDA graph of --launches back-to-back launches and timed with CUDA events (median of --reps
 replays): the cost a kernel adds inside a step's graph, launch included, without ncu's idle-clock gaps.
 
-    python scripts/bench_small_kernels.py [--launches 50] [--reps 5]
+    python scripts/bench_small_kernels.py [--launches 50] [--reps 5] [--rows 1,8,64]
 
 The inputs stay in L2 across a graph's launches, so these are the kernels' latency floors, not cold-L2
 times; `profile_step.py --events` times the same kernels inside a real step."""
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 import mtp_cupy
 from mtp_cupy import ops
-from mtp_cupy.bench.cli import Parser, positive_int, run_main
+from mtp_cupy.bench.cli import Parser, int_list, positive_int, run_main
 from mtp_cupy.ops._util import launch
 
 
-def bench(launches: int, reps: int) -> None:
+def bench(launches: int, reps: int, rows_list: list[int]) -> None:
     gpu = mtp_cupy.device("cuda")      # a one-line ConfigError without CUDA
     import cupy as cp
-    hc, dim, rows = 4, 4096, 1          # DeepSeek-V4-Flash streams
-    mix = (2 + hc) * hc
-    rng = np.random.default_rng(0)
+    print("| kernel (V4 dims unless named) | µs per launch |\n|---|---|")
+    for rows in rows_list:
+        bench_mhc(gpu, cp, launches, reps, rows)
+    bench_rest(gpu, cp, launches, reps)
 
-    def dev(a):
-        b = gpu.alloc(a.nbytes)
-        gpu.copy_h2d(b.ptr, a)
-        return b
 
-    X = dev(np.zeros((rows, hc, dim), np.uint16) + 0x3c00)       # bf16 1.0
-    fn = dev((rng.standard_normal((mix, hc * dim)) * 0.01).astype(np.float32))
-    scale, base = dev(np.ones(3, np.float32)), dev(np.zeros(mix, np.float32))
-    xo, post, comb = gpu.alloc(2 * rows * dim), gpu.alloc(4 * rows * hc), gpu.alloc(4 * rows * hc * hc)
-    work, Y = gpu.alloc(ops.hc_work_bytes(rows, dim, hc)), gpu.alloc(2 * rows * hc * dim)
-    s = cp.cuda.Stream(non_blocking=True)
-
+def timer(cp, s, launches: int, reps: int):
+    """timed(name, f): the median µs a launch of f, from a graph of `launches` of them replayed `reps` times."""
     def timed(name, f):
         with s:
             f()
@@ -53,6 +47,30 @@ def bench(launches: int, reps: int) -> None:
             e1.synchronize()
             ts.append(1e3 * cp.cuda.get_elapsed_time(e0, e1) / launches)
         print(f"| {name} | {np.median(ts):.2f} |", flush=True)
+    return timed
+
+
+def upload(gpu, a: np.ndarray):
+    b = gpu.alloc(a.nbytes)
+    gpu.copy_h2d(b.ptr, a)
+    return b
+
+
+def bench_mhc(gpu, cp, launches: int, reps: int, rows: int) -> None:
+    """V4's mHC kernels on `rows` rows of 4 streams x 4096."""
+    hc, dim = 4, 4096
+    mix = (2 + hc) * hc
+    rng = np.random.default_rng(0)
+    dev = functools.partial(upload, gpu)
+
+
+    X = dev(np.zeros((rows, hc, dim), np.uint16) + 0x3c00)       # bf16 1.0
+    fn = dev((rng.standard_normal((mix, hc * dim)) * 0.01).astype(np.float32))
+    scale, base = dev(np.ones(3, np.float32)), dev(np.zeros(mix, np.float32))
+    xo, post, comb = gpu.alloc(2 * rows * dim), gpu.alloc(4 * rows * hc), gpu.alloc(4 * rows * hc * hc)
+    work, Y = gpu.alloc(ops.hc_work_bytes(rows, dim, hc)), gpu.alloc(2 * rows * hc * dim)
+    s = cp.cuda.Stream(non_blocking=True)
+    timed = timer(cp, s, launches, reps)
 
     def pre_only(iters):
         return lambda: launch(gpu, "hyper_connection", "hc_pre").grid(rows, 4).block(256) \
@@ -61,20 +79,29 @@ def bench(launches: int, reps: int) -> None:
             .arg_f32(1e-6).arg_f32(1e-6).arg_u32(iters).launch(s)
 
     from mtp_cupy.ops import hyper_connection as H
-    print("| kernel (V4 dims unless named) | µs per launch |\n|---|---|")
-    timed("hc_mix (mix 24)", lambda: H._mix(gpu, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix, s))
+    r = f", {rows} rows" if rows > 1 else ""
+    timed(f"hc_mix (mix 24){r}", lambda: H._mix(gpu, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix, s))
     for it in (20, 1):
-        timed(f"hc_pre finishing kernel, {it} Sinkhorn iterations", pre_only(it))
-    timed("hc_pre (hc_mix + hc_pre, 20 iterations)", lambda: ops.hc_pre(
+        timed(f"hc_pre finishing kernel, {it} Sinkhorn iterations{r}", pre_only(it))
+    timed(f"hc_pre (hc_mix + hc_pre, 20 iterations){r}", lambda: ops.hc_pre(
         gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr, post.ptr, comb.ptr, work.ptr, rows, dim, hc, 1e-6, 1e-6,
         20, stream=s))
-    timed("hc_post", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr, Y.ptr, rows, dim, hc, stream=s))
-    timed("hc_post from Sinkhorn logits, 20 iterations", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr,
+    timed(f"hc_post{r}", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr, Y.ptr, rows, dim, hc, stream=s))
+    timed(f"hc_post from Sinkhorn logits, 20 iterations{r}", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr,
                                                                              Y.ptr, rows, dim, hc, s, 1e-6, 20))
-    timed("hc_head (hc_mix + hc_head)", lambda: ops.hc_head(gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr,
+    timed(f"hc_head (hc_mix + hc_head){r}", lambda: ops.hc_head(gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr,
                                                            work.ptr, rows, dim, hc, 1e-6, 1e-6, stream=s))
-    timed("hc_add", lambda: ops.hc_add(gpu, X.ptr, xo.ptr, rows, dim, hc, stream=s))
-    timed("hc_expand (about an empty kernel)", lambda: ops.hc_expand(gpu, xo.ptr, Y.ptr, rows, dim, hc, stream=s))
+    timed(f"hc_add{r}", lambda: ops.hc_add(gpu, X.ptr, xo.ptr, rows, dim, hc, stream=s))
+    timed(f"hc_expand (about an empty kernel){r}", lambda: ops.hc_expand(gpu, xo.ptr, Y.ptr, rows, dim, hc, stream=s))
+
+
+def bench_rest(gpu, cp, launches: int, reps: int) -> None:
+    """RMSNorm at V4's and V3's widths and the routers' top-k, one row."""
+    dim, rng = 4096, np.random.default_rng(0)
+    dev = functools.partial(upload, gpu)
+    s = cp.cuda.Stream(non_blocking=True)
+    timed = timer(cp, s, launches, reps)
+    xo, Y = gpu.alloc(2 * dim), gpu.alloc(2 * dim)
     wn = dev(np.full(dim, 0x3f80, np.uint16))
     timed("rms_norm 4096 bf16", lambda: ops.rms_norm(gpu, xo.ptr, wn.ptr, Y.ptr, 1, dim, 1e-6, stream=s))
     wn7, x7, y7 = dev(np.full(7168, 0x3f80, np.uint16)), dev(np.full(7168, 0x3c00, np.uint16)), gpu.alloc(2 * 7168)
@@ -91,8 +118,11 @@ def main() -> None:
     ap = Parser(__doc__)
     ap.add_argument("--launches", type=positive_int, default=50, help="launches captured in each graph")
     ap.add_argument("--reps", type=positive_int, default=5, help="timed replays of each graph (the median is shown)")
+    ap.add_argument("--rows", type=int_list, default=[1], help="rows (batch width) of the mHC kernels, comma list")
     a = ap.parse_args()
-    bench(a.launches, a.reps)
+    if any(not 1 <= r <= 65535 for r in a.rows):
+        ap.error(f"--rows must lie in 1..65535, got {a.rows}")
+    bench(a.launches, a.reps, a.rows)
 
 
 if __name__ == "__main__":
