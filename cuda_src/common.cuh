@@ -74,6 +74,24 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// Lane l gets warp_sum(v[l]) of 32 values a lane, bit for bit, in 31 shuffles instead of 32 x 5: each step sends
+// the half of the values the partner keeps and adds the same two partial sums warp_sum's butterfly adds (lane
+// bit o set keeps the upper half; a + b == b + a). v is consumed.
+template <int O> __device__ __forceinline__ void scatter_step(float (&v)[32], u32 lane) {
+    const bool hi = lane & O;
+#pragma unroll
+    for (int i = 0; i < O; ++i) {
+        const float send = hi ? v[i] : v[i + O], keep = hi ? v[i + O] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+    }
+}
+__device__ __forceinline__ float warp_sum_scatter(float (&v)[32]) {
+    const u32 lane = threadIdx.x & 31;
+    scatter_step<16>(v, lane); scatter_step<8>(v, lane); scatter_step<4>(v, lane); scatter_step<2>(v, lane);
+    scatter_step<1>(v, lane);
+    return v[0];
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

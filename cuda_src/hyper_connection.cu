@@ -13,6 +13,7 @@
 
 #define MIX_CPT 2    // columns a thread owns: chunk <= MIX_CPT * blockDim (ops/hyper_connection.py)
 #define MIX_ROWS 8   // most rows a block takes
+static_assert(MIX_MAX < 32, "mix_body reduces the mixes and the sum of squares as 32 lanes");
 
 // ADD: the block first writes X[r, j, d] = bf16(src[r, j, d] + e[r, d]) (hc_add; src_hc 1 reads one row a token
 // for every stream: hc_expand then hc_add; src may be X) at the columns it owns, then sums those values: each
@@ -51,9 +52,9 @@ __device__ __forceinline__ void mix_body(__nv_bfloat16* X, const __nv_bfloat16* 
 #pragma unroll
     for (int j = 0; j < MIX_ROWS; ++j) {
         if (j >= (int)nr) break;                // block-uniform
-        float acc[MIX_MAX + 1];
+        float acc[32];   // the mixes, then the sum of squares at MIX_MAX; the rest stay 0
 #pragma unroll
-        for (int m = 0; m <= MIX_MAX; ++m) acc[m] = 0.f;
+        for (int m = 0; m < 32; ++m) acc[m] = 0.f;
 #pragma unroll
         for (int i = 0; i < MIX_CPT; ++i) {
             if (c0 + threadIdx.x + i * blockDim.x >= c1) break;
@@ -63,11 +64,8 @@ __device__ __forceinline__ void mix_body(__nv_bfloat16* X, const __nv_bfloat16* 
             for (int m = 0; m < MIX_MAX; ++m)
                 if (m < (int)mix) acc[m] += x * f[i][m];
         }
-#pragma unroll
-        for (int m = 0; m <= MIX_MAX; ++m) {
-            const float v = warp_sum(acc[m]);
-            if (lane == 0) red[j & 1][wid][m] = v;
-        }
+        const float v = warp_sum_scatter(acc);   // lane m: the warp's sum of acc[m]
+        if (lane <= MIX_MAX) red[j & 1][wid][lane] = v;
         __syncthreads();
         for (u32 m = threadIdx.x; m <= mix; m += blockDim.x) {
             const int srcm = m == mix ? MIX_MAX : (int)m;
