@@ -5,10 +5,9 @@ replays): the cost a kernel adds inside a step's graph, launch included, without
     python scripts/bench_small_kernels.py [--launches 50] [--reps 5] [--rows 1,8,64]
 
 The inputs stay in L2 across a graph's launches, so these are the kernels' latency floors, not cold-L2
-times; `profile_step.py --events` times the same kernels inside a real step."""
+times; `profile_step.py --events` times the same kernels inside a real step. `--device ref` runs every case
+once on the NumPy device and times nothing (a check that the launches still match their ops)."""
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 
@@ -16,19 +15,78 @@ import mtp_cupy
 from mtp_cupy import ops
 from mtp_cupy.bench.cli import Parser, int_list, positive_int, run_main
 from mtp_cupy.ops._util import launch
+from mtp_cupy.ops.hyper_connection import MIX_CHUNK
 
 
-def bench(launches: int, reps: int, rows_list: list[int]) -> None:
-    gpu = mtp_cupy.device("cuda")      # a one-line ConfigError without CUDA
-    import cupy as cp
-    print("| kernel (V4 dims unless named) | µs per launch |\n|---|---|")
-    for rows in rows_list:
-        bench_mhc(gpu, cp, launches, reps, rows)
-    bench_rest(gpu, cp, launches, reps)
+def upload(gpu, a: np.ndarray):
+    b = gpu.alloc(a.nbytes)
+    gpu.copy_h2d(b.ptr, a)
+    return b
+
+
+def mhc_cases(gpu, rows: int, s=None, keep: list | None = None) -> list[tuple[str, object]]:
+    """(name, launch) of V4's mHC kernels on `rows` rows of 4 streams x 4096, on stream `s`. The buffers go into
+    `keep` (the caller holds them while the launches run)."""
+    keep = [] if keep is None else keep
+    hc, dim = 4, 4096
+    mix = (2 + hc) * hc
+    rng = np.random.default_rng(0)
+    X = upload(gpu, np.zeros((rows, hc, dim), np.uint16) + 0x3c00)       # bf16 1.0
+    fn = upload(gpu, (rng.standard_normal((mix, hc * dim)) * 0.01).astype(np.float32))
+    scale, base = upload(gpu, np.ones(3, np.float32)), upload(gpu, np.zeros(mix, np.float32))
+    xo, post, comb = gpu.alloc(2 * rows * dim), gpu.alloc(4 * rows * hc), gpu.alloc(4 * rows * hc * hc)
+    work, Y = gpu.alloc(ops.hc_work_bytes(rows, dim, hc)), gpu.alloc(2 * rows * hc * dim)
+    keep += [X, fn, scale, base, xo, post, comb, work, Y]
+    nsplit = -(-hc * dim // MIX_CHUNK)   # hc_pre's partials: hc_mix's column chunks
+
+    def pre_only(iters):
+        return lambda: launch(gpu, "hyper_connection", "hc_pre").grid(rows, 4).block(256) \
+            .arg_ptr(X.ptr).arg_ptr(work.ptr).arg_ptr(scale.ptr).arg_ptr(base.ptr).arg_ptr(xo.ptr) \
+            .arg_ptr(post.ptr).arg_ptr(comb.ptr).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(nsplit) \
+            .arg_f32(1e-6).arg_f32(1e-6).arg_u32(iters).launch(s)
+
+    r = f", {rows} rows" if rows > 1 else ""
+    return [
+        (f"hc_mix (mix 24){r}", lambda: ops.hc_mix(gpu, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix, stream=s)),
+        (f"hc_pre finishing kernel, 20 Sinkhorn iterations{r}", pre_only(20)),
+        (f"hc_pre finishing kernel, 1 Sinkhorn iteration{r}", pre_only(1)),
+        (f"hc_pre (hc_mix + hc_pre, 20 iterations){r}", lambda: ops.hc_pre(
+            gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr, post.ptr, comb.ptr, work.ptr, rows, dim, hc, 1e-6, 1e-6,
+            20, stream=s)),
+        (f"hc_post{r}", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr, Y.ptr, rows, dim, hc, stream=s)),
+        (f"hc_post from Sinkhorn logits, 20 iterations{r}", lambda: ops.hc_post(
+            gpu, xo.ptr, X.ptr, post.ptr, comb.ptr, Y.ptr, rows, dim, hc, s, 1e-6, 20)),
+        (f"hc_head (hc_mix + hc_head){r}", lambda: ops.hc_head(gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr,
+                                                               work.ptr, rows, dim, hc, 1e-6, 1e-6, stream=s)),
+        (f"hc_add{r}", lambda: ops.hc_add(gpu, X.ptr, xo.ptr, rows, dim, hc, stream=s)),
+        (f"hc_expand (about an empty kernel){r}", lambda: ops.hc_expand(gpu, xo.ptr, Y.ptr, rows, dim, hc, stream=s)),
+    ]
+
+
+def rest_cases(gpu, s=None, keep: list | None = None) -> list[tuple[str, object]]:
+    """(name, launch) of RMSNorm at V4's and V3's widths and the routers' top-k, one row."""
+    keep = [] if keep is None else keep
+    rng = np.random.default_rng(0)
+    out = []
+    for dim in (4096, 7168):
+        x, w, y = upload(gpu, np.full(dim, 0x3c00, np.uint16)), upload(gpu, np.full(dim, 0x3f80, np.uint16)), \
+            gpu.alloc(2 * dim)
+        keep += [x, w, y]
+        out.append((f"rms_norm {dim} bf16", lambda x=x, w=w, y=y, dim=dim: ops.rms_norm(
+            gpu, x.ptr, w.ptr, y.ptr, 1, dim, 1e-6, stream=s)))
+    for E, K in ((512, 10), (256, 6)):
+        lg, ids, ww = upload(gpu, rng.standard_normal(E).astype(np.float32)), gpu.alloc(4 * K), gpu.alloc(4 * K)
+        keep += [lg, ids, ww]
+        out.append((f"moe_topk_softmax E={E} k={K}", lambda lg=lg, ids=ids, ww=ww, E=E, K=K: ops.moe_topk_softmax(
+            gpu, lg.ptr, ids.ptr, ww.ptr, 1, E, K, stream=s)))
+        out.append((f"moe_topk_sqrtsoftplus E={E} k={K}", lambda lg=lg, ids=ids, ww=ww, E=E, K=K:
+                    ops.moe_topk_sqrtsoftplus(gpu, lg.ptr, 0, ids.ptr, ww.ptr, 1, E, K, stream=s)))
+    return out
 
 
 def timer(cp, s, launches: int, reps: int):
-    """timed(name, f): the median µs a launch of f, from a graph of `launches` of them replayed `reps` times."""
+    """timed(name, f): prints the median µs a launch of f, from a graph of `launches` of them replayed `reps`
+    times."""
     def timed(name, f):
         with s:
             f()
@@ -50,79 +108,33 @@ def timer(cp, s, launches: int, reps: int):
     return timed
 
 
-def upload(gpu, a: np.ndarray):
-    b = gpu.alloc(a.nbytes)
-    gpu.copy_h2d(b.ptr, a)
-    return b
-
-
-def bench_mhc(gpu, cp, launches: int, reps: int, rows: int) -> None:
-    """V4's mHC kernels on `rows` rows of 4 streams x 4096."""
-    hc, dim = 4, 4096
-    mix = (2 + hc) * hc
-    rng = np.random.default_rng(0)
-    dev = functools.partial(upload, gpu)
-
-
-    X = dev(np.zeros((rows, hc, dim), np.uint16) + 0x3c00)       # bf16 1.0
-    fn = dev((rng.standard_normal((mix, hc * dim)) * 0.01).astype(np.float32))
-    scale, base = dev(np.ones(3, np.float32)), dev(np.zeros(mix, np.float32))
-    xo, post, comb = gpu.alloc(2 * rows * dim), gpu.alloc(4 * rows * hc), gpu.alloc(4 * rows * hc * hc)
-    work, Y = gpu.alloc(ops.hc_work_bytes(rows, dim, hc)), gpu.alloc(2 * rows * hc * dim)
-    s = cp.cuda.Stream(non_blocking=True)
-    timed = timer(cp, s, launches, reps)
-
-    def pre_only(iters):
-        return lambda: launch(gpu, "hyper_connection", "hc_pre").grid(rows, 4).block(256) \
-            .arg_ptr(X.ptr).arg_ptr(work.ptr).arg_ptr(scale.ptr).arg_ptr(base.ptr).arg_ptr(xo.ptr) \
-            .arg_ptr(post.ptr).arg_ptr(comb.ptr).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(32) \
-            .arg_f32(1e-6).arg_f32(1e-6).arg_u32(iters).launch(s)
-
-    from mtp_cupy.ops import hyper_connection as H
-    r = f", {rows} rows" if rows > 1 else ""
-    timed(f"hc_mix (mix 24){r}", lambda: H._mix(gpu, X.ptr, fn.ptr, work.ptr, rows, dim, hc, mix, s))
-    for it in (20, 1):
-        timed(f"hc_pre finishing kernel, {it} Sinkhorn iterations{r}", pre_only(it))
-    timed(f"hc_pre (hc_mix + hc_pre, 20 iterations){r}", lambda: ops.hc_pre(
-        gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr, post.ptr, comb.ptr, work.ptr, rows, dim, hc, 1e-6, 1e-6,
-        20, stream=s))
-    timed(f"hc_post{r}", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr, Y.ptr, rows, dim, hc, stream=s))
-    timed(f"hc_post from Sinkhorn logits, 20 iterations{r}", lambda: ops.hc_post(gpu, xo.ptr, X.ptr, post.ptr, comb.ptr,
-                                                                             Y.ptr, rows, dim, hc, s, 1e-6, 20))
-    timed(f"hc_head (hc_mix + hc_head){r}", lambda: ops.hc_head(gpu, X.ptr, fn.ptr, scale.ptr, base.ptr, xo.ptr,
-                                                           work.ptr, rows, dim, hc, 1e-6, 1e-6, stream=s))
-    timed(f"hc_add{r}", lambda: ops.hc_add(gpu, X.ptr, xo.ptr, rows, dim, hc, stream=s))
-    timed(f"hc_expand (about an empty kernel){r}", lambda: ops.hc_expand(gpu, xo.ptr, Y.ptr, rows, dim, hc, stream=s))
-
-
-def bench_rest(gpu, cp, launches: int, reps: int) -> None:
-    """RMSNorm at V4's and V3's widths and the routers' top-k, one row."""
-    dim, rng = 4096, np.random.default_rng(0)
-    dev = functools.partial(upload, gpu)
-    s = cp.cuda.Stream(non_blocking=True)
-    timed = timer(cp, s, launches, reps)
-    xo, Y = gpu.alloc(2 * dim), gpu.alloc(2 * dim)
-    wn = dev(np.full(dim, 0x3f80, np.uint16))
-    timed("rms_norm 4096 bf16", lambda: ops.rms_norm(gpu, xo.ptr, wn.ptr, Y.ptr, 1, dim, 1e-6, stream=s))
-    wn7, x7, y7 = dev(np.full(7168, 0x3f80, np.uint16)), dev(np.full(7168, 0x3c00, np.uint16)), gpu.alloc(2 * 7168)
-    timed("rms_norm 7168 bf16", lambda: ops.rms_norm(gpu, x7.ptr, wn7.ptr, y7.ptr, 1, 7168, 1e-6, stream=s))
-    for E, K in ((512, 10), (256, 6)):
-        lg, ids, ww = dev(rng.standard_normal(E).astype(np.float32)), gpu.alloc(4 * K), gpu.alloc(4 * K)
-        timed(f"moe_topk_softmax E={E} k={K}",
-              lambda: ops.moe_topk_softmax(gpu, lg.ptr, ids.ptr, ww.ptr, 1, E, K, stream=s))
-        timed(f"moe_topk_sqrtsoftplus E={E} k={K}",
-              lambda: ops.moe_topk_sqrtsoftplus(gpu, lg.ptr, 0, ids.ptr, ww.ptr, 1, E, K, stream=s))
-
-
-def main() -> None:
+def main() -> int:
     ap = Parser(__doc__)
     ap.add_argument("--launches", type=positive_int, default=50, help="launches captured in each graph")
     ap.add_argument("--reps", type=positive_int, default=5, help="timed replays of each graph (the median is shown)")
     ap.add_argument("--rows", type=int_list, default=[1], help="rows (batch width) of the mHC kernels, comma list")
+    ap.add_argument("--device", choices=["cuda", "ref"], default="cuda",
+                    help="cuda (timed), or ref: run each case once on the NumPy device, time nothing")
     a = ap.parse_args()
-    if any(not 1 <= r <= 65535 for r in a.rows):
+    if any(r > 65535 for r in a.rows):
         ap.error(f"--rows must lie in 1..65535, got {a.rows}")
-    bench(a.launches, a.reps, a.rows)
+    gpu = mtp_cupy.device(a.device)      # a one-line ConfigError without CUDA
+    keep: list = []
+    if a.device == "ref":
+        for name, f in [c for rows in a.rows for c in mhc_cases(gpu, rows, keep=keep)] + rest_cases(gpu, keep=keep):
+            f()
+            print(f"ran {name}")
+        return 0
+    import cupy as cp
+    s = cp.cuda.Stream(non_blocking=True)
+    timed = timer(cp, s, a.launches, a.reps)
+    print("| kernel (V4 dims unless named) | µs per launch |\n|---|---|")
+    for rows in a.rows:
+        for name, f in mhc_cases(gpu, rows, s, keep):
+            timed(name, f)
+    for name, f in rest_cases(gpu, s, keep):
+        timed(name, f)
+    return 0
 
 
 if __name__ == "__main__":

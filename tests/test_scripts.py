@@ -234,6 +234,13 @@ def test_ab_trees(tmp_path):
         assert r.returncode == code and len(r.stderr.strip().splitlines()) == 1, (args, r.returncode, r.stderr)
 
 
+def test_bench_small_kernels_ref():
+    """Every timed case launches on the NumPy device as the CUDA run would (its ops' signatures, its buffers)."""
+    out = ok(run("bench_small_kernels.py", "--device", "ref", "--rows", "1,3"))
+    ran = [ln for ln in out.splitlines() if ln.startswith("ran ")]
+    assert len(ran) == 2 * 9 + 6 and "ran hc_mix (mix 24), 3 rows" in ran, out
+
+
 def test_acceptance_ref():
     text = ok(run("acceptance.py", "--device", "ref", "--prompts", "1", "--prompt-len", "16", "--new-tokens", "3",
                   "--ks", "1"))
