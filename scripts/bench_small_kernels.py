@@ -15,13 +15,7 @@ import mtp_cupy
 from mtp_cupy import ops
 from mtp_cupy.bench.cli import Parser, int_list, positive_int, run_main
 from mtp_cupy.ops._util import launch
-from mtp_cupy.ops.hyper_connection import MIX_CHUNK
-
-
-def upload(gpu, a: np.ndarray):
-    b = gpu.alloc(a.nbytes)
-    gpu.copy_h2d(b.ptr, a)
-    return b
+from mtp_cupy.ops.hyper_connection import mix_chunks
 
 
 def mhc_cases(gpu, rows: int, s=None, keep: list | None = None) -> list[tuple[str, object]]:
@@ -31,19 +25,18 @@ def mhc_cases(gpu, rows: int, s=None, keep: list | None = None) -> list[tuple[st
     hc, dim = 4, 4096
     mix = (2 + hc) * hc
     rng = np.random.default_rng(0)
-    X = upload(gpu, np.zeros((rows, hc, dim), np.uint16) + 0x3c00)       # bf16 1.0
-    fn = upload(gpu, (rng.standard_normal((mix, hc * dim)) * 0.01).astype(np.float32))
-    scale, base = upload(gpu, np.ones(3, np.float32)), upload(gpu, np.zeros(mix, np.float32))
+    X = gpu.upload(np.zeros((rows, hc, dim), np.uint16) + 0x3c00)       # bf16 1.0
+    fn = gpu.upload((rng.standard_normal((mix, hc * dim)) * 0.01).astype(np.float32))
+    scale, base = gpu.upload(np.ones(3, np.float32)), gpu.upload(np.zeros(mix, np.float32))
     xo, post, comb = gpu.alloc(2 * rows * dim), gpu.alloc(4 * rows * hc), gpu.alloc(4 * rows * hc * hc)
     work, Y = gpu.alloc(ops.hc_work_bytes(rows, dim, hc)), gpu.alloc(2 * rows * hc * dim)
     keep += [X, fn, scale, base, xo, post, comb, work, Y]
-    nsplit = -(-hc * dim // MIX_CHUNK)   # hc_pre's partials: hc_mix's column chunks
 
     def pre_only(iters):
         return lambda: launch(gpu, "hyper_connection", "hc_pre").grid(rows, 4).block(256) \
             .arg_ptr(X.ptr).arg_ptr(work.ptr).arg_ptr(scale.ptr).arg_ptr(base.ptr).arg_ptr(xo.ptr) \
-            .arg_ptr(post.ptr).arg_ptr(comb.ptr).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(nsplit) \
-            .arg_f32(1e-6).arg_f32(1e-6).arg_u32(iters).launch(s)
+            .arg_ptr(post.ptr).arg_ptr(comb.ptr).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
+            .arg_u32(mix_chunks(hc * dim)).arg_f32(1e-6).arg_f32(1e-6).arg_u32(iters).launch(s)
 
     r = f", {rows} rows" if rows > 1 else ""
     return [
@@ -69,13 +62,13 @@ def rest_cases(gpu, s=None, keep: list | None = None) -> list[tuple[str, object]
     rng = np.random.default_rng(0)
     out = []
     for dim in (4096, 7168):
-        x, w, y = upload(gpu, np.full(dim, 0x3c00, np.uint16)), upload(gpu, np.full(dim, 0x3f80, np.uint16)), \
+        x, w, y = gpu.upload(np.full(dim, 0x3c00, np.uint16)), gpu.upload(np.full(dim, 0x3f80, np.uint16)), \
             gpu.alloc(2 * dim)
         keep += [x, w, y]
         out.append((f"rms_norm {dim} bf16", lambda x=x, w=w, y=y, dim=dim: ops.rms_norm(
             gpu, x.ptr, w.ptr, y.ptr, 1, dim, 1e-6, stream=s)))
     for E, K in ((512, 10), (256, 6)):
-        lg, ids, ww = upload(gpu, rng.standard_normal(E).astype(np.float32)), gpu.alloc(4 * K), gpu.alloc(4 * K)
+        lg, ids, ww = gpu.upload(rng.standard_normal(E).astype(np.float32)), gpu.alloc(4 * K), gpu.alloc(4 * K)
         keep += [lg, ids, ww]
         out.append((f"moe_topk_softmax E={E} k={K}", lambda lg=lg, ids=ids, ww=ww, E=E, K=K: ops.moe_topk_softmax(
             gpu, lg.ptr, ids.ptr, ww.ptr, 1, E, K, stream=s)))

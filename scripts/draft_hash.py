@@ -9,6 +9,8 @@ checks the run is deterministic.
 
     python scripts/draft_hash.py --family deepseek_v4 [--batches 1,8,64] [--save logits.npz]
 
+A width whose logits are not all finite is an error after its line.
+
 --save writes the first 8192 logit columns of every width (float32 [B, k, 8192]) for an elementwise diff when
 two trees' lines differ."""
 from __future__ import annotations
@@ -24,8 +26,9 @@ from mtp_cupy.bench.drafter import FAMILIES, Drafter
 from mtp_cupy.errors import MtpError
 
 
-def fingerprints(d: Drafter, B: int, k: int) -> tuple[str, str, np.ndarray]:
-    """(tokens sha, logits sha, the logits' first 8192 columns) of one propose_batch of B sequences."""
+def fingerprints(d: Drafter, B: int, k: int) -> tuple[str, str, np.ndarray, bool]:
+    """(tokens sha, logits sha, the logits' first 8192 columns, every logit finite) of one propose_batch of B
+    sequences."""
     p, sts = d.prop, d.states[:B]
     rs = p.propose_batch(sts, d.toks[:B], np.ascontiguousarray(d.h[:B]), [d.ctx] * B, k, return_logits=True)
     ht, hl = hashlib.sha256(), hashlib.sha256()
@@ -33,7 +36,8 @@ def fingerprints(d: Drafter, B: int, k: int) -> tuple[str, str, np.ndarray]:
         ht.update(np.asarray(r.tokens, np.int64).tobytes())
         hl.update(np.ascontiguousarray(r.logits, np.float32).tobytes())
     p.after_verify_batch(sts, [0] * B)
-    return ht.hexdigest()[:16], hl.hexdigest()[:16], np.stack([np.asarray(r.logits, np.float32)[:, :8192] for r in rs])
+    head = np.stack([np.asarray(r.logits, np.float32)[:, :8192] for r in rs])
+    return ht.hexdigest()[:16], hl.hexdigest()[:16], head, all(np.isfinite(r.logits).all() for r in rs)
 
 
 def main() -> int:
@@ -53,11 +57,13 @@ def main() -> int:
                 seed=a.seed)
     saved = {}
     for B in a.batches:
-        (t1, l1, x), (t2, l2, _) = fingerprints(d, B, a.k), fingerprints(d, B, a.k)
+        (t1, l1, x, fin), (t2, l2, _, _) = fingerprints(d, B, a.k), fingerprints(d, B, a.k)
         if (t1, l1) != (t2, l2):
             raise MtpError(f"B = {B}: two runs of the same call differ ({t1} {l1} against {t2} {l2})")
         saved[f"B{B}"] = x
-        print(f"{a.family} B={B} k={a.k} tokens {t1} logits {l1} finite {bool(np.isfinite(x).all())}", flush=True)
+        print(f"{a.family} B={B} k={a.k} tokens {t1} logits {l1} finite {fin}", flush=True)
+        if not fin:   # a NaN or Inf hashes alike in two trees: never a match
+            raise MtpError(f"B = {B}: the logits are not all finite")
     if a.save:
         np.savez_compressed(a.save, **saved)
     return 0

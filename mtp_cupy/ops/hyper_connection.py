@@ -10,8 +10,8 @@ from ._util import THREADS, blocks_for, launch, need
 from .gemv import _sms
 from .rms_norm import _aligned, _threads
 
-__all__ = ["HC_MAX", "hc_work_bytes", "hc_mix_width", "hc_expand", "hc_add", "hc_pre", "hc_post", "hc_head",
-           "hc_mix", "hc_add_mix", "hc_pre_norm", "hc_head_norm"]
+__all__ = ["HC_MAX", "mix_chunks", "hc_work_bytes", "hc_mix_width", "hc_expand", "hc_add", "hc_pre", "hc_post",
+           "hc_head", "hc_mix", "hc_add_mix", "hc_pre_norm", "hc_head_norm"]
 
 HC_MAX = 4          # as in hyper_connection.cu
 MIX_CHUNK = 512     # columns per hc_mix block: 32 blocks share V4-Flash's 16384 columns
@@ -22,13 +22,14 @@ assert MIX_CHUNK <= MIX_CPT * THREADS
 DIM_PER_BLOCK = 1024
 
 
-def _nsplit(k: int) -> int:
+def mix_chunks(k: int) -> int:
+    """hc_mix's column chunks over k = hc * dim columns: the partials a row has in the workspace."""
     return -(-k // MIX_CHUNK)
 
 
 def hc_work_bytes(rows: int, dim: int, hc: int) -> int:
     """Bytes of f32 partials hc_pre / hc_head need for `rows` rows."""
-    return 4 * _nsplit(hc * dim) * rows * ((2 + hc) * hc + 1)
+    return 4 * mix_chunks(hc * dim) * rows * ((2 + hc) * hc + 1)
 
 
 def hc_mix_width(hc: int, head: bool = False) -> int:
@@ -54,7 +55,7 @@ def _mix(gpu, kernel, lead, X, fn, work, rows, dim, hc, mix, stream):
     """hc_mix or a fused form: `lead` puts the kernel's arguments before fn (X first for every form)."""
     need(mix in (hc, hc_mix_width(hc)), f"{kernel}: mix {mix} is neither hc {hc} nor (2 + hc) hc")
     rpb = mix_rows(rows)
-    ln = launch(gpu, "hyper_connection", kernel).grid(_nsplit(hc * dim), -(-rows // rpb)).block(THREADS).arg_ptr(X)
+    ln = launch(gpu, "hyper_connection", kernel).grid(mix_chunks(hc * dim), -(-rows // rpb)).block(THREADS).arg_ptr(X)
     lead(ln)
     ln.arg_ptr(fn).arg_ptr(work).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(mix).arg_u32(MIX_CHUNK) \
         .arg_u32(rpb).launch(stream)
@@ -85,7 +86,7 @@ def hc_pre(gpu, X, fn, scale, base, x_out, post, comb, work, rows, dim, hc, rms_
     hc_mix(gpu, X, fn, work, rows, dim, hc, mix, stream)
     launch(gpu, "hyper_connection", "hc_pre").grid(rows, blocks_for(dim, DIM_PER_BLOCK)).block(THREADS) \
         .arg_ptr(X).arg_ptr(work).arg_ptr(scale).arg_ptr(base).arg_ptr(x_out).arg_ptr(post).arg_ptr(comb) \
-        .arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps) \
+        .arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(mix_chunks(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps) \
         .arg_u32(iters).launch(stream)
 
 
@@ -113,7 +114,7 @@ def hc_head(gpu, X, fn, scale, base, y, work, rows, dim, hc, rms_eps, hc_eps, st
     hc_mix(gpu, X, fn, work, rows, dim, hc, hc, stream)
     launch(gpu, "hyper_connection", "hc_head").grid(rows, blocks_for(dim, DIM_PER_BLOCK)).block(THREADS) \
         .arg_ptr(X).arg_ptr(work).arg_ptr(scale).arg_ptr(base).arg_ptr(y).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
-        .arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).launch(stream)
+        .arg_u32(mix_chunks(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).launch(stream)
 
 
 def hc_mix(gpu, X, fn, work, rows, dim, hc, mix, stream=None):
@@ -148,12 +149,12 @@ def hc_pre_norm(gpu, X, work, scale, base, w, y, post, logits, rows, dim, hc, rm
     t = _norm_geometry("hc_pre_norm", X, w, y, rows, dim, hc)
     launch(gpu, "hyper_connection", "hc_pre_norm").grid(rows).block(t).arg_ptr(X).arg_ptr(work).arg_ptr(scale) \
         .arg_ptr(base).arg_ptr(w).arg_ptr(y).arg_ptr(post).arg_ptr(logits).arg_u32(rows).arg_u32(dim).arg_u32(hc) \
-        .arg_u32(_nsplit(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).arg_f32(norm_eps).launch(stream)
+        .arg_u32(mix_chunks(hc * dim)).arg_f32(rms_eps).arg_f32(hc_eps).arg_f32(norm_eps).launch(stream)
 
 
 def hc_head_norm(gpu, X, work, scale, base, w, y, rows, dim, hc, rms_eps, hc_eps, norm_eps, stream=None):
     """hc_head's finish over the partials of a head-width mix in `work`, then y = rms_norm_w of the collapse."""
     t = _norm_geometry("hc_head_norm", X, w, y, rows, dim, hc)
     launch(gpu, "hyper_connection", "hc_head_norm").grid(rows).block(t).arg_ptr(X).arg_ptr(work).arg_ptr(scale) \
-        .arg_ptr(base).arg_ptr(w).arg_ptr(y).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(_nsplit(hc * dim)) \
+        .arg_ptr(base).arg_ptr(w).arg_ptr(y).arg_u32(rows).arg_u32(dim).arg_u32(hc).arg_u32(mix_chunks(hc * dim)) \
         .arg_f32(rms_eps).arg_f32(hc_eps).arg_f32(norm_eps).launch(stream)
