@@ -23,7 +23,8 @@ build)
     [[ $nr == *=* && $n =~ ^[A-Za-z0-9_.-]+$ ]] || { echo "ab_trees.sh: error: '$nr' is not NAME=REF" >&2; exit 2; }
     h=$(git rev-parse --short --verify -q "$r^{commit}") || { echo "ab_trees.sh: error: no commit '$r'" >&2; exit 1; }
     rm -rf ".ab/$n" && mkdir -p ".ab/$n"
-    git archive "$h" cuda_src host_src mtp_cupy scripts tests docs setup.cfg pyproject.toml | tar x -C ".ab/$n" || exit 1
+    git archive "$h" cuda_src host_src mtp_cupy scripts tests docs setup.cfg pyproject.toml \
+      | tar x -C ".ab/$n" || exit 1
     rm -rf ".ab/$n/mtp_cupy/data" && ln -s ../../../mtp_cupy/data ".ab/$n/mtp_cupy/data"
     echo "$h" > ".ab/$n/REF"
     echo "built .ab/$n ($h)"
@@ -40,9 +41,11 @@ run)
   done
   [ "${1:-}" = "--" ] && [ $# -ge 2 ] || usage
   shift
-  [[ $rounds =~ ^[1-9][0-9]*$ && $secs =~ ^[1-9][0-9]*$ ]] || { echo "ab_trees.sh: error: -r and -t take whole numbers >= 1" >&2; exit 2; }
+  [[ $rounds =~ ^[1-9][0-9]*$ && $secs =~ ^[1-9][0-9]*$ ]] ||
+    { echo "ab_trees.sh: error: -r and -t take whole numbers >= 1" >&2; exit 2; }
   trees=$(ls -d .ab/*/ 2>/dev/null | xargs -rn1 basename)
-  [ -n "$trees" ] || { echo "ab_trees.sh: error: no trees in .ab/ (run 'build' first; carry .ab to the device)" >&2; exit 1; }
+  [ -n "$trees" ] ||
+    { echo "ab_trees.sh: error: no trees in .ab/ (run 'build' first; carry .ab to the device)" >&2; exit 1; }
   for ((i = 1; i <= rounds; i++)); do
     for n in $trees; do
       echo "== $n ($(cat ".ab/$n/REF" 2>/dev/null)) round $i"

@@ -72,7 +72,8 @@ def test_every_script_has_help_and_one_line_errors():
 
 
 def test_bad_values_are_one_line():
-    for script, args in (("bench_draft.py", ["--ks", "0"]), ("draft_hash.py", ["--save", "/no/such/dir/x.npz"]), ("run_real_dims_qwen.py", ["--batch", "65"]),
+    for script, args in (("bench_draft.py", ["--ks", "0"]), ("draft_hash.py", ["--save", "/no/such/dir/x.npz"]),
+                         ("run_real_dims_qwen.py", ["--batch", "65"]),
                          ("draft_glm.py", ["--checkpoint", "x", "--real-dims"]), ("stdlib_corpus.py", ["--fold", "20"]),
                          ("bench_small_kernels.py", ["--rows", "1,70000"])):
         r = run(script, *args)
