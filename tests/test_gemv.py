@@ -111,18 +111,57 @@ def test_linear_batch_invariant(dev, rng, fmt, m):
 
 
 def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
-    """A shape whose 8-row plan splits k 16 ways in each of 2 blocks, which the 32-row bf16 kernel cannot hold:
-    invariant calls run 8-row passes, still correct and still the same per row."""
-    from mtp_cupy.ops.gemv import _fits, plan_gemv
-    n, k = 2048, 4096
-    p = plan_gemv(dev, "dense_gemv_bf16_batchm", n, k)
-    assert p.ks == 16 and not _fits(dev, "dense_gemv_bf16_batch32", n, k, Tune(ks=p.ks, kb=p.kb))
+    """A shape whose 8-row plan splits k 16 ways in each of 4 blocks, which neither wide kernel can hold and whose
+    64-row plans would leave most multiprocessors idle (8 weight groups): invariant calls run 8-row passes, still
+    correct and still the same per row."""
+    from mtp_cupy.ops.gemv import _fits, invariant_tune, plan_gemv, x64_fits
+    n, k = 1024, 4096
+    p, t = plan_gemv(dev, "dense_gemv_bf16_batchm", n, k), invariant_tune(dev, "bf16", n, k)
+    assert p.ks == 16 and (t.ks, t.kb) == (p.ks, p.kb) and not _fits(dev, "dense_gemv_bf16_batch32", n, k, t)
+    assert not x64_fits(dev, "bf16", n, k, t.ks, t.kb)
     arrays, scale2, wd = make_weight(rng, "bf16", n, k)
     x = bf16_bits(rng, (20, k), exp=126)
     got = run_linear(dev, "bf16", n, k, 20, arrays, scale2, x, "f32", k, n, invariant=True)
-    check(got, x.astype(np.float64) @ wd().T, "f32", n, "bf16 2048x4096 m=20 invariant")
+    check(got, x.astype(np.float64) @ wd().T, "f32", n, "bf16 1024x4096 m=20 invariant")
     alone = run_linear(dev, "bf16", n, k, 1, arrays, scale2, x[13:14], "f32", k, n, invariant=True)
     assert np.array_equal(alone[0], got[13])
+
+
+def _launched(monkeypatch):
+    """Names of the kernels launched from here on."""
+    from mtp_cupy.runtime.backend import KernelLaunch
+    names, orig = [], KernelLaunch.launch
+
+    def launch(self, stream=None):
+        names.append(self.h.name)
+        return orig(self, stream)
+    monkeypatch.setattr(KernelLaunch, "launch", launch)
+    return names
+
+
+@pytest.mark.parametrize("fmt, n, k, why", [
+    ("bf16", 2048, 4096, "Qwen's e/h proj: its 8-row plan (16, 2) fits neither wide kernel"),
+    ("fp8_block_e8m0", 32768, 1024, "V4's wq_b: its plan (2, 1) leaves the 64-row kernel 4 units a slice")])
+def test_linear_invariant_moves_to_a_split_the_64_row_kernel_holds(dev, rng, monkeypatch, fmt, n, k, why):
+    """Where the 64-row kernel cannot hold the 8-row plan but holds another split that fills the GPU, every
+    invariant call sums under that split: m = 64 runs one 64-row launch, m = 1 one 8-row launch, and each row's
+    bits are those of the row alone (and correct against float64)."""
+    from mtp_cupy.ops.gemv import _STREAM, X64_KERNELS, invariant_tune, plan_gemv, x64_fits
+    narrow = _STREAM[fmt][0]
+    p, t = plan_gemv(dev, narrow, n, k), invariant_tune(dev, fmt, n, k)
+    assert (t.ks, t.kb) != (p.ks, p.kb) and not x64_fits(dev, fmt, n, k, p.ks, p.kb), why
+    assert x64_fits(dev, fmt, n, k, t.ks, t.kb), why
+    arrays, scale2, wd = make_weight(rng, fmt, n, k)
+    x = bf16_bits(rng, (64, k), exp=126)
+    names = _launched(monkeypatch)
+    got = run_linear(dev, fmt, n, k, 64, arrays, scale2, x, "f32", k, n, invariant=True)
+    assert names == [X64_KERNELS[fmt]], names
+    check(got, x.astype(np.float64) @ wd().T, "f32", n, f"{fmt} {n}x{k} m=64 invariant")
+    for r in (0, int(rng.integers(1, 63)), 63):
+        names.clear()
+        alone = run_linear(dev, fmt, n, k, 1, arrays, scale2, x[r:r + 1], "f32", k, n, invariant=True)
+        assert names == [narrow], names
+        assert np.array_equal(alone[0], got[r]), f"{fmt} {n}x{k}: row {r} differs alone"
 
 
 @pytest.mark.parametrize("name, m", [("dense_gemv_bf16", 3), ("dense_gemv_bf16_batchm", 8),

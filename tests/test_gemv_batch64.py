@@ -89,9 +89,10 @@ def test_batch64_rows_equal_the_8_row_kernel(dev, rng):
             assert np.array_equal(alone, got[[0, 11, 22], :n]), f"{fmt} {n}x{k} plan {(ks, kb, slices)}"
 
 
-# (fmt, n real, k, n run): each family's projections and heads at their real k and real 8-row plan, on fewer
-# rows where the weight is big (the plan is the real shape's; the rows' sums depend on (ks, kb) and k only)
+# (fmt, n real, k, n run): each family's projections and heads at their real k and real invariant split, on
+# fewer rows where the weight is big (the split is the real shape's; the rows' sums depend on (ks, kb) and k only)
 REAL = [("bf16", 7168, 14336, 1000), ("bf16", 6144, 12288, 1000), ("bf16", 8192, 2048, 8192),
+        ("bf16", 4096, 8192, 1000), ("bf16", 2048, 4096, 2048),
         ("bf16", 129280, 7168, 129280), ("bf16", 151936, 2048, 8192), ("fp8_block", 7168, 16384, 1000),
         ("fp8_block", 24576, 1536, 4000), ("fp8_block", 16384, 2048, 16384), ("fp8_block_e8m0", 32768, 1024, 32768),
         ("fp8_row", 7168, 16384, 1000)]
@@ -102,9 +103,9 @@ REAL = [("bf16", 7168, 14336, 1000), ("bf16", 6144, 12288, 1000), ("bf16", 8192,
 def test_batch64_rows_equal_the_8_row_kernel_real_dims(rng, fmt, n_real, k, n):
     import mtp_cupy
     dev = mtp_cupy.device("cuda")
-    p = ops.plan_gemv(dev, NARROW[fmt], n_real, k)
+    p = ops.invariant_tune(dev, fmt, n_real, k)   # the split linear(invariant) sums under at every m
     choices = [s for s in (1, 2) if fits(fmt, p.ks, p.kb, s)]
-    assert choices, f"{fmt} {n_real}x{k}: the real plan (ks {p.ks}, kb {p.kb}) has no 64-row layout"
+    assert choices, f"{fmt} {n_real}x{k}: the real split (ks {p.ks}, kb {p.kb}) has no 64-row layout"
     arrays, _, wd = make_weight(rng, fmt, n, k)
     x = bf16_bits(rng, (64, k), exp=126)
     for m in (64, 33, 9):
@@ -135,10 +136,11 @@ def test_dynamic_smem_opt_in_is_never_lowered_by_another_backend(rng):
 
 
 def test_linear_takes_batch64_where_it_matches(monkeypatch):
-    """linear(invariant) sends 8 < m <= 64 rows to the 64-row kernel exactly when the format has one, the 8-row
-    plan's kw = ks * kb slices fit its default layout (<= 2 in a block, else clusters of <= 8 one-slice blocks)
-    and each slice has >= 8 units (of 8 chunks) a tile, with that plan's (ks, kb); other formats, plans, widths
-    and non-invariant calls keep their kernels. Launchers are replaced by recorders: only the routing runs."""
+    """linear(invariant) sends 8 < m <= 64 rows to the 64-row kernel exactly when the format has one, the
+    invariant split's (invariant_tune: the 8-row plan, or one the 64-row kernel holds) kw = ks * kb slices fit
+    its default layout (<= 2 in a block, else clusters of <= 8 one-slice blocks) and each slice has >= 8 units
+    (of 8 chunks) a tile, with that split's (ks, kb); other formats, plans, widths and non-invariant calls keep
+    their kernels. Launchers are replaced by recorders: only the routing runs."""
     import mtp_cupy
     import mtp_cupy.ops.gemv as g
     from mtp_cupy.runtime.ptr import DevicePtr
@@ -149,22 +151,24 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
     monkeypatch.setattr(g, "_gemv", lambda gpu, name, lead, x, y, m, *a: calls.append((name, m)))
     for name in ("dense_gemv_bf16_regs", "dense_gemm_bf16", "w4a16_gemv_regs"):
         monkeypatch.setattr(g, name, lambda gpu, *a, name=name: calls.append((name, a[3])))
-    seen = set()
+    seen, moved = set(), set()
     for fmt, n, k in [("bf16", 151936, 2048), ("bf16", 2048, 4096), ("bf16", 7168, 14336), ("bf16", 8192, 2048),
                       ("fp8_block", 7168, 16384), ("fp8_block", 1536, 7168), ("fp8_block", 6144, 16384),
                       ("fp8_block_e8m0", 32768, 1024), ("nvfp4", 2048, 2048), ("mxfp4", 2048, 2048)]:
         p = ops.plan_gemv(dev, g._STREAM[fmt][0], n, k)
-        kw, units = p.ks * p.kb, -(-k // KCHUNK.get(fmt, 32) // 8)
+        t = g.invariant_tune(dev, fmt, n, k)
+        kw, units = t.ks * t.kb, -(-k // KCHUNK.get(fmt, 32) // 8)
         ok = fmt in NARROW and kw <= 8 and -(-units // kw) >= 8
         seen.add(ok)
+        moved.add((t.ks, t.kb) != (p.ks, p.kb))
         W = Linear(fmt, n, k, DevicePtr(1 << 20), DevicePtr(2 << 20), 1.0)
         for m, inv in [(20, True), (8, True), (64, True), (70, True), (20, False)]:
             calls.clear()
             ops.linear(dev, DevicePtr(3 << 20), W, DevicePtr(4 << 20), m, out_dtype="f32", invariant=inv)
             x64 = [c for c in calls if c[0] == "x64"]
-            want = [("x64", m, (p.ks, p.kb))] if ok and inv and 8 < m <= 64 else []
+            want = [("x64", m, (t.ks, t.kb))] if ok and inv and 8 < m <= 64 else []
             assert x64 == want and calls, (fmt, n, k, m, inv, calls)
-    assert seen == {True, False}   # both outcomes were exercised
+    assert seen == moved == {True, False}   # both outcomes were exercised, and splits moved and kept
 
 
 def test_batch64_refusals(rng):

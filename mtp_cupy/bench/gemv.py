@@ -195,22 +195,25 @@ def bench_mid(gpu, timer, copy_gbs) -> list[dict]:
 
 
 def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
-    """MID_SHAPES and FRONT_SHAPES at MID_BATCH_M rows, batch-invariant: ops.linear(invariant=True) (the 64-row
-    x-staged kernel where it holds the 8-row plan), the 64-row kernel with one and with two k slices a block
-    where both fit, the 32-row streaming kernel under the same k-split (what linear ran before), and cuBLAS
-    bf16. Prints a table; returns its rows."""
+    """MID_SHAPES and FRONT_SHAPES at MID_BATCH_M rows, batch-invariant: ops.linear(invariant=True) under its
+    split (`invariant_tune`; the 64-row x-staged kernel where it holds the split), the 64-row kernel with one
+    and with two k slices a block where both fit, what linear ran before invariant_tune (the 32-row streaming
+    kernel under the 8-row plan's split where it fits, else 8-row passes), and cuBLAS bf16. Prints a table;
+    returns its rows."""
     import cupy as cp
     from .. import ops
     from ..ops.gemv import _STREAM, X64_KERNELS, Tune, _fits, plan_batch64, x64_fits
-    print("| family | weight | fmt | m x n x k | MB | floor µs | 8-row plan | 64-row plan (xs, cb, walkers, stages) "
+    print("| family | weight | fmt | m x n x k | MB | floor µs | split (8-row plan) | 64-row plan (xs, cb, walkers, "
+          "stages) "
           "| linear µs | % copy | xs = 1 µs | xs = 2 µs | before µs | cuBLAS bf16 µs |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for fam, label, fmt, n, k in MID_SHAPES + FRONT_SHAPES:
         W, keep = make_linear(fmt, n, k)
         narrow, wide = _STREAM[fmt]
-        p = ops.plan_gemv(gpu, narrow, n, k)
-        tune = Tune(ks=p.ks, kb=p.kb)
+        p = ops.invariant_tune(gpu, fmt, n, k)   # the split linear(invariant) sums under
+        p0 = ops.plan_gemv(gpu, narrow, n, k)
+        tune = Tune(ks=p0.ks, kb=p0.kb)
         fits = fmt in X64_KERNELS and x64_fits(gpu, fmt, n, k, p.ks, p.kb)
         wb = wide if _fits(gpu, wide, n, k, tune) else narrow
         wpeer = keep[0] if fmt == "bf16" else rand_bf16((n, k))
@@ -238,7 +241,8 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
             rows.append(dict(family=fam, weight=label, fmt=fmt, m=m, n=n, k=k, mb=mb, floor_us=floor, ks=p.ks,
                              kb=p.kb, x64=qs, linear_us=t_lin, pct_copy=100 * floor / t_lin, xs1_us=t_xs[1],
                              xs2_us=t_xs[2], before_us=t_old, before=wb, peer_us=t_peer, peer=kind))
-            print(f"| {fam} | {label} | {fmt} | {m}x{n}x{k} | {mb:.1f} | {floor:.1f} | {p.ks}, {p.kb} | {qs} | "
+            print(f"| {fam} | {label} | {fmt} | {m}x{n}x{k} | {mb:.1f} | {floor:.1f} | {p.ks}, {p.kb} "
+                  f"({p0.ks}, {p0.kb}) | {qs} | "
                   f"{t_lin:.1f} | {100 * floor / t_lin:.0f} | {t_xs[1]:.1f} | {t_xs[2]:.1f} | {t_old:.1f} | "
                   f"{t_peer:.1f} ({kind}) |", flush=True)
         W = keep = wpeer = None

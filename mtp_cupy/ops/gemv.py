@@ -28,7 +28,7 @@ __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf
            "gemv_fp8w_batch32", "w8a16_gemv_batch32", "w8a16_gemv_e8m0_batch32", "w4a16_gemv_batch32",
            "w4a16_gemv_mx_batch32",
            "dense_gemv_bf16_regs", "dense_gemv_bf16_batchm_regs", "w8a16_gemv_regs", "w4a16_gemv_regs",
-           "Tune", "Plan", "plan_gemv", "plan_batch64"]
+           "Tune", "Plan", "plan_gemv", "plan_batch64", "invariant_tune"]
 
 WARPS = 8  # register-round kernels: warps per block
 QUANT_MAX_M = 8  # x rows a pass of the 8-row streaming kernels (32 for the _batch32 ones)
@@ -531,8 +531,8 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
     INVARIANT_MAX_M rows: the format's streaming kernel (8 rows a pass; for m > 8 the 64-row x-staged kernel of
-    bf16 and the fp8 formats where it can hold the plan, else 32 rows a pass) with the k-split (ks and kb of
-    the plan) of its 8-row kernel. Otherwise each m takes the fastest kernel: the register-round ones for
+    bf16 and the fp8 formats where it can hold the split, else 32 rows a pass, else 8-row passes) under one
+    k-split (ks, kb) for every m, `invariant_tune`'s. Otherwise each m takes the fastest kernel: the register-round ones for
     bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M
     rows, their passes sharing each weight tile through L2 (W read from DRAM about once)."""
     xs = W.k if x_stride is None else int(x_stride)
@@ -547,11 +547,7 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         if W.fmt == "nvfp4" and m <= QUANT_MAX_M:
             return w4a16_gemv_regs(gpu, W.weight, W.scale, W.scale2, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
     narrow, wide = _STREAM[W.fmt]
-    if invariant:
-        p = plan_gemv(gpu, narrow, W.n, W.k)
-        tune = Tune(ks=p.ks, kb=p.kb)
-    else:
-        tune = None
+    tune = invariant_tune(gpu, W.fmt, W.n, W.k) if invariant else None
     if tune is not None and not _fits(gpu, wide, W.n, W.k, tune):
         wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes only
     # x staged once per block, not per warp, where the 64-row kernel can sum as the 8-row plan does
@@ -566,6 +562,54 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
             continue
         _gemv(gpu, narrow if mm <= QUANT_MAX_M or not wide else wide, _lead(W), xr, yr, mm, W.n, W.k, xs, ys,
               out_dtype, stream, tune)
+
+
+INVARIANT_MIN_SCORE = 0.2  # 8-row plan score a k-split the 64-row kernel holds needs to replace the planner's
+X64_MIN_SCORE = 0.9        # and the 64-row plan's (it must fill the GPU: small n leaves multiprocessors idle)
+
+
+def invariant_tune(gpu: Backend, fmt: str, n: int, k: int) -> Tune:
+    """The k-split (ks, kb) every batch-invariant linear call of an n x k `fmt` weight sums under, at every m.
+
+    The 8-row kernel's plan, unless the 64-row kernel cannot hold it while holding another split that scores
+    >= INVARIANT_MIN_SCORE in the 8-row planner and >= X64_MIN_SCORE in its own, and either the 32-row kernel
+    cannot hold the plan either (m > 8 would run 8-row passes) or the 64-row kernel takes that split without a
+    cluster. The best such split (the 8-row planner's key) is taken: m = 1 pays a little for m = 64 (H100,
+    BENCHMARKS.md: V4 e/h proj bf16 4096x8192 m = 1 35.5 -> 37.5 us, m = 64 85.6 -> 62.7; V4 wq_b fp8
+    32768x1024 21.9 -> 22.3, 47.3 -> 33.1). Clustered 64-row plans where the 32-row kernel holds the plan
+    measured slower (V4 wo_b fp8 4096x8192: 60.7 vs 49.2 us), so they are not taken."""
+    return _invariant_tune(fmt, int(n), int(k), _sms(gpu), _regs(gpu, _STREAM[fmt][0]),
+                           _regs(gpu, _STREAM[fmt][1]), _regs(gpu, X64_KERNELS[fmt]) if fmt in X64_KERNELS else 0,
+                           _max_kb(gpu))
+
+
+@functools.lru_cache(maxsize=1024)
+def _invariant_tune(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int) -> Tune:
+    narrow, wide = _STREAM[fmt]
+    p = _plan(narrow, n, k, sms, regs8, Tune(), max_kb)
+    if fmt not in X64_KERNELS or _x64_fits(fmt, n, k, p.ks, p.kb, sms, regs64, max_kb):
+        return Tune(ks=p.ks, kb=p.kb)
+    try:
+        _plan(wide, n, k, sms, regs32, Tune(ks=p.ks, kb=p.kb), max_kb)
+        wide_holds = True
+    except KernelError:
+        wide_holds = False
+    best = None
+    for ks in range(1, _GEOM[narrow].max_ks + 1):
+        for kb in (1, 2, 4, 8):
+            if not _x64_fits(fmt, n, k, ks, kb, sms, regs64, max_kb):
+                continue
+            q = _plan_x64(fmt, n, k, ks, kb, sms, regs64, max_kb, None, None)
+            try:
+                c = _plan(narrow, n, k, sms, regs8, Tune(ks=ks, kb=kb), max_kb)
+            except KernelError:
+                continue
+            if c.score < INVARIANT_MIN_SCORE or q.score < X64_MIN_SCORE or (wide_holds and q.kb > 1):
+                continue
+            key = (round(c.score, 3), -kb, -ks)
+            if best is None or key > best[0]:
+                best = (key, Tune(ks=ks, kb=kb))
+    return best[1] if best else Tune(ks=p.ks, kb=p.kb)
 
 
 def _fits(gpu: Backend, name: str, n: int, k: int, tune: Tune) -> bool:
