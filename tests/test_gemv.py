@@ -93,12 +93,12 @@ def test_linear_vs_float64(dev, rng, fmt, m, out_dtype):
     check(got, x.astype(np.float64) @ wd().T, out_dtype, n, f"{fmt} m={m} n={n} k={k}")
 
 
-@pytest.mark.parametrize("m", [1, 9, 33, 40, 64])
+@pytest.mark.parametrize("m", [1, 9, 33, 40, 64, 100, 256])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_batch_invariant(dev, rng, fmt, m):
     """invariant=True: correct against float64 at every width (one 8-row pass, one or two 32-row passes in one
-    launch, the last partial at 33 and 40), and each row's result bit-identical to that row computed alone,
-    whoever its neighbours are."""
+    launch, the last partial at 33 and 40, several launches past 64 rows: V4's h_proj runs B x 4 streams), and
+    each row's result bit-identical to that row computed alone, whoever its neighbours are."""
     n, k = int(rng.integers(1, 120)) * 2 + 1, int(rng.integers(1, 12)) * 32
     xs, ys = k + 8, n + 1
     arrays, scale2, wd = make_weight(rng, fmt, n, k)

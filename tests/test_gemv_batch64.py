@@ -136,11 +136,13 @@ def test_dynamic_smem_opt_in_is_never_lowered_by_another_backend(rng):
 
 
 def test_linear_takes_batch64_where_it_matches(monkeypatch):
-    """linear(invariant) sends 8 < m <= 64 rows to the 64-row kernel exactly when the format has one, the
-    invariant split's (invariant_tune: the 8-row plan, or one the 64-row kernel holds) kw = ks * kb slices fit
-    its default layout (<= 2 in a block, else clusters of <= 8 one-slice blocks) and each slice has >= 8 units
-    (of 8 chunks) a tile, with that split's (ks, kb); other formats, plans, widths and non-invariant calls keep
-    their kernels. Launchers are replaced by recorders: only the routing runs."""
+    """linear(invariant) runs m <= 256 rows (64 sequences x V4's 4 streams) in launches of <= 64, and sends a
+    launch of 8 < rows <= 64 to the 64-row kernel exactly when the format has one, the invariant split's
+    (invariant_tune: the 8-row plan, or one the 64-row kernel holds) kw = ks * kb slices fit its default layout
+    (<= 2 in a block, else clusters of <= 8 one-slice blocks) and each slice has >= 8 units (of 8 chunks) a tile,
+    with that split's (ks, kb); other formats, plans, widths and non-invariant calls keep their kernels, and no
+    invariant call reaches the split-free kernels (the register rounds, the tiled GEMM). Launchers are replaced
+    by recorders: only the routing runs."""
     import mtp_cupy
     import mtp_cupy.ops.gemv as g
     from mtp_cupy.runtime.ptr import DevicePtr
@@ -162,12 +164,18 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
         seen.add(ok)
         moved.add((t.ks, t.kb) != (p.ks, p.kb))
         W = Linear(fmt, n, k, DevicePtr(1 << 20), DevicePtr(2 << 20), 1.0)
-        for m, inv in [(20, True), (8, True), (64, True), (70, True), (20, False)]:
+        free = {"dense_gemv_bf16_regs", "dense_gemm_bf16", "w4a16_gemv_regs"}
+        for m, inv in [(20, True), (8, True), (64, True), (70, True), (256, True), (300, True), (20, False)]:
             calls.clear()
             ops.linear(dev, DevicePtr(3 << 20), W, DevicePtr(4 << 20), m, out_dtype="f32", invariant=inv)
             x64 = [c for c in calls if c[0] == "x64"]
-            want = [("x64", m, (t.ks, t.kb))] if ok and inv and 8 < m <= 64 else []
+            held = inv and m <= 256
+            want = [("x64", mm, (t.ks, t.kb)) for mm in (min(64, m - r0) for r0 in range(0, m, 64))
+                    if ok and held and mm > 8]
             assert x64 == want and calls, (fmt, n, k, m, inv, calls)
+            if held:
+                assert not free & {c[0] for c in calls}, (fmt, n, k, m, calls)
+                assert sum(c[1] for c in calls) == m and max(c[1] for c in calls) <= 64, (fmt, n, k, m, calls)
     assert seen == moved == {True, False}   # both outcomes were exercised, and splits moved and kept
 
 

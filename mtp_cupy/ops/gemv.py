@@ -514,7 +514,9 @@ _STREAM = {"bf16": ("dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32"),
            "fp8_block_e8m0": ("w8a16_gemv_e8m0", "w8a16_gemv_e8m0_batch32"),
            "nvfp4": ("w4a16_gemv", "w4a16_gemv_batch32"), "mxfp4": ("w4a16_gemv_mx", "w4a16_gemv_mx_batch32")}
 WIDE_M = 32
-INVARIANT_MAX_M = 64   # rows of a decode batch; larger calls are prefill chunks and take the fastest path
+# rows of a decode batch: 64 sequences x up to 4 streams (V4's h_proj runs on every mHC stream); larger calls are
+# prefill chunks and take the fastest path
+INVARIANT_MAX_M = 256
 
 
 def _lead(W: Linear) -> list[tuple[str, object]]:
@@ -530,11 +532,12 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense).
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
-    INVARIANT_MAX_M rows: the format's streaming kernel (8 rows a pass; for m > 8 the 64-row x-staged kernel of
-    bf16 and the fp8 formats where it can hold the split, else 32 rows a pass, else 8-row passes) under one
-    k-split (ks, kb) for every m, `invariant_tune`'s. Otherwise each m takes the fastest kernel: the register-round ones for
-    bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M
-    rows, their passes sharing each weight tile through L2 (W read from DRAM about once)."""
+    INVARIANT_MAX_M rows in launches of up to STREAM_MAX_M: the format's streaming kernel (8 rows a pass; for
+    m > 8 the 64-row x-staged kernel of bf16 and the fp8 formats where it can hold the split, else 32 rows a
+    pass, else 8-row passes) under one k-split (ks, kb) for every m, `invariant_tune`'s. Otherwise each m takes
+    the fastest kernel: the register-round ones for bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16
+    m > 32. Streaming launches take up to STREAM_MAX_M rows, their passes sharing each weight tile through L2
+    (W read from DRAM about once)."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
     need(m >= 1, f"linear({W.fmt}): m={m} < 1")
