@@ -17,13 +17,10 @@ FAMILIES = ["deepseek_v3", "deepseek_v4", "qwen3_next", "glm5"]
 _CKPTS: dict = {}
 
 
-def ckpt(fam: str, seed: int = 3, hidden_size: int | None = None):
-    """A tiny checkpoint of `fam` (its own hidden size, or `hidden_size` with a 256-token vocabulary: wide enough
-    that its projections split k as real ones do)."""
-    key = (fam, seed, hidden_size)
+def ckpt(fam: str, seed: int = 3):
+    key = (fam, seed)
     if key not in _CKPTS:
-        kw = {} if hidden_size is None else dict(hidden_size=hidden_size, vocab_size=256)
-        _CKPTS[key] = family(fam).write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"batch_{fam}_"), seed=seed, **kw)
+        _CKPTS[key] = family(fam).write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"batch_{fam}_"), seed=seed)
     return _CKPTS[key]
 
 

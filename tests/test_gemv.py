@@ -110,6 +110,28 @@ def test_linear_batch_invariant(dev, rng, fmt, m):
         assert np.array_equal(alone[0, :n], got[r, :n]), f"{fmt} m={m}: row {r} depends on its neighbours"
 
 
+@pytest.mark.parametrize("fmt, n, k", [("bf16", 1024, 1024), ("bf16", 4096, 4096), ("fp8_block", 2112, 7168)])
+def test_linear_batch_invariant_with_order_sensitive_sums(dev, rng, fmt, n, k):
+    """Rows of normal values (full-mantissa bf16 x; bf16 W of normal values, or fp8 codes of every exponent), whose
+    f32 sums change with their order (bf16_bits' fixed-exponent rows sum exactly in any order): a row alone and
+    among 63, 80 and 256 rows (V4's h_proj: B x 4 streams) gives the same bits. On CUDA the split kernels and the
+    tiled GEMM sum in different orders (past 64 rows linear took the GEMM, and rows changed with their
+    neighbours)."""
+    if fmt == "bf16":
+        f = rng.standard_normal((n, k)).astype(np.float32)
+        arrays, scale2 = ((f.view(np.uint32) >> 16).astype(np.uint16).view(ml_dtypes.bfloat16),), 1.0
+    else:
+        arrays, scale2, _ = make_weight(rng, fmt, n, k)
+    x = rng.standard_normal((256, k)).astype(ml_dtypes.bfloat16)
+    alone = {r: run_linear(dev, fmt, n, k, 1, arrays, scale2, x[r:r + 1], "f32", k, n, invariant=True)[0]
+             for r in (0, 62, 79, 255)}
+    for m in (63, 80, 256):
+        got = run_linear(dev, fmt, n, k, m, arrays, scale2, x[:m], "f32", k, n, invariant=True)
+        assert np.all(np.isfinite(got)), f"{fmt} {n}x{k} m={m}"
+        for r in [r for r in alone if r < m]:
+            assert np.array_equal(alone[r], got[r]), f"{fmt} {n}x{k} m={m}: row {r} differs from the row alone"
+
+
 def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
     """A shape whose 8-row plan splits k 16 ways in each of 4 blocks, which neither wide kernel can hold and whose
     64-row plans would leave most multiprocessors idle (8 weight groups): invariant calls run 8-row passes, still
