@@ -578,7 +578,7 @@ def invariant_tune(gpu: Backend, fmt: str, n: int, k: int) -> Tune:
     >= INVARIANT_MIN_SCORE in the 8-row planner and >= X64_MIN_SCORE in its own, and either the 32-row kernel
     cannot hold the plan either (m > 8 would run 8-row passes) or the 64-row kernel takes that split without a
     cluster. The best such split (the 8-row planner's key) is taken: m = 1 pays a little for m = 64 (H100,
-    BENCHMARKS.md: V4 e/h proj bf16 4096x8192 m = 1 35.5 -> 37.5 us, m = 64 85.6 -> 62.7; V4 wq_b fp8
+    BENCHMARKS.md: bf16 4096x8192 m = 1 35.5 -> 37.5 us, m = 64 85.6 -> 62.7; V4 wq_b fp8
     32768x1024 21.9 -> 22.3, 47.3 -> 33.1). Clustered 64-row plans where the 32-row kernel holds the plan
     measured slower (V4 wo_b fp8 4096x8192: 60.7 vs 49.2 us), so they are not taken."""
     return _invariant_tune(fmt, int(n), int(k), _sms(gpu), _regs(gpu, _STREAM[fmt][0]),
