@@ -203,3 +203,15 @@ def branch_sites(log):
                 side, joined = [], False
     assert not open_ and not joined, "a branch was left open"
     return sites
+
+
+def launched(monkeypatch) -> list[str]:
+    """Names of the kernels launched from here on (appended as each launches)."""
+    from mtp_cupy.runtime.backend import KernelLaunch
+    names, orig = [], KernelLaunch.launch
+
+    def launch(self, stream=None):
+        names.append(self.h.name)
+        return orig(self, stream)
+    monkeypatch.setattr(KernelLaunch, "launch", launch)
+    return names

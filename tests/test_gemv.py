@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import POISON, assert_close, get, out, run_on_both, up
+from helpers import POISON, assert_close, get, launched, out, run_on_both, up
 from mtp_cupy import KernelError, ops
 from mtp_cupy.ops.gemv import _GEOM, SMEM_PER_BLOCK, SMEM_PER_SM, Tune
 from mtp_cupy.runtime.ptr import NULL
@@ -149,18 +149,6 @@ def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
     assert np.array_equal(alone[0], got[13])
 
 
-def _launched(monkeypatch):
-    """Names of the kernels launched from here on."""
-    from mtp_cupy.runtime.backend import KernelLaunch
-    names, orig = [], KernelLaunch.launch
-
-    def launch(self, stream=None):
-        names.append(self.h.name)
-        return orig(self, stream)
-    monkeypatch.setattr(KernelLaunch, "launch", launch)
-    return names
-
-
 @pytest.mark.parametrize("fmt, n, k, why", [
     ("bf16", 2048, 4096, "Qwen's e/h proj: its 8-row plan (16, 2) fits neither wide kernel"),
     ("fp8_block_e8m0", 32768, 1024, "V4's wq_b: its plan (2, 1) leaves the 64-row kernel 4 units a slice")])
@@ -175,7 +163,7 @@ def test_linear_invariant_moves_to_a_split_the_64_row_kernel_holds(dev, rng, mon
     assert x64_fits(dev, fmt, n, k, t.ks, t.kb), why
     arrays, scale2, wd = make_weight(rng, fmt, n, k)
     x = bf16_bits(rng, (64, k), exp=126)
-    names = _launched(monkeypatch)
+    names = launched(monkeypatch)
     got = run_linear(dev, fmt, n, k, 64, arrays, scale2, x, "f32", k, n, invariant=True)
     assert names == [X64_KERNELS[fmt]], names
     check(got, x.astype(np.float64) @ wd().T, "f32", n, f"{fmt} {n}x{k} m=64 invariant")

@@ -10,9 +10,9 @@ from mtp_cupy.ops import paged_attention as pa
 from mtp_cupy.runtime.arena import pack_mtp_attn_meta
 from mtp_cupy.runtime.dtypes import BF16, to_fp8
 from mtp_cupy.refdev.registry import names_in
-from mtp_cupy.runtime.backend import KernelLaunch, cuda_kernel_names
+from mtp_cupy.runtime.backend import cuda_kernel_names
 from mtp_cupy.runtime.ptr import NULL
-from helpers import assert_close, f32, get, out, rand_bf16, run_on_both, up
+from helpers import assert_close, f32, get, launched, out, rand_bf16, run_on_both, up
 
 META_STRIDE = 1024  # room for 192 block ids per slab
 
@@ -427,17 +427,6 @@ def test_walk_and_split_near_the_reference_off_tile(dev, rng, walk):
     check(run_mla(dev, pg, q, heads, rw, dv, 0.09, 100, sink, walk=walk), mla_ref(pg, q, dv, 0.09, 100, sink))
 
 
-def _launched(monkeypatch):
-    """Names of the kernels launched from here on."""
-    names, orig = [], KernelLaunch.launch
-
-    def launch(self, stream=None):
-        names.append(self.h.name)
-        return orig(self, stream)
-    monkeypatch.setattr(KernelLaunch, "launch", launch)
-    return names
-
-
 def test_walk_is_chosen_for_large_invariant_batches(ref, rng, monkeypatch):
     """walk=None: invariant calls split at one sequence and walk at 64 (V3's 4 head blocks, GLM-5's selection,
     V4's window, Qwen's GQA), walk sooner when a window leaves most splits empty; non-invariant calls never walk
@@ -450,7 +439,7 @@ def test_walk_is_chosen_for_large_invariant_batches(ref, rng, monkeypatch):
         assert not w[0] and w[-1], (hb, bound, w)
         assert not any(pa._walks("t", None, False, n, hb, bound) for n in range(1, 65))
     assert choose[2][2].index(True) < choose[1][2].index(True)     # V4's window walks sooner than GLM-5
-    names = _launched(monkeypatch)
+    names = launched(monkeypatch)
     heads, rw = 40, 64                      # 2 head blocks
     w = [pa._walks("t", None, True, n, 2, 0) for n in range(1, 65)]
     at = w.index(True) + 1                  # the smallest batch that walks
