@@ -150,6 +150,14 @@ def test_linear_batch_invariant_falls_back_to_8_row_passes(dev, rng):
     assert np.array_equal(alone[0], got[13])
 
 
+def test_invariant_tune_refuses_bad_input():
+    import mtp_cupy
+    dev = mtp_cupy.device("ref")
+    for fmt, n, k, what in [("fp16", 64, 64, "format 'fp16'"), ("bf16", 0, 64, "n=0"), ("bf16", 64, -8, "k=-8")]:
+        with pytest.raises(KernelError, match=what):
+            ops.invariant_tune(dev, fmt, n, k)
+
+
 @pytest.mark.parametrize("fmt, n, k, why", [
     ("bf16", 2048, 4096, "Qwen's e/h proj: its 8-row plan (16, 2) fits neither wide kernel"),
     ("fp8_block_e8m0", 32768, 1024, "V4's wq_b: its plan (2, 1) leaves the 64-row kernel 4 units a slice")])

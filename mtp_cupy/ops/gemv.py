@@ -550,11 +550,10 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         if W.fmt == "nvfp4" and m <= QUANT_MAX_M:
             return w4a16_gemv_regs(gpu, W.weight, W.scale, W.scale2, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
     narrow, wide = _STREAM[W.fmt]
-    tune = invariant_tune(gpu, W.fmt, W.n, W.k) if invariant else None
-    if tune is not None and not _fits(gpu, wide, W.n, W.k, tune):
-        wide = None            # the 8-row plan's k-split does not fit the 32-row kernel: 8-row passes only
-    # x staged once per block, not per warp, where the 64-row kernel can sum as the 8-row plan does
-    x64 = tune is not None and x64_fits(gpu, W.fmt, W.n, W.k, tune.ks, tune.kb)
+    tune, x64 = None, False
+    if invariant:   # one cached lookup: the split, whether the 32-row kernel holds it (else 8-row passes only)
+        tune, wide_ok, x64 = _invariant_route(gpu, W.fmt, W.n, W.k)   # and whether the 64-row kernel does
+        wide = wide if wide_ok else None
     ybytes = 4 if _out_f32(out_dtype) else 2
     for r0 in range(0, m, STREAM_MAX_M):     # each launch reads W from DRAM about once
         mm = min(STREAM_MAX_M, m - r0)
@@ -581,22 +580,39 @@ def invariant_tune(gpu: Backend, fmt: str, n: int, k: int) -> Tune:
     BENCHMARKS.md: bf16 4096x8192 m = 1 35.5 -> 37.5 us, m = 64 85.6 -> 62.7; V4 wq_b fp8
     32768x1024 21.9 -> 22.3, 47.3 -> 33.1). Clustered 64-row plans where the 32-row kernel holds the plan
     measured slower (V4 wo_b fp8 4096x8192: 60.7 vs 49.2 us), so they are not taken."""
-    return _invariant_tune(fmt, int(n), int(k), _sms(gpu), _regs(gpu, _STREAM[fmt][0]),
-                           _regs(gpu, _STREAM[fmt][1]), _regs(gpu, X64_KERNELS[fmt]) if fmt in X64_KERNELS else 0,
-                           _max_kb(gpu))
+    need(fmt in _STREAM, f"invariant_tune: format {fmt!r} is not one of {sorted(_STREAM)}")
+    need(int(n) >= 1 and int(k) >= 1, f"invariant_tune: n={n} and k={k} must be >= 1")
+    return _invariant_route(gpu, fmt, int(n), int(k))[0]
+
+
+def _invariant_route(gpu: Backend, fmt: str, n: int, k: int) -> tuple[Tune, bool, bool]:
+    """(invariant_tune's split, the 32-row kernel holds it, the 64-row kernel holds it): what linear routes by."""
+    return _route(fmt, n, k, _sms(gpu), _regs(gpu, _STREAM[fmt][0]), _regs(gpu, _STREAM[fmt][1]),
+                  _regs(gpu, X64_KERNELS[fmt]) if fmt in X64_KERNELS else 0, _max_kb(gpu))
+
+
+def _holds(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: int) -> bool:
+    try:
+        _plan(name, n, k, sms, regs, tune, max_kb)
+        return True
+    except KernelError:
+        return False
 
 
 @functools.lru_cache(maxsize=1024)
-def _invariant_tune(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int) -> Tune:
+def _route(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int):
+    # cached: linear asks on every invariant call, and a refused plan is an exception lru_cache does not keep
+    t = _split(fmt, n, k, sms, regs8, regs32, regs64, max_kb)
+    return (t, _holds(_STREAM[fmt][1], n, k, sms, regs32, t, max_kb),
+            fmt in X64_KERNELS and _x64_fits(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb))
+
+
+def _split(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int) -> Tune:
     narrow, wide = _STREAM[fmt]
     p = _plan(narrow, n, k, sms, regs8, Tune(), max_kb)
     if fmt not in X64_KERNELS or _x64_fits(fmt, n, k, p.ks, p.kb, sms, regs64, max_kb):
         return Tune(ks=p.ks, kb=p.kb)
-    try:
-        _plan(wide, n, k, sms, regs32, Tune(ks=p.ks, kb=p.kb), max_kb)
-        wide_holds = True
-    except KernelError:
-        wide_holds = False
+    wide_holds = _holds(wide, n, k, sms, regs32, Tune(ks=p.ks, kb=p.kb), max_kb)
     best = None
     for ks in range(1, _GEOM[narrow].max_ks + 1):
         for kb in (1, 2, 4, 8):
