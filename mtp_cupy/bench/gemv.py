@@ -32,9 +32,9 @@ MID_SHAPES = [("deepseek_v4", "wkv", "fp8_block_e8m0", 512, 4096),
               ("qwen3_next", "q (+ gate)", "bf16", 8192, 2048)]
 # The LM heads (family, n, k) at decode batch widths (bench_kernels.py --heads)
 # the e / h projections of the MTP front, for the batch table beside MID_SHAPES: one [D, 2D] bf16 weight, or V4's
-# e_proj and h_proj [D, D] (h_proj on each of its 4 streams: B x 4 rows)
+# e_proj and h_proj [D, D] in FP8 with e8m0 block scales (mtp.0.e_proj / h_proj; h_proj on each of its 4 streams)
 FRONT_SHAPES = [("deepseek_v3", "e / h proj", "bf16", 7168, 14336), ("glm5", "e / h proj", "bf16", 6144, 12288),
-                ("deepseek_v4", "e_proj, h_proj", "bf16", 4096, 4096), ("qwen3_next", "e / h proj", "bf16", 2048, 4096)]
+                ("deepseek_v4", "e_proj, h_proj", "fp8_block_e8m0", 4096, 4096), ("qwen3_next", "e / h proj", "bf16", 2048, 4096)]
 MID_BATCH_M = [16, 32, 64]
 HEAD_SHAPES = [("deepseek_v3", 129280, 7168), ("glm5", 154880, 6144), ("deepseek_v4", 129280, 4096),
                ("qwen3_next", 151936, 2048)]
@@ -199,15 +199,15 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
     """MID_SHAPES and FRONT_SHAPES at MID_BATCH_M rows, batch-invariant: ops.linear(invariant=True) under its
     split (`invariant_tune`; the 64-row x-staged kernel where it holds the split), the 64-row kernel with one
     and with two k slices a block where both fit, the 32-row streaming kernel under the same split (where it
-    holds it), what linear ran before invariant_tune (the 32-row kernel under the 8-row plan's split where it
+    holds it), the 8-row kernel's passes under it, what linear ran before invariant_tune (the 32-row kernel under the 8-row plan's split where it
     fits, else 8-row passes), and cuBLAS bf16. Prints a table; returns its rows."""
     import cupy as cp
     from .. import ops
     from ..ops.gemv import _STREAM, X64_KERNELS, Tune, _fits, plan_batch64, x64_fits
     print("| family | weight | fmt | m x n x k | MB | floor µs | split (8-row plan) | 64-row plan (xs, cb, walkers, "
           "stages) "
-          "| linear µs | % copy | xs = 1 µs | xs = 2 µs | 32-row µs | before µs | cuBLAS bf16 µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| linear µs | % copy | xs = 1 µs | xs = 2 µs | 32-row µs | 8-row µs | before µs | cuBLAS bf16 µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for fam, label, fmt, n, k in MID_SHAPES + FRONT_SHAPES:
         W, keep = make_linear(fmt, n, k)
@@ -235,6 +235,7 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
                 t_xs[xs] = timer.us(lambda: fn(gpu, *lead, ptr(x), ptr(y), m, n, k, k, n, "f32", ks=p.ks, kb=p.kb,
                                                slices=xs))
             t_32 = timer.us(raw_call(gpu, wide, W, x, y, m, split)) if w32 else NAN
+            t_8 = timer.us(raw_call(gpu, narrow, W, x, y, m, split))
             t_old = timer.us(raw_call(gpu, wb, W, x, y, m, tune))
             fn, kind = peer_matmul(wpeer, x)
             t_peer = timer.us(fn)
@@ -244,10 +245,10 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
             qs = f"{q.ks}, {q.kb}, {q.blocks}, {q.stages}" if q else "-"
             rows.append(dict(family=fam, weight=label, fmt=fmt, m=m, n=n, k=k, mb=mb, floor_us=floor, ks=p.ks,
                              kb=p.kb, x64=qs, linear_us=t_lin, pct_copy=100 * floor / t_lin, xs1_us=t_xs[1],
-                             xs2_us=t_xs[2], batch32_us=t_32, before_us=t_old, before=wb, peer_us=t_peer, peer=kind))
+                             xs2_us=t_xs[2], batch32_us=t_32, batch8_us=t_8, before_us=t_old, before=wb, peer_us=t_peer, peer=kind))
             print(f"| {fam} | {label} | {fmt} | {m}x{n}x{k} | {mb:.1f} | {floor:.1f} | {p.ks}, {p.kb} "
                   f"({p0.ks}, {p0.kb}) | {qs} | "
-                  f"{t_lin:.1f} | {100 * floor / t_lin:.0f} | {t_xs[1]:.1f} | {t_xs[2]:.1f} | {t_32:.1f} | "
+                  f"{t_lin:.1f} | {100 * floor / t_lin:.0f} | {t_xs[1]:.1f} | {t_xs[2]:.1f} | {t_32:.1f} | {t_8:.1f} | "
                   f"{t_old:.1f} | "
                   f"{t_peer:.1f} ({kind}) |", flush=True)
         W = keep = wpeer = None
