@@ -224,6 +224,7 @@ def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None,
 
 
 # The 64-row x-staged kernels (gemv.cu x64_body) per format, and k per 16-byte weight chunk.
+X64 = "x64"   # linear's route: the format's 64-row kernel (X64_KERNELS)
 X64_KERNELS = {"bf16": "dense_gemv_bf16_batch64", "fp8_row": "gemv_fp8w_batch64",
                "fp8_block": "w8a16_gemv_batch64", "fp8_block_e8m0": "w8a16_gemv_e8m0_batch64"}
 X64_PART = 16 * 32 * 4    # a cluster's fold area bytes per warp (kernel XG_PE floats x 32 lanes)
@@ -550,20 +551,19 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         if W.fmt == "nvfp4" and m <= QUANT_MAX_M:
             return w4a16_gemv_regs(gpu, W.weight, W.scale, W.scale2, x, y, m, W.n, W.k, xs, ys, out_dtype, stream)
     narrow, wide = _STREAM[W.fmt]
-    tune, x64 = None, False
-    if invariant:   # one cached lookup: the split, whether the 32-row kernel holds it (else 8-row passes only)
-        tune, wide_ok, x64 = _invariant_route(gpu, W.fmt, W.n, W.k)   # and whether the 64-row kernel does
-        wide = wide if wide_ok else None
+    tune, kinds = None, (wide,) * 3
+    if invariant:   # one cached lookup: the split and the kernel for launches of 9-16, 17-32 and 33-64 rows
+        tune, kinds = _invariant_route(gpu, W.fmt, W.n, W.k)
     ybytes = 4 if _out_f32(out_dtype) else 2
     for r0 in range(0, m, STREAM_MAX_M):     # each launch reads W from DRAM about once
         mm = min(STREAM_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
-        if x64 and mm > QUANT_MAX_M:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
+        kern = narrow if mm <= QUANT_MAX_M else kinds[(mm > 16) + (mm > 32)]
+        if kern == X64:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
             _x64(gpu, W.fmt, _lead(W)[:2] + [("ptr", NULL)] * (W.fmt == "bf16"), xr, yr, mm, W.n, W.k, xs, ys,
                  out_dtype, stream, tune.ks, tune.kb)
-            continue
-        _gemv(gpu, narrow if mm <= QUANT_MAX_M or not wide else wide, _lead(W), xr, yr, mm, W.n, W.k, xs, ys,
-              out_dtype, stream, tune)
+        else:
+            _gemv(gpu, kern, _lead(W), xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream, tune)
 
 
 INVARIANT_MIN_SCORE = 0.2  # 8-row plan score a k-split the 64-row kernel holds needs to replace the planner's
@@ -585,8 +585,9 @@ def invariant_tune(gpu: Backend, fmt: str, n: int, k: int) -> Tune:
     return _invariant_route(gpu, fmt, int(n), int(k))[0]
 
 
-def _invariant_route(gpu: Backend, fmt: str, n: int, k: int) -> tuple[Tune, bool, bool]:
-    """(invariant_tune's split, the 32-row kernel holds it, the 64-row kernel holds it): what linear routes by."""
+def _invariant_route(gpu: Backend, fmt: str, n: int, k: int) -> tuple[Tune, tuple[str, str, str]]:
+    """(invariant_tune's split, the kernel that runs launches of 9-16, 17-32 and 33-64 rows under it: the 8-row or
+    32-row streaming kernel's name, or X64): what linear routes by."""
     return _route(fmt, n, k, _sms(gpu), _regs(gpu, _STREAM[fmt][0]), _regs(gpu, _STREAM[fmt][1]),
                   _regs(gpu, X64_KERNELS[fmt]) if fmt in X64_KERNELS else 0, _max_kb(gpu))
 
@@ -603,8 +604,10 @@ def _holds(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: i
 def _route(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int):
     # cached: linear asks on every invariant call, and a refused plan is an exception lru_cache does not keep
     t = _split(fmt, n, k, sms, regs8, regs32, regs64, max_kb)
-    return (t, _holds(_STREAM[fmt][1], n, k, sms, regs32, t, max_kb),
-            fmt in X64_KERNELS and _x64_fits(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb))
+    narrow, wide = _STREAM[fmt]
+    if fmt in X64_KERNELS and _x64_fits(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb):
+        return t, (X64,) * 3
+    return t, (wide if _holds(wide, n, k, sms, regs32, t, max_kb) else narrow,) * 3
 
 
 def _split(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int) -> Tune:
