@@ -158,14 +158,18 @@ def test_invariant_tune_refuses_bad_input():
             ops.invariant_tune(dev, fmt, n, k)
 
 
-@pytest.mark.parametrize("fmt, n, k, why", [
-    ("bf16", 2048, 4096, "Qwen's e/h proj: its 8-row plan (16, 2) fits neither wide kernel"),
-    ("fp8_block_e8m0", 32768, 1024, "V4's wq_b: its plan (2, 1) leaves the 64-row kernel 4 units a slice")])
-def test_linear_invariant_moves_to_a_split_the_64_row_kernel_holds(dev, rng, monkeypatch, fmt, n, k, why):
+@pytest.mark.parametrize("fmt, n, k, wide, why", [
+    ("bf16", 2048, 4096, "dense_gemv_bf16_batch32",
+     "Qwen's e/h proj: its 8-row plan (16, 2) fits neither wide kernel; the 64-row kernel's clusters at 8 units "
+     "a slice are slower than the 32-row kernel under the same split"),
+    ("fp8_block_e8m0", 32768, 1024, "w8a16_gemv_e8m0_batch64",
+     "V4's wq_b: its plan (2, 1) leaves the 64-row kernel 4 units a slice")])
+def test_linear_invariant_moves_to_a_split_the_64_row_kernel_holds(dev, rng, monkeypatch, fmt, n, k, wide, why):
     """Where the 64-row kernel cannot hold the 8-row plan but holds another split that fills the GPU, every
-    invariant call sums under that split: m = 64 runs one 64-row launch, m = 1 one 8-row launch, and each row's
-    bits are those of the row alone (and correct against float64)."""
-    from mtp_cupy.ops.gemv import _STREAM, X64_KERNELS, invariant_tune, plan_gemv, x64_fits
+    invariant call sums under that split: m = 64 runs one wide launch (the 64-row kernel, or the 32-row one where
+    linear routes there), m = 1 one 8-row launch, and each row's bits are those of the row alone (and correct
+    against float64)."""
+    from mtp_cupy.ops.gemv import _STREAM, invariant_tune, plan_gemv, x64_fits
     narrow = _STREAM[fmt][0]
     p, t = plan_gemv(dev, narrow, n, k), invariant_tune(dev, fmt, n, k)
     assert (t.ks, t.kb) != (p.ks, p.kb) and not x64_fits(dev, fmt, n, k, p.ks, p.kb), why
@@ -174,7 +178,7 @@ def test_linear_invariant_moves_to_a_split_the_64_row_kernel_holds(dev, rng, mon
     x = rand_bf16(rng, (64, k))
     names = launched(monkeypatch)
     got = run_linear(dev, fmt, n, k, 64, arrays, scale2, x, "f32", k, n, invariant=True)
-    assert names == [X64_KERNELS[fmt]], names
+    assert names == [wide], names
     check(got, x.astype(np.float64) @ wd().T, "f32", n, f"{fmt} {n}x{k} m=64 invariant")
     for r in (0, int(rng.integers(1, 63)), 63):
         names.clear()

@@ -141,7 +141,8 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
     launch of 8 < rows <= 64 to the 64-row kernel exactly when the format has one, the invariant split's
     (invariant_tune: the 8-row plan, or one the 64-row kernel holds) kw = ks * kb slices fit its default layout
     (<= 2 in a block, else clusters of <= 8 one-slice blocks) and each slice has >= 8 units (of 8 chunks) a tile,
-    with that split's (ks, kb); other formats, plans, widths and non-invariant calls keep their kernels, and no
+    >= 24 for bf16 in clusters, with that split's (ks, kb). Other invariant launches of 9-16 rows run the 8-row
+    kernel, of 17-64 the 32-row kernel where it holds the split; non-invariant calls keep their kernels, and no
     invariant call reaches the split-free kernels (the register rounds, the tiled GEMM). Launchers are replaced
     by recorders: only the routing runs."""
     import mtp_cupy
@@ -161,7 +162,9 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
         p = ops.plan_gemv(dev, g._STREAM[fmt][0], n, k)
         t = g.invariant_tune(dev, fmt, n, k)
         kw, units = t.ks * t.kb, -(-k // KCHUNK.get(fmt, 32) // 8)
-        ok = fmt in NARROW and kw <= 8 and -(-units // kw) >= 8
+        ok = fmt in NARROW and kw <= 8 and -(-units // kw) >= 8 and (fmt != "bf16" or kw <= 2 or -(-units // kw) >= 24)
+        narrow, wide = g._STREAM[fmt]
+        wide = wide if g._fits(dev, wide, n, k, g.Tune(ks=t.ks, kb=t.kb)) else narrow
         seen.add(ok)
         moved.add((t.ks, t.kb) != (p.ks, p.kb))
         W = Linear(fmt, n, k, DevicePtr(1 << 20), DevicePtr(2 << 20), 1.0)
@@ -176,6 +179,9 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
             assert x64 == want and calls, (fmt, n, k, m, inv, calls)
             if held:
                 assert not free & {c[0] for c in calls}, (fmt, n, k, m, calls)
+                streams = [c for c in calls if c[0] != "x64"]
+                assert streams == [(narrow if mm <= 16 else wide, mm) for mm in (min(64, m - r0) for r0 in
+                                   range(0, m, 64)) if not (ok and mm > 8)], (fmt, n, k, m, calls)
                 assert sum(c[1] for c in calls) == m and max(c[1] for c in calls) <= 64, (fmt, n, k, m, calls)
     assert seen == moved == {True, False}   # both outcomes were exercised, and splits moved and kept
 

@@ -29,7 +29,7 @@ MID_SHAPES = [("deepseek_v4", "wkv", "fp8_block_e8m0", 512, 4096),
               ("glm5", "kv_a", "fp8_block", 576, 6144), ("glm5", "q_a", "fp8_block", 2048, 6144),
               ("glm5", "q_b", "fp8_block", 16384, 2048), ("glm5", "o_proj", "fp8_block", 6144, 16384),
               ("qwen3_next", "k / v", "bf16", 512, 2048), ("qwen3_next", "o_proj", "bf16", 2048, 4096),
-              ("qwen3_next", "q (+ gate)", "bf16", 8192, 2048)]
+              ("qwen3_next", "q (+ gate), k, v stacked", "bf16", 9216, 2048)]
 # The LM heads (family, n, k) at decode batch widths (bench_kernels.py --heads)
 # the e / h projections of the MTP front, for the batch table beside MID_SHAPES: one [D, 2D] bf16 weight, or V4's
 # e_proj and h_proj [D, D] in FP8 with e8m0 block scales (mtp.0.e_proj / h_proj; h_proj on each of its 4 streams)

@@ -230,6 +230,12 @@ X64_KERNELS = {"bf16": "dense_gemv_bf16_batch64", "fp8_row": "gemv_fp8w_batch64"
 X64_PART = 16 * 32 * 4    # a cluster's fold area bytes per warp (kernel XG_PE floats x 32 lanes)
 X64_INFLIGHT = 64 * 1024  # weight bytes in flight per SM from which a plan stops gaining
 X64_MIN_ROUNDS = 8        # units a k slice streams per tile below which linear keeps the 32-row kernel
+# bf16 plans in clusters: units a slice streams a tile below which the cluster's fold of each tile outweighs the
+# 64-row kernel's gain and linear runs the 8- / 32-row kernels under the split (H100, m = 64: Qwen o_proj 2048 x
+# 4096 at 8 units 36.9 vs 23.0 us, bf16 4096 x 8192 at 16 units 65.2 vs 57.1; GLM-5's e/h projection at 24 units
+# 88.8 vs 111.4, V3's at 28 104.4 vs 159.2). The fp8 kernels pay from 8 (V3 o_proj, 16 units: 110.7 vs 142.2):
+# their 8- and 32-row kernels decode each weight once a pass.
+X64_FOLD_ROUNDS = 24
 
 
 @functools.lru_cache(maxsize=256)
@@ -283,10 +289,11 @@ def plan_batch64(gpu: Backend, n: int, k: int, ks: int = 1, kb: int = 1, fmt: st
 
 
 def x64_fits(gpu: Backend, fmt: str, n: int, k: int, ks: int, kb: int) -> bool:
-    """Whether linear takes the 64-row kernel for the 8-row plan (ks, kb): the format has one, its layout
+    """Whether the 64-row kernel can take the 8-row plan (ks, kb) for linear: the format has one, its layout
     holds the plan's k slices (bf16: one block of <= 2; else clusters of <= MAX_KB one-slice blocks), and each
     slice streams >= X64_MIN_ROUNDS units a tile (shorter streams measured slower than the 32-row kernel:
-    the ring's fill and the tile's fold are paid over too few stages)."""
+    the ring's fill and the tile's fold are paid over too few stages). linear then also asks bf16 plans in
+    clusters for X64_FOLD_ROUNDS."""
     return fmt in X64_KERNELS and _x64_fits(fmt, int(n), int(k), ks, kb, _sms(gpu), _regs(gpu, X64_KERNELS[fmt]),
                                             _max_kb(gpu))
 
@@ -533,9 +540,10 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     """y[m, W.n] = x[m, W.k] @ W.T (x bf16; y bf16 or f32). Strides are in elements (default dense).
 
     invariant: a row's arithmetic (hence its result, bit for bit) is the same whatever m is, up to
-    INVARIANT_MAX_M rows in launches of up to STREAM_MAX_M: the format's streaming kernel (8 rows a pass; for
-    m > 8 the 64-row x-staged kernel of bf16 and the fp8 formats where it can hold the split, else 32 rows a
-    pass, else 8-row passes) under one k-split (ks, kb) for every m, `invariant_tune`'s. Otherwise each m takes
+    INVARIANT_MAX_M rows in launches of up to STREAM_MAX_M, all under one k-split (ks, kb), `invariant_tune`'s:
+    a launch of 9-64 rows runs the 64-row x-staged kernel of bf16 and the fp8 formats where it holds the split
+    and pays (bf16 in clusters: >= X64_FOLD_ROUNDS units a slice), else 9-16 rows two 8-row passes and 17-64
+    rows 32-row passes where that kernel holds the split (else 8-row passes); up to 8 rows the 8-row kernel. Otherwise each m takes
     the fastest kernel: the register-round ones for bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16
     m > 32. Streaming launches take up to STREAM_MAX_M rows, their passes sharing each weight tile through L2
     (W read from DRAM about once)."""
@@ -579,7 +587,9 @@ def invariant_tune(gpu: Backend, fmt: str, n: int, k: int) -> Tune:
     cluster. The best such split (the 8-row planner's key) is taken: m = 1 pays a little for m = 64 (H100,
     BENCHMARKS.md: bf16 4096x8192 m = 1 35.5 -> 37.5 us, m = 64 85.6 -> 62.7; V4 wq_b fp8
     32768x1024 21.9 -> 22.3, 47.3 -> 33.1). Clustered 64-row plans where the 32-row kernel holds the plan
-    measured slower (V4 wo_b fp8 4096x8192: 60.7 vs 49.2 us), so they are not taken."""
+    measured slower (V4 wo_b fp8 4096x8192: 60.7 vs 49.2 us), so they are not taken. linear may still run a
+    moved split on the 32-row kernel (X64_FOLD_ROUNDS: Qwen's 2048 x 4096 at m = 64, 23.0 us against 36.8 on the
+    64-row kernel and 45.8 under the plan)."""
     need(fmt in _STREAM, f"invariant_tune: format {fmt!r} is not one of {sorted(_STREAM)}")
     need(int(n) >= 1 and int(k) >= 1, f"invariant_tune: n={n} and k={k} must be >= 1")
     return _invariant_route(gpu, fmt, int(n), int(k))[0]
@@ -606,8 +616,13 @@ def _route(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: 
     t = _split(fmt, n, k, sms, regs8, regs32, regs64, max_kb)
     narrow, wide = _STREAM[fmt]
     if fmt in X64_KERNELS and _x64_fits(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb):
-        return t, (X64,) * 3
-    return t, (wide if _holds(wide, n, k, sms, regs32, t, max_kb) else narrow,) * 3
+        q = _plan_x64(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb, None, None)
+        if fmt != "bf16" or q.kb == 1 or -(-(k // 64) // (t.ks * t.kb)) >= X64_FOLD_ROUNDS:
+            return t, (X64,) * 3
+    # 9-16 rows: two 8-row passes beat one half-empty 32-row pass (H100, every such real shape: V4 wkv 12.1 vs
+    # 15.8 us, wo_b 26.4 vs 29.0, Qwen o_proj 17.4 vs 20.5 and 22.9 on the 64-row kernel)
+    w = wide if _holds(wide, n, k, sms, regs32, t, max_kb) else narrow
+    return t, (narrow, w, w)
 
 
 def _split(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int) -> Tune:
