@@ -162,7 +162,8 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
         p = ops.plan_gemv(dev, g._STREAM[fmt][0], n, k)
         t = g.invariant_tune(dev, fmt, n, k)
         kw, units = t.ks * t.kb, -(-k // KCHUNK.get(fmt, 32) // 8)
-        ok = fmt in NARROW and kw <= 8 and -(-units // kw) >= 8 and (fmt != "bf16" or kw <= 2 or -(-units // kw) >= 24)
+        rounds = -(-units // kw)
+        ok = fmt in NARROW and kw <= 8 and rounds >= 8 and (fmt != "bf16" or kw <= 2 or rounds >= 24)
         narrow, wide = g._STREAM[fmt]
         wide = wide if g._fits(dev, wide, n, k, g.Tune(ks=t.ks, kb=t.kb)) else narrow
         seen.add(ok)

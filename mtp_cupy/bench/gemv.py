@@ -34,7 +34,8 @@ MID_SHAPES = [("deepseek_v4", "wkv", "fp8_block_e8m0", 512, 4096),
 # the e / h projections of the MTP front, for the batch table beside MID_SHAPES: one [D, 2D] bf16 weight, or V4's
 # e_proj and h_proj [D, D] in FP8 with e8m0 block scales (mtp.0.e_proj / h_proj; h_proj on each of its 4 streams)
 FRONT_SHAPES = [("deepseek_v3", "e / h proj", "bf16", 7168, 14336), ("glm5", "e / h proj", "bf16", 6144, 12288),
-                ("deepseek_v4", "e_proj, h_proj", "fp8_block_e8m0", 4096, 4096), ("qwen3_next", "e / h proj", "bf16", 2048, 4096)]
+                ("deepseek_v4", "e_proj, h_proj", "fp8_block_e8m0", 4096, 4096),
+                ("qwen3_next", "e / h proj", "bf16", 2048, 4096)]
 MID_BATCH_M = [16, 32, 64]
 HEAD_SHAPES = [("deepseek_v3", 129280, 7168), ("glm5", 154880, 6144), ("deepseek_v4", 129280, 4096),
                ("qwen3_next", 151936, 2048)]
@@ -199,8 +200,8 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
     """MID_SHAPES and FRONT_SHAPES at MID_BATCH_M rows, batch-invariant: ops.linear(invariant=True) under its
     split (`invariant_tune`; the 64-row x-staged kernel where it holds the split), the 64-row kernel with one
     and with two k slices a block where both fit, the 32-row streaming kernel under the same split (where it
-    holds it), the 8-row kernel's passes under it, what linear ran before invariant_tune (the 32-row kernel under the 8-row plan's split where it
-    fits, else 8-row passes), and cuBLAS bf16. Prints a table; returns its rows."""
+    holds it), the 8-row kernel's passes under it, what linear ran before invariant_tune (the 32-row kernel under
+    the 8-row plan's split where it fits, else 8-row passes), and cuBLAS bf16. Prints a table; returns its rows."""
     import cupy as cp
     from .. import ops
     from ..ops.gemv import _STREAM, X64_KERNELS, Tune, _fits, plan_batch64, x64_fits
@@ -245,7 +246,8 @@ def bench_mid_batch(gpu, timer, copy_gbs) -> list[dict]:
             qs = f"{q.ks}, {q.kb}, {q.blocks}, {q.stages}" if q else "-"
             rows.append(dict(family=fam, weight=label, fmt=fmt, m=m, n=n, k=k, mb=mb, floor_us=floor, ks=p.ks,
                              kb=p.kb, x64=qs, linear_us=t_lin, pct_copy=100 * floor / t_lin, xs1_us=t_xs[1],
-                             xs2_us=t_xs[2], batch32_us=t_32, batch8_us=t_8, before_us=t_old, before=wb, peer_us=t_peer, peer=kind))
+                             xs2_us=t_xs[2], batch32_us=t_32, batch8_us=t_8, before_us=t_old, before=wb,
+                             peer_us=t_peer, peer=kind))
             print(f"| {fam} | {label} | {fmt} | {m}x{n}x{k} | {mb:.1f} | {floor:.1f} | {p.ks}, {p.kb} "
                   f"({p0.ks}, {p0.kb}) | {qs} | "
                   f"{t_lin:.1f} | {100 * floor / t_lin:.0f} | {t_xs[1]:.1f} | {t_xs[2]:.1f} | {t_32:.1f} | {t_8:.1f} | "

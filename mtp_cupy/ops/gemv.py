@@ -233,8 +233,8 @@ X64_MIN_ROUNDS = 8        # units a k slice streams per tile below which linear 
 # bf16 plans in clusters: units a slice streams a tile below which the cluster's fold of each tile outweighs the
 # 64-row kernel's gain and linear runs the 8- / 32-row kernels under the split (H100, m = 64: Qwen o_proj 2048 x
 # 4096 at 8 units 36.9 vs 23.0 us, bf16 4096 x 8192 at 16 units 65.2 vs 57.1; GLM-5's e/h projection at 24 units
-# 88.8 vs 111.4, V3's at 28 104.4 vs 159.2). The fp8 kernels pay from 8 (V3 o_proj, 16 units: 110.7 vs 142.2):
-# their 8- and 32-row kernels decode each weight once a pass.
+# 88.8 vs 111.4, V3's at 28 104.4 vs 159.2). The fp8 ones paid wherever measured (V3 o_proj in clusters of 8 at 16
+# units: 110.7 vs 142.2): their 8- and 32-row kernels decode each weight once a pass.
 X64_FOLD_ROUNDS = 24
 
 
@@ -543,9 +543,9 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     INVARIANT_MAX_M rows in launches of up to STREAM_MAX_M, all under one k-split (ks, kb), `invariant_tune`'s:
     a launch of 9-64 rows runs the 64-row x-staged kernel of bf16 and the fp8 formats where it holds the split
     and pays (bf16 in clusters: >= X64_FOLD_ROUNDS units a slice), else 9-16 rows two 8-row passes and 17-64
-    rows 32-row passes where that kernel holds the split (else 8-row passes); up to 8 rows the 8-row kernel. Otherwise each m takes
-    the fastest kernel: the register-round ones for bf16 m = 1 and NVFP4 m <= 8, the tiled GEMM for bf16
-    m > 32. Streaming launches take up to STREAM_MAX_M rows, their passes sharing each weight tile through L2
+    rows 32-row passes where that kernel holds the split (else 8-row passes); up to 8 rows the 8-row kernel.
+    Otherwise each m takes the fastest kernel: the register-round ones for bf16 m = 1 and NVFP4 m <= 8, the tiled
+    GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M rows, their passes sharing each weight tile through L2
     (W read from DRAM about once)."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
@@ -617,7 +617,8 @@ def _route(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: 
     narrow, wide = _STREAM[fmt]
     if fmt in X64_KERNELS and _x64_fits(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb):
         q = _plan_x64(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb, None, None)
-        if fmt != "bf16" or q.kb == 1 or -(-(k // 64) // (t.ks * t.kb)) >= X64_FOLD_ROUNDS:
+        units = -(-(k // 8) // 8)    # bf16: 8-chunk units of 8 k
+        if fmt != "bf16" or q.kb == 1 or -(-units // (t.ks * t.kb)) >= X64_FOLD_ROUNDS:
             return t, (X64,) * 3
     # 9-16 rows: two 8-row passes beat one half-empty 32-row pass (H100, every such real shape: V4 wkv 12.1 vs
     # 15.8 us, wo_b 26.4 vs 29.0, Qwen o_proj 17.4 vs 20.5 and 22.9 on the 64-row kernel)
