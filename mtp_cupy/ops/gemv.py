@@ -545,8 +545,8 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     and pays (bf16 in clusters: >= X64_FOLD_ROUNDS units a slice), else 9-16 rows two 8-row passes and 17-64
     rows 32-row passes where that kernel holds the split (else 8-row passes); up to 8 rows the 8-row kernel.
     Otherwise each m takes the fastest kernel: the register-round ones for bf16 m = 1 and NVFP4 m <= 8, the tiled
-    GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M rows, their passes sharing each weight tile through L2
-    (W read from DRAM about once)."""
+    GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M rows, their passes sharing each weight tile
+    through L2 (W read from DRAM about once)."""
     xs = W.k if x_stride is None else int(x_stride)
     ys = W.n if y_stride is None else int(y_stride)
     need(m >= 1, f"linear({W.fmt}): m={m} < 1")
@@ -651,8 +651,5 @@ def _split(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: 
 
 
 def _fits(gpu: Backend, name: str, n: int, k: int, tune: Tune) -> bool:
-    try:
-        plan_gemv(gpu, name, n, k, tune)
-        return True
-    except KernelError:
-        return False
+    """Whether streaming kernel `name` has a launch plan for n x k under `tune` on this device (`_holds`)."""
+    return _holds(name, int(n), int(k), _sms(gpu), _regs(gpu, name), tune, _max_kb(gpu))
