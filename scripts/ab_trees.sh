@@ -4,7 +4,7 @@
 #   bash scripts/ab_trees.sh run [-r ROUNDS] [-t SECONDS] -- CMD [ARGS ...]   # there: CMD in every tree
 # `build` writes each ref's sources (cuda_src, host_src, mtp_cupy, scripts, tests, docs and the packaging files)
 # into .ab/NAME with the checkout's mtp_cupy/data linked in, and the ref's short hash in .ab/NAME/REF. `run` runs
-# CMD with the tree as working directory and PYTHONPATH, the trees interleaved ROUNDS times (default 2:
+# CMD with each built tree (a folder of .ab holding REF) as working directory and PYTHONPATH, the trees interleaved ROUNDS times (default 2:
 # a b a b), each run headed "== NAME (REF) round R", each cut at SECONDS (default 300). .ab/ is gitignored: give
 # the device call carry [".ab"]. Example, the bits and the MoE of two refs:
 #   bash scripts/ab_trees.sh build main=main new=wip/x
@@ -43,7 +43,7 @@ run)
   shift
   [[ $rounds =~ ^[1-9][0-9]*$ && $secs =~ ^[1-9][0-9]*$ ]] ||
     { echo "ab_trees.sh: error: -r and -t take whole numbers >= 1" >&2; exit 2; }
-  trees=$(ls -d .ab/*/ 2>/dev/null | xargs -rn1 basename)
+  trees=$(for d in .ab/*/; do [ -f "$d/REF" ] && basename "$d"; done)   # built trees only (not scratch dirs)
   [ -n "$trees" ] ||
     { echo "ab_trees.sh: error: no trees in .ab/ (run 'build' first; carry .ab to the device)" >&2; exit 1; }
   for ((i = 1; i <= rounds; i++)); do
