@@ -21,6 +21,7 @@ from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 from ..errors import KernelError
 from ._util import launch, need
+from .gemv_wg import WG_KERNELS, _wg, wg_runs
 
 __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemv_bf16_batch64",
            "gemv_fp8w_batch64", "w8a16_gemv_batch64", "w8a16_gemv_e8m0_batch64", "x64_fits", "X64_KERNELS",
@@ -567,7 +568,10 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         mm = min(STREAM_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
         kern = narrow if mm <= QUANT_MAX_M else kinds[(mm > 16) + (mm > 32)]
-        if kern == X64:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
+        if invariant and mm > QUANT_MAX_M and W.fmt in WG_KERNELS and wg_runs(gpu):
+            _wg(gpu, W.fmt, W.weight, W.scale, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream, tune.ks, tune.kb,
+                None, None)
+        elif kern == X64:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
             _x64(gpu, W.fmt, _lead(W)[:2] + [("ptr", NULL)] * (W.fmt == "bf16"), xr, yr, mm, W.n, W.k, xs, ys,
                  out_dtype, stream, tune.ks, tune.kb)
         else:

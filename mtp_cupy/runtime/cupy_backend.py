@@ -22,6 +22,9 @@ from .ptr import DevicePtr
 # -default-device: unannotated functions (lambdas in kernels) are device code. No fast-math: the twins
 # assume IEEE expf / sincosf / division.
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
+# Modules built for the architecture-specific target on a 9.0 device (their wgmma kernels need sm_90a; they are
+# launched nowhere else).
+SM90A_MODULES = frozenset({"gemv_wg"})
 # CUfunction handle -> dynamic shared bytes opted in. Process-wide: CuPy shares a compiled module's functions
 # between backends, so one backend's smaller opt-in must never lower what another one relies on.
 _SMEM_OPTIN: dict[int, int] = {}
@@ -84,7 +87,9 @@ class CupyBackend(Backend):
             path = cuda_source(module)
             if not path.exists():
                 raise KernelError(f"kernel module {module!r} not found ({path} does not exist)")
-            m = self.cp.RawModule(code=module_source(module), options=NVRTC_OPTIONS)
+            opts = NVRTC_OPTIONS + (("-arch=sm_90a",) if module in SM90A_MODULES and self.compute_capability == 90
+                                    else ())
+            m = self.cp.RawModule(code=module_source(module), options=opts)
             try:
                 m.compile()
             except Exception as e:

@@ -1,0 +1,208 @@
+// Batched fp8 block-scale GEMVs on wgmma (sm_90a): y[m, n] = sum_k x[m, k] * W[n, k] for up to 64 x rows, every
+// row summed exactly as the 8-row kernel (gemv.cu, mma_stream) sums it under its k-split (ks, kb): the same
+// units, the same 16 k of each k16 product, the same step sums times the block scale, the same fold of the
+// slices. So a row's bits are that kernel's whatever m is (linear(invariant)). wgmma m64nNk16 with A from
+// registers gives the bits of mma.sync m16n8k16 on the same fragments (measured: BENCHMARKS.md, 2026-12-07);
+// one instruction multiplies 64 weight rows by up to 64 x rows, where mma.sync takes 8 x rows a warp.
+//
+// Grid (tiles, passes): block (tile, pass) owns weight rows 64 tile .. + 63 and x rows NX pass .. + NX - 1; one
+// warpgroup (128 threads), warp q holding rows 16 q .. + 15 as mma.sync's A fragments. The block walks the plan's
+// kw = ks * kb slices in fold order, slice w's units w, w + kw, ... (a unit: 128 k, two steps of four k16), and
+// folds as gemv.cu does: the ks slices of each rank in slice order, then those rank sums in rank order.
+// Dynamic shared memory: xw (the unit's x as wgmma's B, [8 k16 blocks][NX rows][16 k] in 8 x 8 core matrices),
+// then a cp.async ring of NS stages, each the unit's weights W [64 rows][8 chunks] (chunk c of row r at
+// r * 8 + (c ^ 4 (r & 1)), as mma_stream's ring) and its raw x rows [NX][16 chunks of 8 bf16].
+// Block (s, i) of xw is the k16 that mma i of step s multiplies: for t = 0..3 the k (4 s + t) * 16 + 4 i + q,
+// q = 0, 2 as k columns 2t, 2t + 1 and q = 1, 3 as 2t + 8, 2t + 9 (frag_a's e4m3 pairs, frag_b's x pairs).
+#include "common.cuh"
+#include "stream_mma.cuh"
+
+#define WG_ROWS 64   // weight rows a block (one warpgroup)
+
+__device__ __forceinline__ u64 wg_desc(u32 addr) {  // no swizzle: K-adjacent core matrices 128 B, N-adjacent 256 B
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+
+// d (+)= A B: m64 n NX k16, A = this warp's mma.sync A fragment a, B = the k16 block at desc; acc: d += (else d =).
+template <int NX> __device__ __forceinline__ void wg_mma(float (&d)[NX / 8][4], const u32 a[4], u64 desc, bool acc);
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define WG_ASM(N, DL, AL, DESC, P)                                                                           \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\nwgmma.mma_async.sync.aligned.m64n" N "k16.f32.bf16.bf16 {" DL \
+    "}, {" AL "}, " DESC ", p, 1, 1, 0;\n}\n"
+template <> __device__ __forceinline__ void wg_mma<16>(float (&d)[2][4], const u32 a[4], u64 desc, bool acc) {
+    asm volatile(WG_ASM("16", "%0,%1,%2,%3,%4,%5,%6,%7", "%8,%9,%10,%11", "%12", "%13")
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"((u32)acc));
+}
+template <> __device__ __forceinline__ void wg_mma<32>(float (&d)[4][4], const u32 a[4], u64 desc, bool acc) {
+    asm volatile(WG_ASM("32", "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15", "%16,%17,%18,%19", "%20",
+                        "%21")
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"((u32)acc));
+}
+template <> __device__ __forceinline__ void wg_mma<64>(float (&d)[8][4], const u32 a[4], u64 desc, bool acc) {
+    asm volatile(WG_ASM("64", "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,"
+                              "%23,%24,%25,%26,%27,%28,%29,%30,%31", "%32,%33,%34,%35", "%36", "%37")
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),
+                   "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),
+                   "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+                   "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),
+                   "+f"(d[7][2]), "+f"(d[7][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"((u32)acc));
+}
+#undef WG_ASM
+#else   // other targets: never launched there (ops/gemv.py routes these kernels to sm_90 only)
+template <int NX> __device__ __forceinline__ void wg_mma(float (&)[NX / 8][4], const u32*, u64, bool) { __trap(); }
+#endif
+
+template <int F, int NX>
+__device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32 kw, const u16* x, void* y, u32 M,
+                                        u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
+{
+    constexpr u32 KC = 16, CH = 8, NJ = NX / 8, SW = WG_ROWS * CH, SX = NX * 16, STAGE = SW + SX;  // uint4
+    constexpr u32 CW = SW / 128, CX = SX / 128;   // copies a thread per stage
+    const u32 tid = threadIdx.x, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH;
+    const u32 row0 = blockIdx.x * WG_ROWS, p0 = blockIdx.y * NX;
+    uint4* const xw = g_dsm;
+    uint4* const ring = g_dsm + SX;
+    const u32 NS = (dyn_smem_bytes() / 16 - SX) / STAGE;   // >= 2 (launcher)
+
+    u32 i_w = 0, i_u = 0, i_slot = 0, left = NU;           // the next stage to issue: slice, unit, ring slot
+    auto issue_w = [&]() {
+        if (!left) return;
+        uint4* st = ring + i_slot * STAGE;
+#pragma unroll
+        for (u32 i = 0; i < CW; ++i) {
+            const u32 L = tid + 128 * i, r = L / CH, cc = L % CH, ch = i_u * CH + cc;
+            const bool ok = ch < KCH;
+            cp_async_stream(st + r * CH + (cc ^ ((r & 1) << 2)), W + (u64)min(row0 + r, N - 1) * K + (ok ? ch : 0) * 16u,
+                            ok);
+        }
+    };
+    auto advance = [&]() {
+        if (!left) return;
+        --left;
+        i_u += kw;
+        if (i_u >= NU) i_u = ++i_w;
+        if (++i_slot == NS) i_slot = 0;
+    };
+    // The first NS - 1 stages' weights go out before the PDL wait (no kernel of the step writes them), their x
+    // after: copy group 0 holds those weights and stage 0's x, group p stage p's x.
+    const u32 s0 = i_w, s1 = i_u, s2 = i_slot, s3 = left;
+    for (u32 p = 0; p + 1 < NS; ++p) { issue_w(); advance(); }
+    i_w = s0; i_u = s1; i_slot = s2; left = s3;
+    pdl_wait();
+    auto issue_x = [&]() {
+        if (!left) return;
+        uint4* st = ring + i_slot * STAGE + SW;
+#pragma unroll
+        for (u32 i = 0; i < CX; ++i) {
+            const u32 L = tid + 128 * i, r = L / 16, c = L % 16, xc = i_u * 16 + c, m = p0 + r;
+            const bool ok = m < M && xc < K / 8;
+            cp_async_stream(st + r * 16 + c, x + (u64)(m < M ? m : 0) * xs + (ok ? xc : 0) * 8u, ok);
+        }
+    };
+    for (u32 p = 0; p + 1 < NS; ++p) { issue_x(); advance(); cp_async_commit(); }
+
+    const u32 xw_addr = (u32)__cvta_generic_to_shared(xw);
+    const u64 srow = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128);   // this tile's 128-row scale block
+    float v[NJ][4] = {}, bs[NJ][4] = {};
+    u32 cslot = 0;
+    for (u32 w = 0; w < kw; ++w) {
+        float acc[NJ][4] = {};
+        for (u32 u = w; u < NU; u += kw) {
+            cp_async_wait_n(NS - 2);   // this thread's copies of the stage have landed
+            __syncthreads();           // everyone's have; everyone is done with the last unit (xw and its slot)
+            issue_w();
+            issue_x();
+            advance();
+            cp_async_commit();         // an empty group past the end keeps the wait count uniform
+            const uint4* st = ring + cslot * STAGE;
+            if (++cslot == NS) cslot = 0;
+            // raw x chunk c16 of row r (k 8 c16 .. + 7) holds words i = 2 (c16 & 1) + h of fp8 chunk c16 / 2
+#pragma unroll
+            for (u32 i = 0; i < CX; ++i) {
+                const u32 L = tid + 128 * i, r = L / 16, c16 = L % 16, c = c16 >> 1, s = c >> 2, tc = c & 3;
+                const uint4 q = st[SW + r * 16 + c16];
+                u32* const dst = (u32*)xw + (r >> 3) * 64 + (r & 7) * 4 + tc;   // core matrix row r, column pair t
+#pragma unroll
+                for (u32 h = 0; h < 2; ++h) {
+                    const u32 lo = h ? q.z : q.x, hi = h ? q.w : q.y, blk = s * 4 + 2 * (c16 & 1) + h;
+                    dst[blk * NX * 8] = __byte_perm(lo, hi, 0x5410);        // k q = 0, 2: columns 2t, 2t + 1
+                    dst[blk * NX * 8 + 32] = __byte_perm(lo, hi, 0x7632);   // q = 1, 3: columns 2t + 8, 2t + 9
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // wgmma reads xw through the async proxy
+            __syncthreads();
+            const float f = F == FP8_BLOCK ? __ldg((const float*)S + srow + u) : e8m0_to_f(__ldg((const u8*)S + srow + u));
+#pragma unroll
+            for (u32 s = 0; s < 2; ++s) {
+                if (u * CH + 4 * s >= KCH) break;   // block-uniform: the step lies past K
+                const u32 pc = (4 * s + t) ^ ((g & 1) << 2);
+                const uint4 wv[2] = {st[(16 * wq + g) * CH + pc], st[(16 * wq + g + 8) * CH + pc]};
+                const u32 sc[2][2] = {};
+                u32 a[4][4];
+#pragma unroll
+                for (u32 mi = 0; mi < 4; ++mi) frag_a<F>(wv, sc, mi, a[mi]);
+                float tmp[NJ][4] = {};   // mma_stream's fresh step sum (its mmas add to +0)
+                wg_fence();
+#pragma unroll
+                for (u32 mi = 0; mi < 4; ++mi) wg_mma<NX>(tmp, a[mi], wg_desc(xw_addr + (s * 4 + mi) * NX * 32), true);
+                wg_wait();
+#pragma unroll
+                for (u32 j = 0; j < NJ; ++j)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) acc[j][e] = fmaf(tmp[j][e], f, acc[j][e]);
+            }
+        }
+        // gemv.cu's fold: a rank's slices in slice order, then the rank sums in rank order
+        const u32 q8 = w % fks;
+#pragma unroll
+        for (u32 j = 0; j < NJ; ++j)
+#pragma unroll
+            for (u32 e = 0; e < 4; ++e) bs[j][e] = q8 ? bs[j][e] + acc[j][e] : acc[j][e];
+        if (q8 == fks - 1) {
+            const bool first = w < fks;
+#pragma unroll
+            for (u32 j = 0; j < NJ; ++j)
+#pragma unroll
+                for (u32 e = 0; e < 4; ++e) v[j][e] = first ? bs[j][e] : v[j][e] + bs[j][e];
+        }
+    }
+    // C fragment element e of n-tile j: weight row 16 q + g + 8 (e >> 1), x row 8 j + 2t + (e & 1)
+#pragma unroll
+    for (u32 j = 0; j < NJ; ++j)
+#pragma unroll
+        for (u32 e = 0; e < 4; ++e) {
+            const u32 m = p0 + 8 * j + 2 * t + (e & 1), n = row0 + 16 * wq + g + 8 * (e >> 1);
+            if (m < M && n < N) store_out(y, (u64)m * ys + n, v[j][e], out_f32);
+        }
+}
+
+// One signature: W e4m3 [N, K], its 128 x 128 block scales, the 8-row plan's ks (fks) and ks * kb (kw), then the
+// shared tail of gemv.cu. NX (x rows a pass) = 16, 32 or 64, the launcher's: the fewest that cover M / gridDim.y.
+#define WG_KERNEL(NAME, F_, ST)                                                                               \
+    extern "C" __global__ __launch_bounds__(128) void NAME(const u8* W, ST scale, u32 fks, u32 kw, const u16* x, \
+                                                           void* y, u32 M, u32 N, u32 K, u32 x_stride,         \
+                                                           u32 y_stride, u32 out_f32)                          \
+    {                                                                                                         \
+        pdl_trigger();                                                                                        \
+        const u32 per = (M + gridDim.y - 1) / gridDim.y;                                                      \
+        if (per <= 16) wg_body<F_, 16>(W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32);        \
+        else if (per <= 32) wg_body<F_, 32>(W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32);   \
+        else wg_body<F_, 64>(W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32);                  \
+    }
+WG_KERNEL(w8a16_gemv_wg, FP8_BLOCK, const float*)
+WG_KERNEL(w8a16_gemv_e8m0_wg, FP8_BLOCK_E8M0, const u8*)
+#undef WG_KERNEL
