@@ -5,13 +5,16 @@
 // registers gives the bits of mma.sync m16n8k16 on the same fragments (measured: BENCHMARKS.md, 2026-12-07);
 // one instruction multiplies 64 weight rows by up to 64 x rows, where mma.sync takes 8 x rows a warp.
 //
-// Grid (tiles, passes): block (tile, pass) owns weight rows 64 tile .. + 63 and x rows NX pass .. + NX - 1; one
-// warpgroup (128 threads), warp q holding rows 16 q .. + 15 as mma.sync's A fragments. The block walks the plan's
-// kw = ks * kb slices in fold order, slice w's units w, w + kw, ... (a unit: 128 k, two steps of four k16), and
-// folds as gemv.cu does: the ks slices of each rank in slice order, then those rank sums in rank order.
-// Dynamic shared memory: xw (the unit's x as wgmma's B, [8 k16 blocks][NX rows][16 k] in 8 x 8 core matrices),
-// then a cp.async ring of NS stages, each the unit's weights W [64 rows][8 chunks] (chunk c of row r at
-// r * 8 + (c ^ 4 (r & 1)), as mma_stream's ring) and its raw x rows [NX][16 chunks of 8 bf16].
+// Grid (tiles, CB, passes) in clusters (1, CB, 1): block (tile, rank, pass) owns weight rows 64 tile .. + 63 and x
+// rows NX pass .. + NX - 1; one warpgroup (128 threads), warp q holding rows 16 q .. + 15 as mma.sync's A
+// fragments. The plan's kw = ks * kb slices are shared by the CB ranks, L = kw / CB each: rank r walks slices
+// r L .. r L + L - 1 one after another, slice w's units w, w + kw, ... (a unit: 128 k, two steps of four k16), and
+// keeps each slice's sums; then the cluster folds them as gemv.cu does (the ks slices of each 8-row rank in slice
+// order, then those rank sums in rank order), each rank folding a share of the C fragment's elements over DSMEM.
+// Dynamic shared memory: the slice sums part [L][NX / 2][128 threads] f32, xw (the unit's x as wgmma's B, [8 k16
+// blocks][NX rows][16 k] in 8 x 8 core matrices), then a cp.async ring of NS stages, each the unit's weights
+// W [64 rows][8 chunks] (chunk c of row r at r * 8 + (c ^ 4 (r & 1)), as mma_stream's ring) and its raw x rows
+// [NX][16 chunks of 8 bf16], permuted into xw once the stage has landed.
 // Block (s, i) of xw is the k16 that mma i of step s multiplies: for t = 0..3 the k (4 s + t) * 16 + 4 i + q,
 // q = 0, 2 as k columns 2t, 2t + 1 and q = 1, 3 as 2t + 8, 2t + 9 (frag_a's e4m3 pairs, frag_b's x pairs).
 #include "common.cuh"
@@ -69,59 +72,67 @@ template <int F, int NX>
 __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32 kw, const u16* x, void* y, u32 M,
                                         u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
 {
-    constexpr u32 KC = 16, CH = 8, NJ = NX / 8, SW = WG_ROWS * CH, SX = NX * 16, STAGE = SW + SX;  // uint4
+    constexpr u32 KC = 16, CH = 8, NJ = NX / 8, E = NJ * 4, SW = WG_ROWS * CH, SX = NX * 16, STAGE = SW + SX;  // uint4
     constexpr u32 CW = SW / 128, CX = SX / 128;   // copies a thread per stage
     const u32 tid = threadIdx.x, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t = lane & 3;
     const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH;
-    const u32 row0 = blockIdx.x * WG_ROWS, p0 = blockIdx.y * NX;
-    uint4* const xw = g_dsm;
-    uint4* const ring = g_dsm + SX;
-    const u32 NS = (dyn_smem_bytes() / 16 - SX) / STAGE;   // >= 2 (launcher)
+    const u32 CB = gridDim.y, kr = blockIdx.y, L = kw / CB;   // cluster size and rank; slices kr L .. + L - 1 here
+    const u32 row0 = blockIdx.x * WG_ROWS, p0 = blockIdx.z * NX;
+    float* const part = (float*)g_dsm;                         // [L][E][128]: each slice's sums
+    uint4* const xw = g_dsm + L * E * 32;
+    uint4* const ring = xw + SX;
+    const u32 NS = (dyn_smem_bytes() / 16 - L * E * 32 - SX) / STAGE;   // >= 2 (launcher)
+    auto units = [&](u32 w) -> u32 { return w < NU ? (NU - 1 - w) / kw + 1 : 0; };
+    u32 total = 0;
+    for (u32 l = 0; l < L; ++l) total += units(kr * L + l);
 
-    u32 i_w = 0, i_u = 0, i_slot = 0, left = NU;           // the next stage to issue: slice, unit, ring slot
+    u32 i_l = 0, i_u = kr * L, i_slot = 0, left = total;   // the next stage to issue: slice, unit, ring slot
+    const u32 wr = tid / CH, wc = tid % CH;                  // weight copies: rows wr + 16 i, chunk wc
     auto issue_w = [&]() {
         if (!left) return;
         uint4* st = ring + i_slot * STAGE;
+        const u32 ch = i_u * CH + wc;
 #pragma unroll
         for (u32 i = 0; i < CW; ++i) {
-            const u32 L = tid + 128 * i, r = L / CH, cc = L % CH, ch = i_u * CH + cc;
-            const bool ok = ch < KCH;
-            cp_async_stream(st + r * CH + (cc ^ ((r & 1) << 2)), W + (u64)min(row0 + r, N - 1) * K + (ok ? ch : 0) * 16u,
-                            ok);
+            const u32 r = wr + 16 * i;
+            const bool ok = ch < KCH && row0 + r < N;
+            cp_async_stream(st + r * CH + (wc ^ ((r & 1) << 2)), W + (ok ? (u64)(row0 + r) * K + ch * 16u : 0), ok);
         }
     };
     auto advance = [&]() {
         if (!left) return;
         --left;
         i_u += kw;
-        if (i_u >= NU) i_u = ++i_w;
+        if (i_u >= NU) i_u = kr * L + ++i_l;
         if (++i_slot == NS) i_slot = 0;
     };
     // The first NS - 1 stages' weights go out before the PDL wait (no kernel of the step writes them), their x
     // after: copy group 0 holds those weights and stage 0's x, group p stage p's x.
-    const u32 s0 = i_w, s1 = i_u, s2 = i_slot, s3 = left;
+    const u32 s0 = i_l, s1 = i_u, s2 = i_slot, s3 = left;
     for (u32 p = 0; p + 1 < NS; ++p) { issue_w(); advance(); }
-    i_w = s0; i_u = s1; i_slot = s2; left = s3;
+    i_l = s0; i_u = s1; i_slot = s2; left = s3;
     pdl_wait();
+    const u32 xr = tid / 16, xc = tid % 16;                  // raw x copies: rows xr + 8 i, chunk xc
     auto issue_x = [&]() {
         if (!left) return;
         uint4* st = ring + i_slot * STAGE + SW;
+        const u32 c = i_u * 16 + xc;
 #pragma unroll
         for (u32 i = 0; i < CX; ++i) {
-            const u32 L = tid + 128 * i, r = L / 16, c = L % 16, xc = i_u * 16 + c, m = p0 + r;
-            const bool ok = m < M && xc < K / 8;
-            cp_async_stream(st + r * 16 + c, x + (u64)(m < M ? m : 0) * xs + (ok ? xc : 0) * 8u, ok);
+            const u32 m = p0 + xr + 8 * i;
+            const bool ok = m < M && c < K / 8;
+            cp_async_stream(st + (xr + 8 * i) * 16 + xc, x + (ok ? (u64)m * xs + c * 8u : 0), ok);
         }
     };
     for (u32 p = 0; p + 1 < NS; ++p) { issue_x(); advance(); cp_async_commit(); }
 
     const u32 xw_addr = (u32)__cvta_generic_to_shared(xw);
     const u64 srow = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128);   // this tile's 128-row scale block
-    float v[NJ][4] = {}, bs[NJ][4] = {};
+    const u32 pr = tid / 4, pt = tid % 4;   // the permute: row pr (+ 32 ii) and column pair pt of every k16 block
     u32 cslot = 0;
-    for (u32 w = 0; w < kw; ++w) {
+    for (u32 l = 0; l < L; ++l) {
         float acc[NJ][4] = {};
-        for (u32 u = w; u < NU; u += kw) {
+        for (u32 u = kr * L + l; u < NU; u += kw) {
             cp_async_wait_n(NS - 2);   // this thread's copies of the stage have landed
             __syncthreads();           // everyone's have; everyone is done with the last unit (xw and its slot)
             issue_w();
@@ -130,22 +141,30 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
             cp_async_commit();         // an empty group past the end keeps the wait count uniform
             const uint4* st = ring + cslot * STAGE;
             if (++cslot == NS) cslot = 0;
-            // raw x chunk c16 of row r (k 8 c16 .. + 7) holds words i = 2 (c16 & 1) + h of fp8 chunk c16 / 2
+            const float f = F == FP8_BLOCK ? __ldg((const float*)S + srow + u) : e8m0_to_f(__ldg((const u8*)S + srow + u));
+            // raw chunk 8 s + 2 pt + hh of a row (k 8 c16 .. + 7, c16 = 8 s + 2 pt + hh) holds words 2 hh, 2 hh + 1
+            // of fp8 chunk 4 s + pt: the k of blocks (s, 2 hh + h), column pair pt (conflict-free stores: a warp
+            // covers 8 rows x 4 column pairs)
 #pragma unroll
-            for (u32 i = 0; i < CX; ++i) {
-                const u32 L = tid + 128 * i, r = L / 16, c16 = L % 16, c = c16 >> 1, s = c >> 2, tc = c & 3;
-                const uint4 q = st[SW + r * 16 + c16];
-                u32* const dst = (u32*)xw + (r >> 3) * 64 + (r & 7) * 4 + tc;   // core matrix row r, column pair t
+            for (u32 ii = 0; ii < (NX + 31) / 32; ++ii) {
+                const u32 r = pr + 32 * ii;
+                if (r >= NX) break;
+                u32* const dst = (u32*)xw + (r >> 3) * 64 + (r & 7) * 4 + pt;
 #pragma unroll
-                for (u32 h = 0; h < 2; ++h) {
-                    const u32 lo = h ? q.z : q.x, hi = h ? q.w : q.y, blk = s * 4 + 2 * (c16 & 1) + h;
-                    dst[blk * NX * 8] = __byte_perm(lo, hi, 0x5410);        // k q = 0, 2: columns 2t, 2t + 1
-                    dst[blk * NX * 8 + 32] = __byte_perm(lo, hi, 0x7632);   // q = 1, 3: columns 2t + 8, 2t + 9
-                }
+                for (u32 s = 0; s < 2; ++s)
+#pragma unroll
+                    for (u32 hh = 0; hh < 2; ++hh) {
+                        const uint4 q = st[SW + r * 16 + 8 * s + 2 * pt + hh];
+#pragma unroll
+                        for (u32 h = 0; h < 2; ++h) {
+                            const u32 lo = h ? q.z : q.x, hi = h ? q.w : q.y, blk = s * 4 + 2 * hh + h;
+                            dst[blk * NX * 8] = __byte_perm(lo, hi, 0x5410);        // k q = 0, 2: columns 2t, 2t + 1
+                            dst[blk * NX * 8 + 32] = __byte_perm(lo, hi, 0x7632);   // q = 1, 3: columns 2t + 8, 2t + 9
+                        }
+                    }
             }
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // wgmma reads xw through the async proxy
             __syncthreads();
-            const float f = F == FP8_BLOCK ? __ldg((const float*)S + srow + u) : e8m0_to_f(__ldg((const u8*)S + srow + u));
 #pragma unroll
             for (u32 s = 0; s < 2; ++s) {
                 if (u * CH + 4 * s >= KCH) break;   // block-uniform: the step lies past K
@@ -166,39 +185,44 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
                     for (u32 e = 0; e < 4; ++e) acc[j][e] = fmaf(tmp[j][e], f, acc[j][e]);
             }
         }
-        // gemv.cu's fold: a rank's slices in slice order, then the rank sums in rank order
-        const u32 q8 = w % fks;
 #pragma unroll
         for (u32 j = 0; j < NJ; ++j)
 #pragma unroll
-            for (u32 e = 0; e < 4; ++e) bs[j][e] = q8 ? bs[j][e] + acc[j][e] : acc[j][e];
-        if (q8 == fks - 1) {
-            const bool first = w < fks;
-#pragma unroll
-            for (u32 j = 0; j < NJ; ++j)
-#pragma unroll
-                for (u32 e = 0; e < 4; ++e) v[j][e] = first ? bs[j][e] : v[j][e] + bs[j][e];
-        }
+            for (u32 e = 0; e < 4; ++e) part[(l * E + j * 4 + e) * 128 + tid] = acc[j][e];
     }
-    // C fragment element e of n-tile j: weight row 16 q + g + 8 (e >> 1), x row 8 j + 2t + (e & 1)
-#pragma unroll
-    for (u32 j = 0; j < NJ; ++j)
-#pragma unroll
-        for (u32 e = 0; e < 4; ++e) {
-            const u32 m = p0 + 8 * j + 2 * t + (e & 1), n = row0 + 16 * wq + g + 8 * (e >> 1);
-            if (m < M && n < N) store_out(y, (u64)m * ys + n, v[j][e], out_f32);
+    // gemv.cu's fold of slice w = b8 fks + q8 (held by rank w / L): a rank's slices in slice order, then the rank
+    // sums in rank order. Rank kr folds elements kr, kr + CB, ... of every thread's C fragment (each thread its own).
+    if (CB > 1) cluster_sync();
+    const u32 fkb = kw / fks;
+    for (u32 e = kr; e < E; e += CB) {
+        float v = 0.f;
+        for (u32 b8 = 0; b8 < fkb; ++b8) {
+            float bs = 0.f;
+            for (u32 q8 = 0; q8 < fks; ++q8) {
+                const u32 w = b8 * fks + q8, rank = w / L;
+                const float* p = part + ((w % L) * E + e) * 128 + tid;
+                const float sv = rank == kr ? *p : ld_cluster_f32(p, rank);
+                bs = q8 ? bs + sv : sv;
+            }
+            v = b8 ? v + bs : bs;
         }
+        // C fragment element e = 4 j + e4 of n-tile j: weight row 16 q + g + 8 (e4 >> 1), x row 8 j + 2t + (e4 & 1)
+        const u32 m = p0 + 8 * (e / 4) + 2 * t + (e & 1), n = row0 + 16 * wq + g + 8 * ((e >> 1) & 1);
+        if (m < M && n < N) store_out(y, (u64)m * ys + n, v, out_f32);
+    }
+    if (CB > 1) cluster_sync();   // the others' reads of this block's sums are done: it may exit
 }
 
 // One signature: W e4m3 [N, K], its 128 x 128 block scales, the 8-row plan's ks (fks) and ks * kb (kw), then the
-// shared tail of gemv.cu. NX (x rows a pass) = 16, 32 or 64, the launcher's: the fewest that cover M / gridDim.y.
+// shared tail of gemv.cu. Grid (tiles, cluster size, passes) in clusters (1, CB, 1); NX (x rows a pass) = 16, 32 or
+// 64, the launcher's: the fewest that cover M / gridDim.z.
 #define WG_KERNEL(NAME, F_, ST)                                                                               \
-    extern "C" __global__ __launch_bounds__(128) void NAME(const u8* W, ST scale, u32 fks, u32 kw, const u16* x, \
+    extern "C" __global__ __launch_bounds__(128, 3) void NAME(const u8* W, ST scale, u32 fks, u32 kw, const u16* x, \
                                                            void* y, u32 M, u32 N, u32 K, u32 x_stride,         \
                                                            u32 y_stride, u32 out_f32)                          \
     {                                                                                                         \
         pdl_trigger();                                                                                        \
-        const u32 per = (M + gridDim.y - 1) / gridDim.y;                                                      \
+        const u32 per = (M + gridDim.z - 1) / gridDim.z;                                                      \
         if (per <= 16) wg_body<F_, 16>(W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32);        \
         else if (per <= 32) wg_body<F_, 32>(W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32);   \
         else wg_body<F_, 64>(W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32);                  \

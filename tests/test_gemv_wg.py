@@ -130,17 +130,23 @@ def test_linear_invariant_routes_9_to_64_rows_to_wg(dev, rng, fmt, monkeypatch):
 
 
 def test_wg_plan_and_errors(dev, rng):
-    """The pass width fills the GPU (nx halves while tiles x passes leave multiprocessors idle, never wider than
-    m needs); bad arguments are KernelErrors naming the problem."""
+    """The cluster takes the largest divisor <= 8 of the split's slices; the pass is the widest whose slice sums,
+    x and ring fit two blocks a multiprocessor, halved while the blocks leave multiprocessors idle (never wider
+    than m needs); bad arguments are KernelErrors naming the problem."""
+    from mtp_cupy.ops.gemv_wg import WG_SMEM, wg_smem
     sms = ops.gemv._sms(dev)
     wide = plan_wg(dev, 64 * sms, 64)             # tiles alone fill the GPU: one 64-row pass
-    assert (wide.nx, wide.passes, wide.tiles) == (64, 1, sms)
+    assert (wide.nx, wide.passes, wide.tiles, wide.cb, wide.stages) == (64, 1, sms, 1, 3)
+    assert wide.smem == wg_smem(64, 3, 1) <= WG_SMEM < wg_smem(64, 4, 1)
     half = plan_wg(dev, 64 * (sms // 2 + 1), 64)  # two passes of 32 rows do
     assert (half.nx, half.passes) == (32, 2)
-    assert plan_wg(dev, 512, 64).nx == 16 and plan_wg(dev, 512, 64).passes == 4
+    assert (plan_wg(dev, 512, 64).nx, plan_wg(dev, 512, 64).passes) == (16, 4)
+    wkv = plan_wg(dev, 512, 64, ks=7, kb=8)       # 56 slices: clusters of 8, 7 slice sums a block
+    assert (wkv.cb, wkv.nx, wkv.passes, wkv.stages) == (8, 32, 2, 3)
+    assert plan_wg(dev, 4096, 64, ks=14, kb=2).cb == 7 and plan_wg(dev, 4096, 64, ks=5).cb == 5
     assert plan_wg(dev, 64 * sms, 12).nx == 16 and plan_wg(dev, 64 * sms, 30).nx == 32
-    assert plan_wg(dev, 4096, 64, nx=64, stages=2).smem == 16 * (64 * 16 + 2 * (64 * 8 + 64 * 16))
-    for bad in ({"nx": 8}, {"stages": 1}, {"stages": 9}):
+    assert plan_wg(dev, 4096, 64, nx=64, stages=2).smem == wg_smem(64, 2, 1)
+    for bad in ({"nx": 8}, {"stages": 1}, {"stages": 9}, {"nx": 64, "ks": 7, "kb": 8}):
         with pytest.raises(KernelError, match="plan_wg"):
             plan_wg(dev, 4096, 64, **bad)
     with pytest.raises(KernelError, match="m=65"):

@@ -2,9 +2,10 @@
 
 Each row sums as the 8-row streaming kernel sums it under a k-split (ks, kb) (gemv.cu, `plan_gemv`), so
 linear(invariant) runs them under `invariant_tune`'s split and a row's bits do not depend on m. A block is one
-warpgroup of 64 weight rows and NX x rows (16, 32 or 64: the plan's), walking every k unit of the split in the
-fold's order; the grid is (ceil(n / 64) tiles, ceil(m / NX) passes), the passes of a tile side by side so that
-all but one find its weights in L2."""
+warpgroup of 64 weight rows and NX x rows (16, 32 or 64: the plan's); the ks * kb slices of the split are shared
+by the CB blocks of a cluster (CB the largest divisor <= 8), each walking its slices' units and keeping each
+slice's sums, which the cluster then folds in the 8-row kernel's order. Grid (ceil(n / 64) tiles, CB,
+ceil(m / NX) passes)."""
 from __future__ import annotations
 
 import functools
@@ -18,16 +19,17 @@ __all__ = ["WG_KERNELS", "WG_MAX_M", "WgPlan", "plan_wg", "wg_runs", "w8a16_gemv
 WG_KERNELS = {"fp8_block": "w8a16_gemv_wg", "fp8_block_e8m0": "w8a16_gemv_e8m0_wg"}
 WG_MAX_M = 64             # x rows a launch takes
 WG_ROWS = 64              # weight rows a block (kernel WG_ROWS)
-WG_STAGES = 4             # ring stages (3 units in flight while one is multiplied)
+WG_STAGES = (4, 3, 2)     # ring depths tried, deepest first (depth - 1 units in flight while one is multiplied)
+WG_SMEM = 113 * 1024      # shared memory a block may take: two blocks a multiprocessor
 WG_FILL = 0.9             # blocks per multiprocessor below which the plan halves NX (more passes, more blocks)
-_NX = (64, 32, 16)
 
 
 @dataclass(frozen=True)
 class WgPlan:
     nx: int       # x rows a pass (the kernel's wgmma n)
-    passes: int   # grid.y
+    passes: int   # grid.z
     tiles: int    # grid.x
+    cb: int       # grid.y = cluster.y: blocks sharing a tile's k slices
     stages: int
     smem: int     # dynamic shared memory bytes
 
@@ -38,31 +40,37 @@ def wg_runs(gpu: Backend) -> bool:
     return not gpu.is_cuda or getattr(gpu, "compute_capability", 0) == 90
 
 
-def wg_smem(nx: int, stages: int) -> int:
-    """Dynamic shared memory of a plan: x as wgmma's B (nx x 128 k bf16), then the ring of weights + raw x."""
-    return 16 * (nx * 16 + stages * (WG_ROWS * 8 + nx * 16))
+def wg_smem(nx: int, stages: int, slices: int) -> int:
+    """Dynamic shared memory of a plan: each of the block's `slices` slice sums (64 x nx f32), x as wgmma's B
+    (nx x 128 k bf16), then the ring of weights (64 x 128 B) and raw x (nx x 256 B)."""
+    return 16 * (16 * slices * nx + nx * 16 + stages * (WG_ROWS * 8 + nx * 16))
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_wg(n: int, m: int, sms: int, nx: int | None, stages: int | None) -> WgPlan:
+def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, stages: int | None) -> WgPlan:
     tiles = -(-n // WG_ROWS)
-    if nx is None:   # the widest pass that still gives every multiprocessor about a block
-        nx = next((c for c in _NX if c >= 16 and tiles * -(-m // c) >= WG_FILL * sms), 16)
-        while nx > 16 and nx // 2 >= m:
-            nx //= 2
-    s = WG_STAGES if stages is None else stages
-    return WgPlan(nx, -(-m // nx), tiles, s, wg_smem(nx, s))
+    cb = max(c for c in range(1, max_kb + 1) if kw % c == 0)
+    fit = [(c, s) for c in (64, 32, 16) if (c < 2 * max(m, 16) if nx is None else c == nx)
+           for s in (WG_STAGES if stages is None else (stages,)) if wg_smem(c, s, kw // cb) <= WG_SMEM]
+    need(fit, f"plan_wg: no plan fits {WG_SMEM} bytes of shared memory for {kw} slices (nx {nx}, stages {stages})")
+    c, s = fit[0]
+    if nx is None:   # halve the pass while the blocks leave multiprocessors idle
+        while c > 16 and tiles * cb * -(-m // c) < WG_FILL * sms:
+            c //= 2
+        s = next(d for cc, d in fit if cc == c)
+    return WgPlan(nx=c, passes=-(-m // c), tiles=tiles, cb=cb, stages=s, smem=wg_smem(c, s, kw // cb))
 
 
-def plan_wg(gpu: Backend, n: int, m: int, nx: int | None = None, stages: int | None = None) -> WgPlan:
-    """The launch plan of the wgmma GEMV for n weight rows and m x rows; `nx` (16, 32 or 64) and `stages`
-    (2..8) fix its choices (benchmarks)."""
-    from .gemv import _sms
+def plan_wg(gpu: Backend, n: int, m: int, ks: int = 1, kb: int = 1, nx: int | None = None,
+            stages: int | None = None) -> WgPlan:
+    """The launch plan of the wgmma GEMV for n weight rows, m x rows and the 8-row plan's k-split (ks, kb); `nx`
+    (16, 32 or 64) and `stages` (2..8) fix its choices (benchmarks)."""
+    from .gemv import _max_kb, _sms
     need(nx in (None, 16, 32, 64), f"plan_wg: nx {nx!r} must be 16, 32 or 64 (None: the planner's)")
     need(stages is None or (isinstance(stages, int) and 2 <= stages <= 8),
          f"plan_wg: stages {stages!r} must be an int in 2..8 (None: the planner's)")
     need(1 <= int(m) <= WG_MAX_M, f"plan_wg: m={m} outside 1..{WG_MAX_M}")
-    return _plan_wg(int(n), int(m), _sms(gpu), nx, stages)
+    return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages)
 
 
 def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages):
@@ -74,10 +82,12 @@ def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream
     need(int(scale) != 0, f"{name}: scale pointer is NULL")
     for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
         need(isinstance(v, int) and 1 <= v <= hi, f"{name}: {what} {v!r} outside 1..{hi}")
-    p = plan_wg(gpu, n, m, nx, stages)
-    launch(gpu, "gemv_wg", name).arg_ptr(w).arg_ptr(scale).arg_u32(ks).arg_u32(ks * kb).arg_ptr(x).arg_ptr(y) \
-        .arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32) \
-        .grid(p.tiles, p.passes).block(128).shared(p.smem).launch(stream)
+    p = plan_wg(gpu, n, m, ks, kb, nx, stages)
+    l = launch(gpu, "gemv_wg", name).arg_ptr(w).arg_ptr(scale).arg_u32(ks).arg_u32(ks * kb).arg_ptr(x).arg_ptr(y) \
+        .arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
+    if p.cb > 1:
+        l.cluster(1, p.cb)
+    l.grid(p.tiles, p.cb, p.passes).block(128).shared(p.smem).launch(stream)
 
 
 def w8a16_gemv_wg(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1, kb=1,
