@@ -68,6 +68,12 @@ template <> __device__ __forceinline__ void wg_mma<64>(float (&d)[8][4], const u
 template <int NX> __device__ __forceinline__ void wg_mma(float (&)[NX / 8][4], const u32*, u64, bool) { __trap(); }
 #endif
 
+// cp_async_stream on a shared-space address (the callers keep their destinations as such: no conversion a copy).
+__device__ __forceinline__ void cp_async_at(u32 saddr, const void* gmem, bool ok) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(saddr), "l"(gmem), "r"(ok ? 16 : 0)
+                 : "memory");
+}
+
 template <int F, int NX>
 __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32 kw, const u16* x, void* y, u32 M,
                                         u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
@@ -87,16 +93,21 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     for (u32 l = 0; l < L; ++l) total += units(kr * L + l);
 
     u32 i_l = 0, i_u = kr * L, i_slot = 0, left = total;   // the next stage to issue: slice, unit, ring slot
-    const u32 wr = tid / CH, wc = tid % CH;                  // weight copies: rows wr + 16 i, chunk wc
+    // weight copies: rows wr + 16 i, chunk wc of the unit (ring row r's chunk c at r * 8 + (c ^ 4 (r & 1)))
+    const u32 wr = tid / CH, wc = tid % CH, ring_s = (u32)__cvta_generic_to_shared(ring);
+    const u32 w_dst = ring_s + 16 * (wr * CH + (wc ^ ((wr & 1) << 2)));
+    const u8* const w_src = W + (u64)(row0 + wr) * K + wc * 16;
+    u32 w_rows = 0;   // bit i: row wr + 16 i is a weight row
+#pragma unroll
+    for (u32 i = 0; i < CW; ++i) w_rows |= (u32)(row0 + wr + 16 * i < N) << i;
     auto issue_w = [&]() {
         if (!left) return;
-        uint4* st = ring + i_slot * STAGE;
-        const u32 ch = i_u * CH + wc;
+        const u32 dst = w_dst + i_slot * STAGE * 16;
+        const bool kok = i_u * CH + wc < KCH;
 #pragma unroll
         for (u32 i = 0; i < CW; ++i) {
-            const u32 r = wr + 16 * i;
-            const bool ok = ch < KCH && row0 + r < N;
-            cp_async_stream(st + r * CH + (wc ^ ((r & 1) << 2)), W + (ok ? (u64)(row0 + r) * K + ch * 16u : 0), ok);
+            const bool ok = kok && (w_rows >> i & 1);
+            cp_async_at(dst + i * 16 * CH * 16, ok ? w_src + (u64)16 * i * K + i_u * 128u : W, ok);
         }
     };
     auto advance = [&]() {
@@ -112,16 +123,20 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     for (u32 p = 0; p + 1 < NS; ++p) { issue_w(); advance(); }
     i_l = s0; i_u = s1; i_slot = s2; left = s3;
     pdl_wait();
-    const u32 xr = tid / 16, xc = tid % 16;                  // raw x copies: rows xr + 8 i, chunk xc
+    // raw x copies: rows xr + 8 i, chunk xc (8 bf16) of the unit
+    const u32 xr = tid / 16, xc = tid % 16, x_dst = ring_s + 16 * (SW + xr * 16 + xc);
+    const u16* const x_src = x + (u64)(p0 + xr) * xs + xc * 8;
+    u32 x_rows = 0;   // bit i: row p0 + xr + 8 i is an x row
+#pragma unroll
+    for (u32 i = 0; i < CX; ++i) x_rows |= (u32)(p0 + xr + 8 * i < M) << i;
     auto issue_x = [&]() {
         if (!left) return;
-        uint4* st = ring + i_slot * STAGE + SW;
-        const u32 c = i_u * 16 + xc;
+        const u32 dst = x_dst + i_slot * STAGE * 16;
+        const bool kok = i_u * 16 + xc < K / 8;
 #pragma unroll
         for (u32 i = 0; i < CX; ++i) {
-            const u32 m = p0 + xr + 8 * i;
-            const bool ok = m < M && c < K / 8;
-            cp_async_stream(st + (xr + 8 * i) * 16 + xc, x + (ok ? (u64)m * xs + c * 8u : 0), ok);
+            const bool ok = kok && (x_rows >> i & 1);
+            cp_async_at(dst + i * 8 * 16 * 16, ok ? x_src + (u64)8 * i * xs + i_u * 128u : x, ok);
         }
     };
     for (u32 p = 0; p + 1 < NS; ++p) { issue_x(); advance(); cp_async_commit(); }
@@ -130,6 +145,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     const u64 srow = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128);   // this tile's 128-row scale block
     const u32 pr = tid / 4, pt = tid % 4;   // the permute: row pr (+ 32 ii) and column pair pt of every k16 block
     u32 cslot = 0;
+    float tmp[NJ][4] = {};
     for (u32 l = 0; l < L; ++l) {
         float acc[NJ][4] = {};
         for (u32 u = kr * L + l; u < NU; u += kw) {
@@ -174,10 +190,11 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
                 u32 a[4][4];
 #pragma unroll
                 for (u32 mi = 0; mi < 4; ++mi) frag_a<F>(wv, sc, mi, a[mi]);
-                float tmp[NJ][4] = {};   // mma_stream's fresh step sum (its mmas add to +0)
+                // the step sum: mma_stream adds its products to +0, this overwrites (scale-d 0); the two differ only
+                // in the sign of a zero sum, which fma(sum, f, acc) cannot see (acc is never -0)
                 wg_fence();
 #pragma unroll
-                for (u32 mi = 0; mi < 4; ++mi) wg_mma<NX>(tmp, a[mi], wg_desc(xw_addr + (s * 4 + mi) * NX * 32), true);
+                for (u32 mi = 0; mi < 4; ++mi) wg_mma<NX>(tmp, a[mi], wg_desc(xw_addr + (s * 4 + mi) * NX * 32), mi > 0);
                 wg_wait();
 #pragma unroll
                 for (u32 j = 0; j < NJ; ++j)
@@ -196,13 +213,14 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     const u32 fkb = kw / fks;
     for (u32 e = kr; e < E; e += CB) {
         float v = 0.f;
+        u32 rank = 0, li = 0;   // slice w = b8 fks + q8 is slice li of rank `rank`
         for (u32 b8 = 0; b8 < fkb; ++b8) {
             float bs = 0.f;
             for (u32 q8 = 0; q8 < fks; ++q8) {
-                const u32 w = b8 * fks + q8, rank = w / L;
-                const float* p = part + ((w % L) * E + e) * 128 + tid;
+                const float* p = part + (li * E + e) * 128 + tid;
                 const float sv = rank == kr ? *p : ld_cluster_f32(p, rank);
                 bs = q8 ? bs + sv : sv;
+                if (++li == L) { li = 0; ++rank; }
             }
             v = b8 ? v + bs : bs;
         }

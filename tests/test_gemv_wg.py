@@ -63,6 +63,8 @@ def test_wg_rows_equal_the_8_row_kernel(rng, fmt):
     for ks, kb in PLANS:
         alone = run_narrow_rows(dev, fmt, arrays, x[[0, 16, 33, 63]], n, k, ks, kb)
         for m, nx, stages in ((64, 64, None), (64, 16, 2), (40, 32, 3), (17, None, None)):
+            if nx == 64 and ks * kb > 16:
+                continue   # 7 slice sums of 64 x 64 do not fit beside the ring (test_wg_plan_and_errors)
             got = run_wg(dev, fmt, arrays, x, m, n, k, k, n, ks, kb, nx=nx, stages=stages)
             pick = [r for r in (0, 16, 33, 63) if r < m]
             assert np.all(np.isfinite(got)), f"{fmt} {n}x{k} m={m}: NaN / inf (the poison survived)"
