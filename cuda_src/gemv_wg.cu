@@ -5,22 +5,25 @@
 // registers gives the bits of mma.sync m16n8k16 on the same fragments (measured: BENCHMARKS.md, 2026-12-07);
 // one instruction multiplies 64 weight rows by up to 64 x rows, where mma.sync takes 8 x rows a warp.
 //
-// Grid (tiles, CB, passes) in clusters (1, CB, 1): block (tile, rank, pass) owns weight rows 64 tile .. + 63 and x
-// rows NX pass .. + NX - 1; one warpgroup (128 threads), warp q holding rows 16 q .. + 15 as mma.sync's A
+// Grid (tiles, CB, passes) in clusters (1, CB, 1): block (tile, rank, pass) owns weight rows WG_ROWS tile .. and x
+// rows NX pass .. + NX - 1; WG_GROUPS warpgroups of 64 rows sharing the unit's x, warp q of a warpgroup holding its
+// rows 16 q .. + 15 as mma.sync's A
 // fragments. The plan's kw = ks * kb slices are shared by the CB ranks, L = kw / CB each: rank r walks slices
 // r L .. r L + L - 1 one after another, slice w's units w, w + kw, ... (a unit: 128 k, two steps of four k16), and
 // keeps each slice's sums; then the cluster folds them as gemv.cu does (the ks slices of each 8-row rank in slice
 // order, then those rank sums in rank order), each rank folding a share of the C fragment's elements over DSMEM.
-// Dynamic shared memory: the slice sums part [L][NX / 2][128 threads] f32, xw (the unit's x as wgmma's B, [8 k16
+// Dynamic shared memory: the slice sums part [L][NX / 2][threads] f32, xw (the unit's x as wgmma's B, [8 k16
 // blocks][NX rows][16 k] in 8 x 8 core matrices), then a cp.async ring of NS stages, each the unit's weights
-// W [64 rows][8 chunks] (chunk c of row r at r * 8 + (c ^ 4 (r & 1)), as mma_stream's ring) and its raw x rows
+// W [WG_ROWS][8 chunks] (chunk c of row r at r * 8 + (c ^ 4 (r & 1)), as mma_stream's ring) and its raw x rows
 // [NX][16 chunks of 8 bf16], permuted into xw once the stage has landed.
 // Block (s, i) of xw is the k16 that mma i of step s multiplies: for t = 0..3 the k (4 s + t) * 16 + 4 i + q,
 // q = 0, 2 as k columns 2t, 2t + 1 and q = 1, 3 as 2t + 8, 2t + 9 (frag_a's e4m3 pairs, frag_b's x pairs).
 #include "common.cuh"
 #include "stream_mma.cuh"
 
-#define WG_ROWS 64   // weight rows a block (one warpgroup)
+#define WG_GROUPS 2                 // warpgroups a block, 64 weight rows each, sharing the unit's x
+#define WG_ROWS (64 * WG_GROUPS)     // weight rows a block
+#define WG_THREADS (128 * WG_GROUPS)
 
 __device__ __forceinline__ u64 wg_desc(u32 addr) {  // no swizzle: K-adjacent core matrices 128 B, N-adjacent 256 B
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
@@ -79,27 +82,29 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
                                         u32 N, u32 K, u32 xs, u32 ys, u32 out_f32)
 {
     constexpr u32 KC = 16, CH = 8, NJ = NX / 8, E = NJ * 4, SW = WG_ROWS * CH, SX = NX * 16, STAGE = SW + SX;  // uint4
-    constexpr u32 CW = SW / 128, CX = SX / 128;   // copies a thread per stage
-    const u32 tid = threadIdx.x, lane = tid & 31, wq = tid >> 5, g = lane >> 2, t = lane & 3;
+    constexpr u32 NT = WG_THREADS, CW = SW / NT, CX = SX / NT;   // threads; copies a thread per stage
+    constexpr u32 WRS = NT / CH, XRS = NT / 16;                   // weight / raw x rows a copy round covers
+    const u32 tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const u32 wq = (tid >> 5) & 3, wrow = (tid >> 7) * 64 + 16 * wq;   // warp in its warpgroup; its 16 rows
     const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH;
     const u32 CB = gridDim.y, kr = blockIdx.y, L = kw / CB;   // cluster size and rank; slices kr L .. + L - 1 here
     const u32 row0 = blockIdx.x * WG_ROWS, p0 = blockIdx.z * NX;
-    float* const part = (float*)g_dsm;                         // [L][E][128]: each slice's sums
-    uint4* const xw = g_dsm + L * E * 32;
+    float* const part = (float*)g_dsm;                         // [L][E][NT]: each slice's sums
+    uint4* const xw = g_dsm + L * E * NT / 4;
     uint4* const ring = xw + SX;
-    const u32 NS = (dyn_smem_bytes() / 16 - L * E * 32 - SX) / STAGE;   // >= 2 (launcher)
+    const u32 NS = (dyn_smem_bytes() / 16 - L * E * NT / 4 - SX) / STAGE;   // >= 2 (launcher)
     auto units = [&](u32 w) -> u32 { return w < NU ? (NU - 1 - w) / kw + 1 : 0; };
     u32 total = 0;
     for (u32 l = 0; l < L; ++l) total += units(kr * L + l);
 
     u32 i_l = 0, i_u = kr * L, i_slot = 0, left = total;   // the next stage to issue: slice, unit, ring slot
-    // weight copies: rows wr + 16 i, chunk wc of the unit (ring row r's chunk c at r * 8 + (c ^ 4 (r & 1)))
+    // weight copies: rows wr + WRS i, chunk wc of the unit (ring row r's chunk c at r * 8 + (c ^ 4 (r & 1)))
     const u32 wr = tid / CH, wc = tid % CH, ring_s = (u32)__cvta_generic_to_shared(ring);
     const u32 w_dst = ring_s + 16 * (wr * CH + (wc ^ ((wr & 1) << 2)));
     const u8* const w_src = W + (u64)(row0 + wr) * K + wc * 16;
-    u32 w_rows = 0;   // bit i: row wr + 16 i is a weight row
+    u32 w_rows = 0;   // bit i: row wr + WRS i is a weight row
 #pragma unroll
-    for (u32 i = 0; i < CW; ++i) w_rows |= (u32)(row0 + wr + 16 * i < N) << i;
+    for (u32 i = 0; i < CW; ++i) w_rows |= (u32)(row0 + wr + WRS * i < N) << i;
     auto issue_w = [&]() {
         if (!left) return;
         const u32 dst = w_dst + i_slot * STAGE * 16;
@@ -107,7 +112,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
 #pragma unroll
         for (u32 i = 0; i < CW; ++i) {
             const bool ok = kok && (w_rows >> i & 1);
-            cp_async_at(dst + i * 16 * CH * 16, ok ? w_src + (u64)16 * i * K + i_u * 128u : W, ok);
+            cp_async_at(dst + i * WRS * CH * 16, ok ? w_src + (u64)WRS * i * K + i_u * 128u : W, ok);
         }
     };
     auto advance = [&]() {
@@ -123,12 +128,12 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     for (u32 p = 0; p + 1 < NS; ++p) { issue_w(); advance(); }
     i_l = s0; i_u = s1; i_slot = s2; left = s3;
     pdl_wait();
-    // raw x copies: rows xr + 8 i, chunk xc (8 bf16) of the unit
+    // raw x copies: rows xr + XRS i, chunk xc (8 bf16) of the unit
     const u32 xr = tid / 16, xc = tid % 16, x_dst = ring_s + 16 * (SW + xr * 16 + xc);
     const u16* const x_src = x + (u64)(p0 + xr) * xs + xc * 8;
     u32 x_rows = 0;   // bit i: row p0 + xr + 8 i is an x row
 #pragma unroll
-    for (u32 i = 0; i < CX; ++i) x_rows |= (u32)(p0 + xr + 8 * i < M) << i;
+    for (u32 i = 0; i < CX; ++i) x_rows |= (u32)(p0 + xr + XRS * i < M) << i;
     auto issue_x = [&]() {
         if (!left) return;
         const u32 dst = x_dst + i_slot * STAGE * 16;
@@ -136,14 +141,14 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
 #pragma unroll
         for (u32 i = 0; i < CX; ++i) {
             const bool ok = kok && (x_rows >> i & 1);
-            cp_async_at(dst + i * 8 * 16 * 16, ok ? x_src + (u64)8 * i * xs + i_u * 128u : x, ok);
+            cp_async_at(dst + i * XRS * 16 * 16, ok ? x_src + (u64)XRS * i * xs + i_u * 128u : x, ok);
         }
     };
     for (u32 p = 0; p + 1 < NS; ++p) { issue_x(); advance(); cp_async_commit(); }
 
     const u32 xw_addr = (u32)__cvta_generic_to_shared(xw);
     const u64 srow = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128);   // this tile's 128-row scale block
-    const u32 pr = tid / 4, pt = tid % 4;   // the permute: row pr (+ 32 ii) and column pair pt of every k16 block
+    const u32 pr = tid / 4, pt = tid % 4;   // the permute: row pr (+ NT / 4 ii) and column pair pt of every k16 block
     u32 cslot = 0;
     float tmp[NJ][4] = {};
     for (u32 l = 0; l < L; ++l) {
@@ -162,8 +167,8 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
             // of fp8 chunk 4 s + pt: the k of blocks (s, 2 hh + h), column pair pt (conflict-free stores: a warp
             // covers 8 rows x 4 column pairs)
 #pragma unroll
-            for (u32 ii = 0; ii < (NX + 31) / 32; ++ii) {
-                const u32 r = pr + 32 * ii;
+            for (u32 ii = 0; ii < (NX + NT / 4 - 1) / (NT / 4); ++ii) {
+                const u32 r = pr + NT / 4 * ii;
                 if (r >= NX) break;
                 u32* const dst = (u32*)xw + (r >> 3) * 64 + (r & 7) * 4 + pt;
 #pragma unroll
@@ -185,7 +190,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
             for (u32 s = 0; s < 2; ++s) {
                 if (u * CH + 4 * s >= KCH) break;   // block-uniform: the step lies past K
                 const u32 pc = (4 * s + t) ^ ((g & 1) << 2);
-                const uint4 wv[2] = {st[(16 * wq + g) * CH + pc], st[(16 * wq + g + 8) * CH + pc]};
+                const uint4 wv[2] = {st[(wrow + g) * CH + pc], st[(wrow + g + 8) * CH + pc]};
                 const u32 sc[2][2] = {};
                 u32 a[4][4];
 #pragma unroll
@@ -205,7 +210,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
 #pragma unroll
         for (u32 j = 0; j < NJ; ++j)
 #pragma unroll
-            for (u32 e = 0; e < 4; ++e) part[(l * E + j * 4 + e) * 128 + tid] = acc[j][e];
+            for (u32 e = 0; e < 4; ++e) part[(l * E + j * 4 + e) * NT + tid] = acc[j][e];
     }
     // gemv.cu's fold of slice w = b8 fks + q8 (held by rank w / L): a rank's slices in slice order, then the rank
     // sums in rank order. Rank kr folds elements kr, kr + CB, ... of every thread's C fragment (each thread its own).
@@ -217,7 +222,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
         for (u32 b8 = 0; b8 < fkb; ++b8) {
             float bs = 0.f;
             for (u32 q8 = 0; q8 < fks; ++q8) {
-                const float* p = part + (li * E + e) * 128 + tid;
+                const float* p = part + (li * E + e) * NT + tid;
                 const float sv = rank == kr ? *p : ld_cluster_f32(p, rank);
                 bs = q8 ? bs + sv : sv;
                 if (++li == L) { li = 0; ++rank; }
@@ -225,7 +230,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
             v = b8 ? v + bs : bs;
         }
         // C fragment element e = 4 j + e4 of n-tile j: weight row 16 q + g + 8 (e4 >> 1), x row 8 j + 2t + (e4 & 1)
-        const u32 m = p0 + 8 * (e / 4) + 2 * t + (e & 1), n = row0 + 16 * wq + g + 8 * ((e >> 1) & 1);
+        const u32 m = p0 + 8 * (e / 4) + 2 * t + (e & 1), n = row0 + wrow + g + 8 * ((e >> 1) & 1);
         if (m < M && n < N) store_out(y, (u64)m * ys + n, v, out_f32);
     }
     if (CB > 1) cluster_sync();   // the others' reads of this block's sums are done: it may exit
@@ -235,7 +240,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
 // shared tail of gemv.cu. Grid (tiles, cluster size, passes) in clusters (1, CB, 1); NX (x rows a pass) = 16, 32 or
 // 64, the launcher's: the fewest that cover M / gridDim.z.
 #define WG_KERNEL(NAME, F_, ST)                                                                               \
-    extern "C" __global__ __launch_bounds__(128, 3) void NAME(const u8* W, ST scale, u32 fks, u32 kw, const u16* x, \
+    extern "C" __global__ __launch_bounds__(WG_THREADS, 2) void NAME(const u8* W, ST scale, u32 fks, u32 kw, const u16* x, \
                                                            void* y, u32 M, u32 N, u32 K, u32 x_stride,         \
                                                            u32 y_stride, u32 out_f32)                          \
     {                                                                                                         \

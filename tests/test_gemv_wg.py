@@ -13,7 +13,7 @@ from helpers import assert_close, get, out, rand_bf16, up
 from test_gemv import TOL, check, make_weight
 from test_gemv_batch64 import run_narrow_rows
 from mtp_cupy import KernelError, ops
-from mtp_cupy.ops.gemv_wg import WG_KERNELS, plan_wg
+from mtp_cupy.ops.gemv_wg import WG_KERNELS, WG_SMEM, plan_wg, wg_smem
 from mtp_cupy.weights.linear import Linear
 
 FMTS = list(WG_KERNELS)
@@ -62,9 +62,10 @@ def test_wg_rows_equal_the_8_row_kernel(rng, fmt):
     x = rand_bf16(rng, (64, k))
     for ks, kb in PLANS:
         alone = run_narrow_rows(dev, fmt, arrays, x[[0, 16, 33, 63]], n, k, ks, kb)
+        cb = max(c for c in range(1, 9) if ks * kb % c == 0)
         for m, nx, stages in ((64, 64, None), (64, 16, 2), (40, 32, 3), (17, None, None)):
-            if nx == 64 and ks * kb > 16:
-                continue   # 7 slice sums of 64 x 64 do not fit beside the ring (test_wg_plan_and_errors)
+            if nx and wg_smem(nx, stages or 2, ks * kb // cb) > WG_SMEM:
+                continue   # those slice sums do not fit beside the ring (test_wg_plan_and_errors)
             got = run_wg(dev, fmt, arrays, x, m, n, k, k, n, ks, kb, nx=nx, stages=stages)
             pick = [r for r in (0, 16, 33, 63) if r < m]
             assert np.all(np.isfinite(got)), f"{fmt} {n}x{k} m={m}: NaN / inf (the poison survived)"
@@ -135,18 +136,17 @@ def test_wg_plan_and_errors(dev, rng):
     """The cluster takes the largest divisor <= 8 of the split's slices; the pass is the widest whose slice sums,
     x and ring fit two blocks a multiprocessor, halved while the blocks leave multiprocessors idle (never wider
     than m needs); bad arguments are KernelErrors naming the problem."""
-    from mtp_cupy.ops.gemv_wg import WG_SMEM, wg_smem
     sms = ops.gemv._sms(dev)
-    wide = plan_wg(dev, 64 * sms, 64)             # tiles alone fill the GPU: one 64-row pass
-    assert (wide.nx, wide.passes, wide.tiles, wide.cb, wide.stages) == (64, 1, sms, 1, 3)
-    assert wide.smem == wg_smem(64, 3, 1) <= WG_SMEM < wg_smem(64, 4, 1)
-    half = plan_wg(dev, 64 * (sms // 2 + 1), 64)  # two passes of 32 rows do
+    wide = plan_wg(dev, 128 * sms, 64)            # tiles alone fill the GPU: one 64-row pass
+    assert (wide.nx, wide.passes, wide.tiles, wide.cb, wide.stages) == (64, 1, sms, 1, 2)
+    assert wide.smem == wg_smem(64, 2, 1) <= WG_SMEM < wg_smem(64, 3, 1)
+    half = plan_wg(dev, 128 * (sms // 2 + 1), 64)  # two passes of 32 rows do
     assert (half.nx, half.passes) == (32, 2)
     assert (plan_wg(dev, 512, 64).nx, plan_wg(dev, 512, 64).passes) == (16, 4)
     wkv = plan_wg(dev, 512, 64, ks=7, kb=8)       # 56 slices: clusters of 8, 7 slice sums a block
-    assert (wkv.cb, wkv.nx, wkv.passes, wkv.stages) == (8, 32, 2, 3)
+    assert (wkv.cb, wkv.nx, wkv.passes, wkv.stages) == (8, 16, 4, 2)
     assert plan_wg(dev, 4096, 64, ks=14, kb=2).cb == 7 and plan_wg(dev, 4096, 64, ks=5).cb == 5
-    assert plan_wg(dev, 64 * sms, 12).nx == 16 and plan_wg(dev, 64 * sms, 30).nx == 32
+    assert plan_wg(dev, 128 * sms, 12).nx == 16 and plan_wg(dev, 128 * sms, 30).nx == 32
     assert plan_wg(dev, 4096, 64, nx=64, stages=2).smem == wg_smem(64, 2, 1)
     for bad in ({"nx": 8}, {"stages": 1}, {"stages": 9}, {"nx": 64, "ks": 7, "kb": 8}):
         with pytest.raises(KernelError, match="plan_wg"):

@@ -1,10 +1,10 @@
 """Launchers for cuda_src/gemv_wg.cu: the fp8 block-scale GEMVs of 9-64 x rows on wgmma (sm_90a only).
 
 Each row sums as the 8-row streaming kernel sums it under a k-split (ks, kb) (gemv.cu, `plan_gemv`), so
-linear(invariant) runs them under `invariant_tune`'s split and a row's bits do not depend on m. A block is one
-warpgroup of 64 weight rows and NX x rows (16, 32 or 64: the plan's); the ks * kb slices of the split are shared
+linear(invariant) runs them under `invariant_tune`'s split and a row's bits do not depend on m. A block is two
+warpgroups of 64 weight rows sharing NX x rows (16, 32 or 64: the plan's); the ks * kb slices of the split are shared
 by the CB blocks of a cluster (CB the largest divisor <= 8), each walking its slices' units and keeping each
-slice's sums, which the cluster then folds in the 8-row kernel's order. Grid (ceil(n / 64) tiles, CB,
+slice's sums, which the cluster then folds in the 8-row kernel's order. Grid (ceil(n / 128) tiles, CB,
 ceil(m / NX) passes)."""
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ __all__ = ["WG_KERNELS", "WG_MAX_M", "WgPlan", "plan_wg", "wg_runs", "w8a16_gemv
 
 WG_KERNELS = {"fp8_block": "w8a16_gemv_wg", "fp8_block_e8m0": "w8a16_gemv_e8m0_wg"}
 WG_MAX_M = 64             # x rows a launch takes
-WG_ROWS = 64              # weight rows a block (kernel WG_ROWS)
+WG_ROWS = 128             # weight rows a block (kernel WG_ROWS: two warpgroups of 64)
+WG_THREADS = 256
 WG_STAGES = (4, 3, 2)     # ring depths tried, deepest first (depth - 1 units in flight while one is multiplied)
 WG_SMEM = 113 * 1024      # shared memory a block may take: two blocks a multiprocessor
 WG_FILL = 0.9             # blocks per multiprocessor below which the plan halves NX (more passes, more blocks)
@@ -41,9 +42,9 @@ def wg_runs(gpu: Backend) -> bool:
 
 
 def wg_smem(nx: int, stages: int, slices: int) -> int:
-    """Dynamic shared memory of a plan: each of the block's `slices` slice sums (64 x nx f32), x as wgmma's B
-    (nx x 128 k bf16), then the ring of weights (64 x 128 B) and raw x (nx x 256 B)."""
-    return 16 * (16 * slices * nx + nx * 16 + stages * (WG_ROWS * 8 + nx * 16))
+    """Dynamic shared memory of a plan: each of the block's `slices` slice sums (WG_ROWS x nx f32), x as wgmma's
+    B (nx x 128 k bf16), then the ring of weights (WG_ROWS x 128 B) and raw x (nx x 256 B)."""
+    return 16 * (slices * nx * WG_THREADS // 8 + nx * 16 + stages * (WG_ROWS * 8 + nx * 16))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -87,7 +88,7 @@ def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream
         .arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
     if p.cb > 1:
         l.cluster(1, p.cb)
-    l.grid(p.tiles, p.cb, p.passes).block(128).shared(p.smem).launch(stream)
+    l.grid(p.tiles, p.cb, p.passes).block(WG_THREADS).shared(p.smem).launch(stream)
 
 
 def w8a16_gemv_wg(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1, kb=1,
