@@ -88,8 +88,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     const u32 wq = (tid >> 5) & 3, wrow = (tid >> 7) * 64 + 16 * wq;   // warp in its warpgroup; its 16 rows
     const u32 KCH = K / KC, NU = (KCH + CH - 1) / CH;
     const u32 CB = gridDim.y, kr = blockIdx.y, L = kw / CB;   // cluster size and rank; slices kr L .. + L - 1 here
-    const u32 T = (N + WG_ROWS - 1) / WG_ROWS, tb = blockIdx.x, NB = gridDim.x, p0 = blockIdx.z * NX;
-    const u32 ntile = tb < T ? (T - 1 - tb) / NB + 1 : 0;      // tiles tb, tb + NB, ... (the cluster's, alike)
+    const u32 row0 = blockIdx.x * WG_ROWS, p0 = blockIdx.z * NX;
     float* const part = (float*)g_dsm;                         // [L][E][NT]: each slice's sums
     uint4* const xw = g_dsm + L * E * NT / 4;
     uint4* const ring = xw + SX;
@@ -98,21 +97,14 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     u32 total = 0;
     for (u32 l = 0; l < L; ++l) total += units(kr * L + l);
 
-    // the next stage to issue: tile (of this block's walk), slice, unit, ring slot
-    u32 i_t = 0, i_l = 0, i_u = kr * L, i_slot = 0, left = ntile * total;
+    u32 i_l = 0, i_u = kr * L, i_slot = 0, left = total;   // the next stage to issue: slice, unit, ring slot
     // weight copies: rows wr + WRS i, chunk wc of the unit (ring row r's chunk c at r * 8 + (c ^ 4 (r & 1)))
     const u32 wr = tid / CH, wc = tid % CH, ring_s = (u32)__cvta_generic_to_shared(ring);
     const u32 w_dst = ring_s + 16 * (wr * CH + (wc ^ ((wr & 1) << 2)));
-    const u8* w_src = nullptr;
-    u32 w_rows = 0;   // bit i: row wr + WRS i of the issued tile is a weight row
-    auto aim_w = [&]() {   // the issued tile's rows
-        const u32 r0 = (tb + i_t * NB) * WG_ROWS;
-        w_src = W + (u64)(r0 + wr) * K + wc * 16;
-        w_rows = 0;
+    const u8* const w_src = W + (u64)(row0 + wr) * K + wc * 16;
+    u32 w_rows = 0;   // bit i: row wr + WRS i is a weight row
 #pragma unroll
-        for (u32 i = 0; i < CW; ++i) w_rows |= (u32)(r0 + wr + WRS * i < N) << i;
-    };
-    aim_w();
+    for (u32 i = 0; i < CW; ++i) w_rows |= (u32)(row0 + wr + WRS * i < N) << i;
     auto issue_w = [&]() {
         if (!left) return;
         const u32 dst = w_dst + i_slot * STAGE * 16;
@@ -128,20 +120,13 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
         --left;
         i_u += kw;
         if (i_u >= NU) i_u = kr * L + ++i_l;
-        if (i_u >= NU || i_l == L) {   // this tile's units are all issued: the next tile's first
-            i_l = 0;
-            i_u = kr * L;
-            ++i_t;
-            if (left) aim_w();
-        }
         if (++i_slot == NS) i_slot = 0;
     };
     // The first NS - 1 stages' weights go out before the PDL wait (no kernel of the step writes them), their x
     // after: copy group 0 holds those weights and stage 0's x, group p stage p's x.
-    const u32 s0 = i_l, s1 = i_u, s2 = i_slot, s3 = left, s4 = i_t;
+    const u32 s0 = i_l, s1 = i_u, s2 = i_slot, s3 = left;
     for (u32 p = 0; p + 1 < NS; ++p) { issue_w(); advance(); }
-    i_l = s0; i_u = s1; i_slot = s2; left = s3; i_t = s4;
-    aim_w();
+    i_l = s0; i_u = s1; i_slot = s2; left = s3;
     pdl_wait();
     // raw x copies: rows xr + XRS i, chunk xc (8 bf16) of the unit
     const u32 xr = tid / 16, xc = tid % 16, x_dst = ring_s + 16 * (SW + xr * 16 + xc);
@@ -162,96 +147,93 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
     for (u32 p = 0; p + 1 < NS; ++p) { issue_x(); advance(); cp_async_commit(); }
 
     const u32 xw_addr = (u32)__cvta_generic_to_shared(xw);
+    const u64 srow = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128);   // this tile's 128-row scale block
     const u32 pr = tid / 4, pt = tid % 4;   // the permute: row pr (+ NT / 4 ii) and column pair pt of every k16 block
     u32 cslot = 0;
     float tmp[NJ][4] = {};
-    for (u32 it = 0; it < ntile; ++it) {
-        const u32 row0 = (tb + it * NB) * WG_ROWS;
-        const u64 srow = (u64)(min(row0, N - 1) >> 7) * ((K + 127) / 128);   // this tile's 128-row scale block
-        for (u32 l = 0; l < L; ++l) {
-            float acc[NJ][4] = {};
-            for (u32 u = kr * L + l; u < NU; u += kw) {
-                cp_async_wait_n(NS - 2);   // this thread's copies of the stage have landed
-                __syncthreads();           // everyone's have; everyone is done with the last unit (xw and its slot)
-                issue_w();
-                issue_x();
-                advance();
-                cp_async_commit();         // an empty group past the end keeps the wait count uniform
-                const uint4* st = ring + cslot * STAGE;
-                if (++cslot == NS) cslot = 0;
-                const float f = F == FP8_BLOCK ? __ldg((const float*)S + srow + u) : e8m0_to_f(__ldg((const u8*)S + srow + u));
-                // raw chunk 8 s + 2 pt + hh of a row (k 8 c16 .. + 7, c16 = 8 s + 2 pt + hh) holds words 2 hh, 2 hh + 1
-                // of fp8 chunk 4 s + pt: the k of blocks (s, 2 hh + h), column pair pt (conflict-free stores: a warp
-                // covers 8 rows x 4 column pairs)
+    for (u32 l = 0; l < L; ++l) {
+        float acc[NJ][4] = {};
+        for (u32 u = kr * L + l; u < NU; u += kw) {
+            cp_async_wait_n(NS - 2);   // this thread's copies of the stage have landed
+            __syncthreads();           // everyone's have; everyone is done with the last unit (xw and its slot)
+            issue_w();
+            issue_x();
+            advance();
+            cp_async_commit();         // an empty group past the end keeps the wait count uniform
+            const uint4* st = ring + cslot * STAGE;
+            if (++cslot == NS) cslot = 0;
+            const float f = F == FP8_BLOCK ? __ldg((const float*)S + srow + u) : e8m0_to_f(__ldg((const u8*)S + srow + u));
+            // raw chunk 8 s + 2 pt + hh of a row (k 8 c16 .. + 7, c16 = 8 s + 2 pt + hh) holds words 2 hh, 2 hh + 1
+            // of fp8 chunk 4 s + pt: the k of blocks (s, 2 hh + h), column pair pt (conflict-free stores: a warp
+            // covers 8 rows x 4 column pairs)
 #pragma unroll
-                for (u32 ii = 0; ii < (NX + NT / 4 - 1) / (NT / 4); ++ii) {
-                    const u32 r = pr + NT / 4 * ii;
-                    if (r >= NX) break;
-                    u32* const dst = (u32*)xw + (r >> 3) * 64 + (r & 7) * 4 + pt;
+            for (u32 ii = 0; ii < (NX + NT / 4 - 1) / (NT / 4); ++ii) {
+                const u32 r = pr + NT / 4 * ii;
+                if (r >= NX) break;
+                u32* const dst = (u32*)xw + (r >> 3) * 64 + (r & 7) * 4 + pt;
 #pragma unroll
-                    for (u32 s = 0; s < 2; ++s)
+                for (u32 s = 0; s < 2; ++s)
 #pragma unroll
-                        for (u32 hh = 0; hh < 2; ++hh) {
-                            const uint4 q = st[SW + r * 16 + 8 * s + 2 * pt + hh];
+                    for (u32 hh = 0; hh < 2; ++hh) {
+                        const uint4 q = st[SW + r * 16 + 8 * s + 2 * pt + hh];
 #pragma unroll
-                            for (u32 h = 0; h < 2; ++h) {
-                                const u32 lo = h ? q.z : q.x, hi = h ? q.w : q.y, blk = s * 4 + 2 * hh + h;
-                                dst[blk * NX * 8] = __byte_perm(lo, hi, 0x5410);        // k q = 0, 2: columns 2t, 2t + 1
-                                dst[blk * NX * 8 + 32] = __byte_perm(lo, hi, 0x7632);   // q = 1, 3: columns 2t + 8, 2t + 9
-                            }
+                        for (u32 h = 0; h < 2; ++h) {
+                            const u32 lo = h ? q.z : q.x, hi = h ? q.w : q.y, blk = s * 4 + 2 * hh + h;
+                            dst[blk * NX * 8] = __byte_perm(lo, hi, 0x5410);        // k q = 0, 2: columns 2t, 2t + 1
+                            dst[blk * NX * 8 + 32] = __byte_perm(lo, hi, 0x7632);   // q = 1, 3: columns 2t + 8, 2t + 9
                         }
-                }
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // wgmma reads xw through the async proxy
-                __syncthreads();
-#pragma unroll
-                for (u32 s = 0; s < 2; ++s) {
-                    if (u * CH + 4 * s >= KCH) break;   // block-uniform: the step lies past K
-                    const u32 pc = (4 * s + t) ^ ((g & 1) << 2);
-                    const uint4 wv[2] = {st[(wrow + g) * CH + pc], st[(wrow + g + 8) * CH + pc]};
-                    const u32 sc[2][2] = {};
-                    u32 a[4][4];
-#pragma unroll
-                    for (u32 mi = 0; mi < 4; ++mi) frag_a<F>(wv, sc, mi, a[mi]);
-                    // the step sum: mma_stream adds its products to +0, this overwrites (scale-d 0); the two differ only
-                    // in the sign of a zero sum, which fma(sum, f, acc) cannot see (acc is never -0)
-                    wg_fence();
-#pragma unroll
-                    for (u32 mi = 0; mi < 4; ++mi) wg_mma<NX>(tmp, a[mi], wg_desc(xw_addr + (s * 4 + mi) * NX * 32), mi > 0);
-                    wg_wait();
-#pragma unroll
-                    for (u32 j = 0; j < NJ; ++j)
-#pragma unroll
-                        for (u32 e = 0; e < 4; ++e) acc[j][e] = fmaf(tmp[j][e], f, acc[j][e]);
-                }
+                    }
             }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // wgmma reads xw through the async proxy
+            __syncthreads();
 #pragma unroll
-            for (u32 j = 0; j < NJ; ++j)
+            for (u32 s = 0; s < 2; ++s) {
+                if (u * CH + 4 * s >= KCH) break;   // block-uniform: the step lies past K
+                const u32 pc = (4 * s + t) ^ ((g & 1) << 2);
+                const uint4 wv[2] = {st[(wrow + g) * CH + pc], st[(wrow + g + 8) * CH + pc]};
+                const u32 sc[2][2] = {};
+                u32 a[4][4];
 #pragma unroll
-                for (u32 e = 0; e < 4; ++e) part[(l * E + j * 4 + e) * NT + tid] = acc[j][e];
-        }
-        // gemv.cu's fold of slice w = b8 fks + q8 (held by rank w / L): a rank's slices in slice order, then the rank
-        // sums in rank order. Rank kr folds elements kr, kr + CB, ... of every thread's C fragment (each thread its own).
-        if (CB > 1) cluster_sync();
-        const u32 fkb = kw / fks;
-        for (u32 e = kr; e < E; e += CB) {
-            float v = 0.f;
-            u32 rank = 0, li = 0;   // slice w = b8 fks + q8 is slice li of rank `rank`
-            for (u32 b8 = 0; b8 < fkb; ++b8) {
-                float bs = 0.f;
-                for (u32 q8 = 0; q8 < fks; ++q8) {
-                    const float* p = part + (li * E + e) * NT + tid;
-                    const float sv = rank == kr ? *p : ld_cluster_f32(p, rank);
-                    bs = q8 ? bs + sv : sv;
-                    if (++li == L) { li = 0; ++rank; }
-                }
-                v = b8 ? v + bs : bs;
+                for (u32 mi = 0; mi < 4; ++mi) frag_a<F>(wv, sc, mi, a[mi]);
+                // the step sum: mma_stream adds its products to +0, this overwrites (scale-d 0); the two differ only
+                // in the sign of a zero sum, which fma(sum, f, acc) cannot see (acc is never -0)
+                wg_fence();
+#pragma unroll
+                for (u32 mi = 0; mi < 4; ++mi) wg_mma<NX>(tmp, a[mi], wg_desc(xw_addr + (s * 4 + mi) * NX * 32), mi > 0);
+                wg_wait();
+#pragma unroll
+                for (u32 j = 0; j < NJ; ++j)
+#pragma unroll
+                    for (u32 e = 0; e < 4; ++e) acc[j][e] = fmaf(tmp[j][e], f, acc[j][e]);
             }
-            // C fragment element e = 4 j + e4 of n-tile j: weight row 16 q + g + 8 (e4 >> 1), x row 8 j + 2t + (e4 & 1)
-            const u32 m = p0 + 8 * (e / 4) + 2 * t + (e & 1), n = row0 + wrow + g + 8 * ((e >> 1) & 1);
-            if (m < M && n < N) store_out(y, (u64)m * ys + n, v, out_f32);
         }
-        if (CB > 1) cluster_sync();   // the others' reads of this block's sums are done: the next tile's may go there
+#pragma unroll
+        for (u32 j = 0; j < NJ; ++j)
+#pragma unroll
+            for (u32 e = 0; e < 4; ++e) part[(l * E + j * 4 + e) * NT + tid] = acc[j][e];
     }
+    // gemv.cu's fold of slice w = b8 fks + q8 (held by rank w / L): a rank's slices in slice order, then the rank
+    // sums in rank order. Rank kr folds elements kr, kr + CB, ... of every thread's C fragment (each thread its own).
+    if (CB > 1) cluster_sync();
+    const u32 fkb = kw / fks;
+    for (u32 e = kr; e < E; e += CB) {
+        float v = 0.f;
+        u32 rank = 0, li = 0;   // slice w = b8 fks + q8 is slice li of rank `rank`
+        for (u32 b8 = 0; b8 < fkb; ++b8) {
+            float bs = 0.f;
+            for (u32 q8 = 0; q8 < fks; ++q8) {
+                const float* p = part + (li * E + e) * NT + tid;
+                const float sv = rank == kr ? *p : ld_cluster_f32(p, rank);
+                bs = q8 ? bs + sv : sv;
+                if (++li == L) { li = 0; ++rank; }
+            }
+            v = b8 ? v + bs : bs;
+        }
+        // C fragment element e = 4 j + e4 of n-tile j: weight row 16 q + g + 8 (e4 >> 1), x row 8 j + 2t + (e4 & 1)
+        const u32 m = p0 + 8 * (e / 4) + 2 * t + (e & 1), n = row0 + wrow + g + 8 * ((e >> 1) & 1);
+        if (m < M && n < N) store_out(y, (u64)m * ys + n, v, out_f32);
+    }
+    if (CB > 1) cluster_sync();   // the others' reads of this block's sums are done: it may exit
 }
 
 // One signature: W e4m3 [N, K], its 128 x 128 block scales, the 8-row plan's ks (fks) and ks * kb (kw), then the

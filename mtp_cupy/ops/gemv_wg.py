@@ -4,8 +4,8 @@ Each row sums as the 8-row streaming kernel sums it under a k-split (ks, kb) (ge
 linear(invariant) runs them under `invariant_tune`'s split and a row's bits do not depend on m. A block is two
 warpgroups of 64 weight rows sharing NX x rows (16, 32 or 64: the plan's); the ks * kb slices of the split are shared
 by the CB blocks of a cluster (CB the largest divisor <= 8), each walking its slices' units and keeping each
-slice's sums, which the cluster then folds in the 8-row kernel's order. Grid (walkers, CB, ceil(m / NX) passes):
-persistent clusters, each walking 128-row tiles w, w + walkers, ... with one ring across them."""
+slice's sums, which the cluster then folds in the 8-row kernel's order. Grid (ceil(n / 128) tiles, CB,
+ceil(m / NX) passes)."""
 from __future__ import annotations
 
 import functools
@@ -29,8 +29,7 @@ WG_FILL = 0.9             # blocks per multiprocessor below which the plan halve
 class WgPlan:
     nx: int       # x rows a pass (the kernel's wgmma n)
     passes: int   # grid.z
-    tiles: int    # 128-row weight tiles
-    walkers: int  # grid.x: clusters a pass, each walking tiles w, w + walkers, ...
+    tiles: int    # grid.x
     cb: int       # grid.y = cluster.y: blocks sharing a tile's k slices
     stages: int
     smem: int     # dynamic shared memory bytes
@@ -49,9 +48,7 @@ def wg_smem(nx: int, stages: int, slices: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, stages: int | None,
-             walkers: int | None) -> WgPlan:
-    from .gemv import SMEM_PER_SM
+def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, stages: int | None) -> WgPlan:
     tiles = -(-n // WG_ROWS)
     cb = max(c for c in range(1, max_kb + 1) if kw % c == 0)
     fit = [(c, s) for c in (64, 32, 16) if (c < 2 * max(m, 16) if nx is None else c == nx)
@@ -62,31 +59,22 @@ def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, sta
         while c > 16 and tiles * cb * -(-m // c) < WG_FILL * sms:
             c //= 2
         s = next(d for cc, d in fit if cc == c)
-    smem, passes = wg_smem(c, s, kw // cb), -(-m // c)
-    resident = sms * min(2, SMEM_PER_SM // (smem + 1024))   # blocks the GPU holds at once (<= 2 an SM by registers)
-    if walkers is None:
-        walkers = max(1, min(tiles, resident // (cb * passes)))
-        walkers = -(-tiles // -(-tiles // walkers))        # the fewest with that many tiles each
-    walkers = min(walkers, tiles)
-    return WgPlan(nx=c, passes=passes, tiles=tiles, walkers=walkers, cb=cb, stages=s, smem=smem)
+    return WgPlan(nx=c, passes=-(-m // c), tiles=tiles, cb=cb, stages=s, smem=wg_smem(c, s, kw // cb))
 
 
 def plan_wg(gpu: Backend, n: int, m: int, ks: int = 1, kb: int = 1, nx: int | None = None,
-            stages: int | None = None, walkers: int | None = None) -> WgPlan:
+            stages: int | None = None) -> WgPlan:
     """The launch plan of the wgmma GEMV for n weight rows, m x rows and the 8-row plan's k-split (ks, kb); `nx`
-    (16, 32 or 64), `stages` (2..8) and `walkers` (>= 1: clusters a pass) fix its choices (benchmarks, tests)."""
+    (16, 32 or 64) and `stages` (2..8) fix its choices (benchmarks)."""
     from .gemv import _max_kb, _sms
     need(nx in (None, 16, 32, 64), f"plan_wg: nx {nx!r} must be 16, 32 or 64 (None: the planner's)")
     need(stages is None or (isinstance(stages, int) and 2 <= stages <= 8),
          f"plan_wg: stages {stages!r} must be an int in 2..8 (None: the planner's)")
-    need(walkers is None or (isinstance(walkers, int) and walkers >= 1),
-         f"plan_wg: walkers {walkers!r} must be an int >= 1 (None: the planner's)")
     need(1 <= int(m) <= WG_MAX_M, f"plan_wg: m={m} outside 1..{WG_MAX_M}")
-    return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages, walkers)
+    return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages)
 
 
-def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages,
-        walkers=None):
+def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages):
     from .gemv import MAX_KB, _check, _out_f32
     name = WG_KERNELS[fmt]
     f32 = _out_f32(out_dtype)
@@ -95,24 +83,23 @@ def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream
     need(int(scale) != 0, f"{name}: scale pointer is NULL")
     for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
         need(isinstance(v, int) and 1 <= v <= hi, f"{name}: {what} {v!r} outside 1..{hi}")
-    p = plan_wg(gpu, n, m, ks, kb, nx, stages, walkers)
+    p = plan_wg(gpu, n, m, ks, kb, nx, stages)
     l = launch(gpu, "gemv_wg", name).arg_ptr(w).arg_ptr(scale).arg_u32(ks).arg_u32(ks * kb).arg_ptr(x).arg_ptr(y) \
         .arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
     if p.cb > 1:
         l.cluster(1, p.cb)
-    l.grid(p.walkers, p.cb, p.passes).block(WG_THREADS).shared(p.smem).launch(stream)
+    l.grid(p.tiles, p.cb, p.passes).block(WG_THREADS).shared(p.smem).launch(stream)
 
 
 def w8a16_gemv_wg(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1, kb=1,
-                  nx=None, stages=None, walkers=None):
+                  nx=None, stages=None):
     """y[m, n] = x[m, k] @ W.T for e4m3 W with f32 128 x 128 block scales, m <= 64, on wgmma: each row's bits are
-    w8a16_gemv's under Tune(ks=ks, kb=kb) (plan: `plan_wg`; nx, stages, walkers fix its choices)."""
-    _wg(gpu, "fp8_block", w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages,
-        walkers)
+    w8a16_gemv's under Tune(ks=ks, kb=kb) (plan: `plan_wg`; nx, stages fix its choices)."""
+    _wg(gpu, "fp8_block", w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages)
 
 
 def w8a16_gemv_e8m0_wg(gpu, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype="bf16", stream=None, ks=1,
-                       kb=1, nx=None, stages=None, walkers=None):
+                       kb=1, nx=None, stages=None):
     """As w8a16_gemv_wg for E8M0 block scales (w8a16_gemv_e8m0's rows)."""
     _wg(gpu, "fp8_block_e8m0", w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx,
-        stages, walkers)
+        stages)
