@@ -23,6 +23,7 @@ WG_THREADS = 256
 WG_STAGES = (4, 3, 2)     # ring depths tried, deepest first (depth - 1 units in flight while one is multiplied)
 WG_SMEM = 113 * 1024      # shared memory a block may take: two blocks a multiprocessor
 WG_FILL = 0.9             # blocks per multiprocessor below which the plan halves NX (more passes, more blocks)
+WG_MAX_CB = 16            # blocks a cluster: past the portable 8 with the kernel's non-portable attribute (sm_90)
 
 
 @dataclass(frozen=True)
@@ -48,9 +49,10 @@ def wg_smem(nx: int, stages: int, slices: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, stages: int | None) -> WgPlan:
+def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, stages: int | None,
+             max_cb: int = WG_MAX_CB) -> WgPlan:
     tiles = -(-n // WG_ROWS)
-    cb = max(c for c in range(1, max_kb + 1) if kw % c == 0)
+    cb = max(c for c in range(1, (max_cb if max_kb > 1 else 1) + 1) if kw % c == 0)
     fit = [(c, s) for c in (64, 32, 16) if (c < 2 * max(m, 16) if nx is None else c == nx)
            for s in (WG_STAGES if stages is None else (stages,)) if wg_smem(c, s, kw // cb) <= WG_SMEM]
     need(fit, f"plan_wg: no plan fits {WG_SMEM} bytes of shared memory for {kw} slices (nx {nx}, stages {stages})")
@@ -63,7 +65,7 @@ def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, sta
 
 
 def plan_wg(gpu: Backend, n: int, m: int, ks: int = 1, kb: int = 1, nx: int | None = None,
-            stages: int | None = None) -> WgPlan:
+            stages: int | None = None, max_cb: int = WG_MAX_CB) -> WgPlan:
     """The launch plan of the wgmma GEMV for n weight rows, m x rows and the 8-row plan's k-split (ks, kb); `nx`
     (16, 32 or 64) and `stages` (2..8) fix its choices (benchmarks)."""
     from .gemv import _max_kb, _sms
@@ -71,10 +73,26 @@ def plan_wg(gpu: Backend, n: int, m: int, ks: int = 1, kb: int = 1, nx: int | No
     need(stages is None or (isinstance(stages, int) and 2 <= stages <= 8),
          f"plan_wg: stages {stages!r} must be an int in 2..8 (None: the planner's)")
     need(1 <= int(m) <= WG_MAX_M, f"plan_wg: m={m} outside 1..{WG_MAX_M}")
-    return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages)
+    return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages, max_cb)
 
 
-def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages):
+_NONPORTABLE: set[int] = set()
+
+
+def _allow_big_clusters(gpu, name: str) -> None:
+    """The kernel may launch clusters past 8 blocks (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)."""
+    if not gpu.is_cuda:
+        return
+    import ctypes
+    f = int(gpu.kernel("gemv_wg", name).fn.kernel.ptr)
+    if f not in _NONPORTABLE:
+        rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(f), 14, 1)
+        need(rc == 0, f"{name}: cuFuncSetAttribute(non-portable cluster size) returned CUresult {rc}")
+        _NONPORTABLE.add(f)
+
+
+def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages,
+        max_cb=WG_MAX_CB):
     from .gemv import MAX_KB, _check, _out_f32
     name = WG_KERNELS[fmt]
     f32 = _out_f32(out_dtype)
@@ -83,9 +101,11 @@ def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream
     need(int(scale) != 0, f"{name}: scale pointer is NULL")
     for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
         need(isinstance(v, int) and 1 <= v <= hi, f"{name}: {what} {v!r} outside 1..{hi}")
-    p = plan_wg(gpu, n, m, ks, kb, nx, stages)
+    p = plan_wg(gpu, n, m, ks, kb, nx, stages, max_cb)
     l = launch(gpu, "gemv_wg", name).arg_ptr(w).arg_ptr(scale).arg_u32(ks).arg_u32(ks * kb).arg_ptr(x).arg_ptr(y) \
         .arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
+    if p.cb > 8:
+        _allow_big_clusters(gpu, name)
     if p.cb > 1:
         l.cluster(1, p.cb)
     l.grid(p.tiles, p.cb, p.passes).block(WG_THREADS).shared(p.smem).launch(stream)
