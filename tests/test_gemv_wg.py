@@ -13,7 +13,7 @@ from helpers import assert_close, get, out, rand_bf16, up
 from test_gemv import TOL, check, make_weight
 from test_gemv_batch64 import run_narrow_rows
 from mtp_cupy import KernelError, ops
-from mtp_cupy.ops.gemv_wg import WG_KERNELS, WG_SMEM, plan_wg, wg_smem
+from mtp_cupy.ops.gemv_wg import WG_KERNELS, WG_SMEM, plan_wg, wg_pays, wg_smem
 from mtp_cupy.weights.linear import Linear
 
 FMTS = list(WG_KERNELS)
@@ -62,7 +62,7 @@ def test_wg_rows_equal_the_8_row_kernel(rng, fmt):
     x = rand_bf16(rng, (64, k))
     for ks, kb in PLANS:
         alone = run_narrow_rows(dev, fmt, arrays, x[[0, 16, 33, 63]], n, k, ks, kb)
-        cb = max(c for c in range(1, 9) if ks * kb % c == 0)
+        cb = max(c for c in range(1, 17) if ks * kb % c == 0)
         for m, nx, stages in ((64, 64, None), (64, 16, 2), (40, 32, 3), (17, None, None)):
             if nx and wg_smem(nx, stages or 2, ks * kb // cb) > WG_SMEM:
                 continue   # those slice sums do not fit beside the ring (test_wg_plan_and_errors)
@@ -102,38 +102,45 @@ def test_wg_rows_equal_the_8_row_kernel_real_dims(rng, fmt, n_real, k, n):
     assert_close(got[:2].astype(np.float64), x[:2].astype(np.float64) @ wd().T, TOL["f32"], f"{fmt} {n}x{k}")
 
 
+def test_wg_pays():
+    """One slice a block (ks * kb <= 16, a cluster's blocks) streaming >= 12 units of 128 k."""
+    assert wg_pays(16384, 8, 1) and wg_pays(16384, 10, 1) and wg_pays(1536, 1, 1) and wg_pays(2048, 1, 1)
+    assert not wg_pays(4096, 16, 1) and not wg_pays(8192, 16, 1)     # 2 and 4 units a slice
+    assert not wg_pays(1024, 1, 1) and not wg_pays(8192, 8, 1)       # 8 units
+    assert not wg_pays(16384, 7, 8)     # 56 slices: several a block
+
+
 @pytest.mark.parametrize("fmt", FMTS)
-def test_linear_invariant_routes_9_to_64_rows_to_wg(dev, rng, fmt, monkeypatch):
-    """linear(invariant) of an fp8 block weight: launches of 9-64 rows on the wgmma kernel, up to 8 rows on the 8-row
-    kernel, and every row equal to the row alone."""
-    n, k = 200, 1024
+def test_linear_invariant_routes_33_to_64_rows_to_wg(dev, rng, fmt, monkeypatch):
+    """linear(invariant) of an fp8 block weight whose split walks >= 12 units a slice: launches of 33-64 rows on the
+    wgmma kernel, up to 32 rows not, and every row equal to the row alone."""
+    n, k = 16384, 1536
+    tune = ops.invariant_tune(dev, fmt, n, k)
+    assert wg_pays(k, tune.ks, tune.kb), tune   # this shape's split ((1, 1): 12 units a slice) is one that pays
     arrays, _, _ = make_weight(rng, fmt, n, k)
     bufs = [up(dev, a) for a in arrays]
     W = Linear(fmt, n, k, bufs[0].ptr, scale=bufs[1].ptr)
     names = []
-    real = ops.gemv.launch
-    monkeypatch.setattr(ops.gemv, "launch", lambda gpu, mod, name: names.append(name) or real(gpu, mod, name))
     import mtp_cupy.ops.gemv_wg as gw
+    real = gw.launch
     monkeypatch.setattr(gw, "launch", lambda gpu, mod, name: names.append(name) or real(gpu, mod, name))
-    x = rand_bf16(rng, (70, k))
+    x = rand_bf16(rng, (100, k))
     xb = up(dev, x)
     rows = {}
-    for m in (1, 8, 9, 64, 70):
+    for m in (1, 32, 33, 64, 100):
         y = out(dev, "f32", (m, n))
         names.clear()
         ops.linear(dev, xb.ptr, W, y.ptr, m, "f32", invariant=True)
         rows[m] = get(dev, y, "f32", (m, n))
-        sizes = [m] if m <= 64 else [64, m - 64]
-        want = [WG_KERNELS[fmt] if s > 8 else {"fp8_block": "w8a16_gemv", "fp8_block_e8m0": "w8a16_gemv_e8m0"}[fmt]
-                for s in sizes]
-        assert names == want, f"m={m}: launched {names}, want {want}"
-    for m in (8, 9, 64, 70):
+        launches = [m] if m <= 64 else [64, m - 64]
+        assert names == [WG_KERNELS[fmt]] * sum(s > 32 for s in launches), f"m={m}: {names}"
+    for m in (32, 33, 64, 100):
         assert np.array_equal(rows[1][0], rows[m][0]), f"{fmt} m={m}: row 0 differs from the row alone"
-    assert np.array_equal(rows[64][63], rows[70][63]) and np.array_equal(rows[9][8], rows[70][8])
+    assert np.array_equal(rows[64][63], rows[100][63]) and np.array_equal(rows[33][32], rows[100][32])
 
 
 def test_wg_plan_and_errors(dev, rng):
-    """The cluster takes the largest divisor <= 8 of the split's slices; the pass is the widest whose slice sums,
+    """The cluster takes the largest divisor <= 16 of the split's slices; the pass is the widest whose slice sums,
     x and ring fit two blocks a multiprocessor, halved while the blocks leave multiprocessors idle (never wider
     than m needs); bad arguments are KernelErrors naming the problem."""
     sms = ops.gemv._sms(dev)
@@ -143,9 +150,10 @@ def test_wg_plan_and_errors(dev, rng):
     half = plan_wg(dev, 128 * (sms // 2 + 1), 64)  # two passes of 32 rows do
     assert (half.nx, half.passes) == (32, 2)
     assert (plan_wg(dev, 512, 64).nx, plan_wg(dev, 512, 64).passes) == (16, 4)
-    wkv = plan_wg(dev, 512, 64, ks=7, kb=8)       # 56 slices: clusters of 8, 7 slice sums a block
-    assert (wkv.cb, wkv.nx, wkv.passes, wkv.stages) == (8, 16, 4, 2)
-    assert plan_wg(dev, 4096, 64, ks=14, kb=2).cb == 7 and plan_wg(dev, 4096, 64, ks=5).cb == 5
+    wkv = plan_wg(dev, 512, 64, ks=7, kb=8)       # 56 slices: clusters of 14, 4 slice sums a block
+    assert (wkv.cb, wkv.nx, wkv.passes, wkv.stages) == (14, 16, 4, 3)
+    assert plan_wg(dev, 4096, 64, ks=16).cb == 16 and plan_wg(dev, 4096, 64, ks=10).cb == 10
+    assert plan_wg(dev, 4096, 64, ks=14, kb=2).cb == 14 and plan_wg(dev, 4096, 64, ks=5, kb=4).cb == 10
     assert plan_wg(dev, 128 * sms, 12).nx == 16 and plan_wg(dev, 128 * sms, 30).nx == 32
     assert plan_wg(dev, 4096, 64, nx=64, stages=2).smem == wg_smem(64, 2, 1)
     for bad in ({"nx": 8}, {"stages": 1}, {"stages": 9}, {"nx": 64, "ks": 7, "kb": 8}):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ..runtime.backend import Backend
 from ._util import launch, need
 
-__all__ = ["WG_KERNELS", "WG_MAX_M", "WgPlan", "plan_wg", "wg_runs", "w8a16_gemv_wg", "w8a16_gemv_e8m0_wg"]
+__all__ = ["WG_KERNELS", "WG_MAX_M", "WgPlan", "plan_wg", "wg_pays", "wg_runs", "w8a16_gemv_wg", "w8a16_gemv_e8m0_wg"]
 
 WG_KERNELS = {"fp8_block": "w8a16_gemv_wg", "fp8_block_e8m0": "w8a16_gemv_e8m0_wg"}
 WG_MAX_M = 64             # x rows a launch takes
@@ -23,7 +23,13 @@ WG_THREADS = 256
 WG_STAGES = (4, 3, 2)     # ring depths tried, deepest first (depth - 1 units in flight while one is multiplied)
 WG_SMEM = 113 * 1024      # shared memory a block may take: two blocks a multiprocessor
 WG_FILL = 0.9             # blocks per multiprocessor below which the plan halves NX (more passes, more blocks)
-WG_MAX_CB = 16            # blocks a cluster: past the portable 8 with the kernel's non-portable attribute (sm_90)
+WG_MAX_CB = 16            # blocks a cluster (past the portable 8: the backend sets the non-portable attribute)
+# linear(invariant) takes these kernels for launches of 33-64 rows where each block holds one slice of the split
+# (ks * kb <= WG_MAX_CB) streaming >= WG_MIN_UNITS units (H100, m = 64: V3 o_proj (8, 1) 16 units 88.0 vs 111.5 us
+# on the 64-row kernel, GLM-5 o_proj (10, 1) 12 units 102.9 vs 136.5, V3 q_b (1, 1) 12 units 39.3 vs 41.0, GLM-5 q_b
+# (1, 1) 16 units 40.6 vs 38.7; shorter walks lost: V4 wq_b (1, 1) 8 units 34.0 vs 33.2, e_proj (16, 1) 2 units 35.5
+# vs 33.1, shared down 1 unit 27.4 vs 20.9, and every 9-32-row launch measured but V3 o_proj's)
+WG_MIN_UNITS = 12
 
 
 @dataclass(frozen=True)
@@ -40,6 +46,14 @@ def wg_runs(gpu: Backend) -> bool:
     """Whether this device runs the wgmma kernels: a CUDA device of compute capability 9.0 (H100, H200), or the
     NumPy device (whose twins plan as an H200 does)."""
     return not gpu.is_cuda or getattr(gpu, "compute_capability", 0) == 90
+
+
+@functools.lru_cache(maxsize=1024)
+def wg_pays(k: int, ks: int, kb: int) -> bool:
+    """Whether linear(invariant) runs a 33-64-row launch of an fp8 block k-column weight under the split (ks, kb)
+    here: one slice a block, of >= WG_MIN_UNITS 128-k units."""
+    kw = ks * kb
+    return kw <= WG_MAX_CB and -(-k // 128) // kw >= WG_MIN_UNITS
 
 
 def wg_smem(nx: int, stages: int, slices: int) -> int:
@@ -76,21 +90,6 @@ def plan_wg(gpu: Backend, n: int, m: int, ks: int = 1, kb: int = 1, nx: int | No
     return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages, max_cb)
 
 
-_NONPORTABLE: set[int] = set()
-
-
-def _allow_big_clusters(gpu, name: str) -> None:
-    """The kernel may launch clusters past 8 blocks (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED)."""
-    if not gpu.is_cuda:
-        return
-    import ctypes
-    f = int(gpu.kernel("gemv_wg", name).fn.kernel.ptr)
-    if f not in _NONPORTABLE:
-        rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(f), 14, 1)
-        need(rc == 0, f"{name}: cuFuncSetAttribute(non-portable cluster size) returned CUresult {rc}")
-        _NONPORTABLE.add(f)
-
-
 def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages,
         max_cb=WG_MAX_CB):
     from .gemv import MAX_KB, _check, _out_f32
@@ -104,8 +103,6 @@ def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream
     p = plan_wg(gpu, n, m, ks, kb, nx, stages, max_cb)
     l = launch(gpu, "gemv_wg", name).arg_ptr(w).arg_ptr(scale).arg_u32(ks).arg_u32(ks * kb).arg_ptr(x).arg_ptr(y) \
         .arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
-    if p.cb > 8:
-        _allow_big_clusters(gpu, name)
     if p.cb > 1:
         l.cluster(1, p.cb)
     l.grid(p.tiles, p.cb, p.passes).block(WG_THREADS).shared(p.smem).launch(stream)
