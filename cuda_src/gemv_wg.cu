@@ -6,11 +6,11 @@
 // one instruction multiplies 64 weight rows by up to 64 x rows, where mma.sync takes 8 x rows a warp.
 //
 // Grid (tiles, CB, passes) in clusters (1, CB, 1): block (tile, rank, pass) owns weight rows WG_ROWS tile .. and x
-// rows NX pass .. + NX - 1; WG_GROUPS warpgroups of 64 rows sharing the unit's x, warp q of a warpgroup holding its
-// rows 16 q .. + 15 as mma.sync's A
-// fragments. The plan's kw = ks * kb slices are shared by the CB ranks, L = kw / CB each: rank r walks slices
-// r L .. r L + L - 1 one after another, slice w's units w, w + kw, ... (a unit: 128 k, two steps of four k16), and
-// keeps each slice's sums; then the cluster folds them as gemv.cu does (the ks slices of each 8-row rank in slice
+// rows NX pass .. + NX - 1; WG_GROUPS warpgroups of 64 rows share the unit's x, warp q of a warpgroup holding its
+// rows 16 q .. + 15 as mma.sync's A fragments. The plan's kw = ks * kb slices are shared by the CB ranks (up to 16:
+// a cluster past 8 blocks needs the non-portable attribute, which the backend sets), L = kw / CB each: rank r walks
+// slices r L .. r L + L - 1 one after another, slice w's units w, w + kw, ... (a unit: 128 k, two steps of four
+// k16), and keeps each slice's sums; then the cluster folds them as gemv.cu does (the ks slices of each 8-row rank in slice
 // order, then those rank sums in rank order), each rank folding a share of the C fragment's elements over DSMEM.
 // Dynamic shared memory: the slice sums part [L][NX / 2][threads] f32, xw (the unit's x as wgmma's B, [8 k16
 // blocks][NX rows][16 k] in 8 x 8 core matrices), then a cp.async ring of NS stages, each the unit's weights
@@ -162,7 +162,8 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
             cp_async_commit();         // an empty group past the end keeps the wait count uniform
             const uint4* st = ring + cslot * STAGE;
             if (++cslot == NS) cslot = 0;
-            const float f = F == FP8_BLOCK ? __ldg((const float*)S + srow + u) : e8m0_to_f(__ldg((const u8*)S + srow + u));
+            const float f = F == FP8_BLOCK ? __ldg((const float*)S + srow + u)
+                                           : e8m0_to_f(__ldg((const u8*)S + srow + u));
             // raw chunk 8 s + 2 pt + hh of a row (k 8 c16 .. + 7, c16 = 8 s + 2 pt + hh) holds words 2 hh, 2 hh + 1
             // of fp8 chunk 4 s + pt: the k of blocks (s, 2 hh + h), column pair pt (conflict-free stores: a warp
             // covers 8 rows x 4 column pairs)
@@ -199,7 +200,8 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
                 // in the sign of a zero sum, which fma(sum, f, acc) cannot see (acc is never -0)
                 wg_fence();
 #pragma unroll
-                for (u32 mi = 0; mi < 4; ++mi) wg_mma<NX>(tmp, a[mi], wg_desc(xw_addr + (s * 4 + mi) * NX * 32), mi > 0);
+                for (u32 mi = 0; mi < 4; ++mi)
+                    wg_mma<NX>(tmp, a[mi], wg_desc(xw_addr + (s * 4 + mi) * NX * 32), mi > 0);
                 wg_wait();
 #pragma unroll
                 for (u32 j = 0; j < NJ; ++j)
@@ -237,12 +239,12 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
 }
 
 // One signature: W e4m3 [N, K], its 128 x 128 block scales, the 8-row plan's ks (fks) and ks * kb (kw), then the
-// shared tail of gemv.cu. Grid (tiles, cluster size, passes) in clusters (1, CB, 1); NX (x rows a pass) = 16, 32 or
-// 64, the launcher's: the fewest that cover M / gridDim.z.
+// shared tail of gemv.cu. Grid (tiles, cluster size <= 16, passes) in clusters (1, CB, 1); NX (x rows a pass) = 16,
+// 32 or 64, the launcher's: the fewest that cover M / gridDim.z. Two blocks an SM (<= 128 registers).
 #define WG_KERNEL(NAME, F_, ST)                                                                               \
-    extern "C" __global__ __launch_bounds__(WG_THREADS, 2) void NAME(const u8* W, ST scale, u32 fks, u32 kw, const u16* x, \
-                                                           void* y, u32 M, u32 N, u32 K, u32 x_stride,         \
-                                                           u32 y_stride, u32 out_f32)                          \
+    extern "C" __global__ __launch_bounds__(WG_THREADS, 2) void NAME(                                       \
+        const u8* W, ST scale, u32 fks, u32 kw, const u16* x, void* y, u32 M, u32 N, u32 K, u32 x_stride,     \
+        u32 y_stride, u32 out_f32)                                                                            \
     {                                                                                                         \
         pdl_trigger();                                                                                        \
         const u32 per = (M + gridDim.z - 1) / gridDim.z;                                                      \

@@ -15,21 +15,24 @@ from mtp_cupy.bench.cli import Parser, run_main
 SRC = r'''
 typedef unsigned int u32; typedef unsigned short u16; typedef unsigned long long u64;
 __device__ __forceinline__ void mma16816(float c[4], const u32 a[4], const u32 b[2]) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 __device__ __forceinline__ u32 pk(u16 lo, u16 hi) { return (u32)lo | ((u32)hi << 16); }
 __device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
-  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16) | ((u64)((sbo & 0x3FFFF) >> 4) << 32);
+  return (u64)((addr & 0x3FFFF) >> 4) | ((u64)((lbo & 0x3FFFF) >> 4) << 16)
+       | ((u64)((sbo & 0x3FFFF) >> 4) << 32);
 }
 __device__ __forceinline__ void wg(float d[32], const u32 a[4], u64 ds) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
-     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(ds), "r"(1));
+     "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {DLIST}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+     : OUTS : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(ds), "r"(1));
 }
 // A [P][64][K], X [P][64][K] bf16; C, D [P][64 weight rows][64 x rows] f32
-extern "C" __global__ void __launch_bounds__(128) probe(const u16* A, const u16* X, const float* C, float* D1, float* D2,
-                                                   int K, int lbo, int sbo) {
+extern "C" __global__ void __launch_bounds__(128) probe(const u16* A, const u16* X, const float* C, float* D1,
+                                                   float* D2, int K, int lbo, int sbo) {
   __shared__ __align__(1024) u16 sx[16 * 64 * 16];   // up to 16 k16 steps
   const int p = blockIdx.x, tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const u16* a = A + (u64)p * 64 * K; const u16* x = X + (u64)p * 64 * K;
@@ -70,9 +73,12 @@ extern "C" __global__ void __launch_bounds__(128) probe(const u16* A, const u16*
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   for (int j = 0; j < 8; ++j)
-    for (int e = 0; e < 4; ++e) D2[(u64)p * 4096 + (16 * w + g + 8 * (e >> 1)) * 64 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
+    for (int e = 0; e < 4; ++e)
+      D2[(u64)p * 4096 + (16 * w + g + 8 * (e >> 1)) * 64 + 8 * j + 2 * t + (e & 1)] = d[4 * j + e];
 }
 '''
+SRC = SRC.replace("DLIST", ", ".join(f"%{i}" for i in range(32))) \
+         .replace("OUTS", ", ".join(f'"+f"(d[{i}])' for i in range(32)))
 
 
 def bf16(a):
