@@ -66,6 +66,12 @@ __device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
 
 __device__ __forceinline__ float bf2f(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ __nv_bfloat16 f2bf(float v) { return __float2bfloat16_rn(v); }
+
+// Element i of an output y of bf16 (out_f32 == 0) or f32.
+__device__ __forceinline__ void store_out(void* y, u64 i, float v, u32 out_f32) {
+    if (out_f32) ((float*)y)[i] = v;
+    else ((__nv_bfloat16*)y)[i] = f2bf(v);
+}
 __device__ __forceinline__ float bits2f(u16 b) { return __uint_as_float(((u32)b) << 16); }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -42,11 +42,6 @@ template <bool CHECK, class T> __device__ __forceinline__ uint4 ld_chunk(const u
 }
 __device__ __forceinline__ uint4 ldg_x(const uint4* p) { return __ldg(p); }
 
-__device__ __forceinline__ void store_out(void* y, u64 i, float v, u32 out_f32) {
-    if (out_f32) ((float*)y)[i] = v;
-    else ((__nv_bfloat16*)y)[i] = f2bf(v);
-}
-
 // ---------------------------------------------------------------------------------------------
 // dense_gemv_bf16_regs (the m = 1 bf16 default): one x row per blockIdx.y, block (32, KS, 8 / KS), warp
 // per 2 rows, lane l reads 16-byte chunks l, l+32*KS, ... of its k-slice in register rounds: each warp load

@@ -142,9 +142,11 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
     (invariant_tune: the 8-row plan, or one the 64-row kernel holds) kw = ks * kb slices fit its default layout
     (<= 2 in a block, else clusters of <= 8 one-slice blocks) and each slice has >= 8 units (of 8 chunks) a tile,
     >= 24 for bf16 in clusters, with that split's (ks, kb). Other invariant launches of 9-16 rows run the 8-row
-    kernel, of 17-64 the 32-row kernel where it holds the split; non-invariant calls keep their kernels, and no
-    invariant call reaches the split-free kernels (the register rounds, the tiled GEMM). Launchers are replaced
-    by recorders: only the routing runs."""
+    kernel, of 17-64 the 32-row kernel where it holds the split; an fp8 block launch of 33-64 rows whose split
+    gives one slice a block of a cluster of <= 16 and >= 12 units (of 128 k) a slice runs the wgmma kernel instead
+    (the NumPy device plans as an sm_90 one); non-invariant calls keep their kernels, and no invariant call
+    reaches the split-free kernels (the register rounds, the tiled GEMM). Launchers are replaced by recorders:
+    only the routing runs."""
     import mtp_cupy
     import mtp_cupy.ops.gemv as g
     from mtp_cupy.runtime.ptr import DevicePtr
@@ -153,9 +155,11 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
     calls = []
     monkeypatch.setattr(g, "_x64", lambda gpu, fmt, lead, x, y, m, *a: calls.append(("x64", m, a[-2:])))
     monkeypatch.setattr(g, "_gemv", lambda gpu, name, lead, x, y, m, *a: calls.append((name, m)))
+    monkeypatch.setattr(g, "_wg", lambda gpu, fmt, w, s, x, y, m, n, k, xs, ys, o, st, ks, kb, *a:
+                        calls.append(("wg", m, (ks, kb))))
     for name in ("dense_gemv_bf16_regs", "dense_gemm_bf16", "w4a16_gemv_regs"):
         monkeypatch.setattr(g, name, lambda gpu, *a, name=name: calls.append((name, a[3])))
-    seen, moved = set(), set()
+    seen, moved, wg_seen = set(), set(), set()
     for fmt, n, k in [("bf16", 151936, 2048), ("bf16", 2048, 4096), ("bf16", 7168, 14336), ("bf16", 8192, 2048),
                       ("fp8_block", 7168, 16384), ("fp8_block", 1536, 7168), ("fp8_block", 6144, 16384),
                       ("fp8_block_e8m0", 32768, 1024), ("nvfp4", 2048, 2048), ("mxfp4", 2048, 2048)]:
@@ -164,6 +168,8 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
         kw, units = t.ks * t.kb, -(-k // KCHUNK.get(fmt, 32) // 8)
         rounds = -(-units // kw)
         ok = fmt in NARROW and kw <= 8 and rounds >= 8 and (fmt != "bf16" or kw <= 2 or rounds >= 24)
+        pays = fmt in ("fp8_block", "fp8_block_e8m0") and kw <= 16 and -(-k // 128) // kw >= 12
+        wg_seen.add(pays)
         narrow, wide = g._STREAM[fmt]
         wide = wide if g._fits(dev, wide, n, k, g.Tune(ks=t.ks, kb=t.kb)) else narrow
         seen.add(ok)
@@ -175,16 +181,19 @@ def test_linear_takes_batch64_where_it_matches(monkeypatch):
             ops.linear(dev, DevicePtr(3 << 20), W, DevicePtr(4 << 20), m, out_dtype="f32", invariant=inv)
             x64 = [c for c in calls if c[0] == "x64"]
             held = inv and m <= 256
-            want = [("x64", mm, (t.ks, t.kb)) for mm in (min(64, m - r0) for r0 in range(0, m, 64))
-                    if ok and held and mm > 8]
+            sizes = [min(64, m - r0) for r0 in range(0, m, 64)]
+            on_wg = [mm > 32 and pays and held for mm in sizes]
+            want = [("x64", mm, (t.ks, t.kb)) for mm, w in zip(sizes, on_wg) if ok and held and mm > 8 and not w]
             assert x64 == want and calls, (fmt, n, k, m, inv, calls)
+            assert [c for c in calls if c[0] == "wg"] == [("wg", mm, (t.ks, t.kb)) for mm, w in zip(sizes, on_wg)
+                                                          if w], (fmt, n, k, m, inv, calls)
             if held:
                 assert not free & {c[0] for c in calls}, (fmt, n, k, m, calls)
-                streams = [c for c in calls if c[0] != "x64"]
-                assert streams == [(narrow if mm <= 16 else wide, mm) for mm in (min(64, m - r0) for r0 in
-                                   range(0, m, 64)) if not (ok and mm > 8)], (fmt, n, k, m, calls)
+                streams = [c for c in calls if c[0] not in ("x64", "wg")]
+                assert streams == [(narrow if mm <= 16 else wide, mm) for mm, w in zip(sizes, on_wg)
+                                   if not (ok and mm > 8) and not w], (fmt, n, k, m, calls)
                 assert sum(c[1] for c in calls) == m and max(c[1] for c in calls) <= 64, (fmt, n, k, m, calls)
-    assert seen == moved == {True, False}   # both outcomes were exercised, and splits moved and kept
+    assert seen == moved == wg_seen == {True, False}   # both outcomes were exercised, and splits moved and kept
 
 
 def test_batch64_refusals(rng):

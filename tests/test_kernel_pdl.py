@@ -22,7 +22,7 @@ from mtp_cupy.runtime.backend import CUDA_SRC, cuda_modules
 from mtp_cupy.runtime.cuda_text import close_paren, expand_kernel_macros, strip_comments
 from test_kernel_signatures import _KERNEL
 
-LATE_WAIT = {"mma_stream", "x64_body"}   # gemv.cu: the weight ring's first stages are issued, then pdl_wait()
+LATE_WAIT = {"mma_stream", "x64_body", "wg_body"}   # gemv.cu, gemv_wg.cu: the weight ring's first stages are issued, then pdl_wait()
 SELF_WAIT = {"expert_mma",               # moe_mma.cu: `if (plan) pdl_wait();` ... ring ... `if (!plan) pdl_wait();`
              "post_rows"}                # hyper_connection.cu: `if (iters) {pdl_trigger(); Sinkhorn; pdl_wait();}`
 
@@ -81,7 +81,7 @@ def test_every_kernel_waits_before_it_reads(module):
 
 
 def test_late_waiters_wait():
-    code = strip_comments((CUDA_SRC / "gemv.cu").read_text())
+    code = "".join(strip_comments((CUDA_SRC / f).read_text()) for f in ("gemv.cu", "gemv_wg.cu"))
     for name in LATE_WAIT:
         body = _device_fn_body(code, name)
         assert body.count("pdl_wait();") == 1, f"{name} must call pdl_wait() once"

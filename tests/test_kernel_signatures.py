@@ -322,6 +322,8 @@ def _gemv(dev, mem):
     run(ops.gemv_fp8w_batch64, fp8, mem(4 * n), m=20)
     run(ops.w8a16_gemv_batch64, fp8, blk, m=40, ks=3)
     run(ops.w8a16_gemv_e8m0_batch64, fp8, blk, m=64, kb=2)
+    run(ops.w8a16_gemv_wg, fp8, blk, m=40, ks=3)
+    run(ops.w8a16_gemv_e8m0_wg, fp8, blk, m=17, ks=2, kb=4)
     run(ops.dense_gemm_bf16, bf16, m=40)
     run(ops.gemv_fp8w, fp8, mem(4 * n))
     run(ops.w8a16_gemv, fp8, blk)

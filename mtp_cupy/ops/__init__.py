@@ -8,6 +8,7 @@ from .norm_rope import *  # noqa: F401,F403
 from .rope import *  # noqa: F401,F403
 from .kv_cache import *  # noqa: F401,F403
 from .gemv import *  # noqa: F401,F403
+from .gemv_wg import *  # noqa: F401,F403
 from .paged_attention import *  # noqa: F401,F403
 from .argmax import *  # noqa: F401,F403
 from .moe import *  # noqa: F401,F403

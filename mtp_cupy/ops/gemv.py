@@ -21,6 +21,7 @@ from ..runtime.ptr import NULL, DevicePtr
 from ..weights.linear import Linear
 from ..errors import KernelError
 from ._util import launch, need
+from .gemv_wg import WG_KERNELS, _wg, wg_pays, wg_runs
 
 __all__ = ["linear", "dense_gemv_bf16", "dense_gemv_bf16_batchm", "dense_gemv_bf16_batch32", "dense_gemv_bf16_batch64",
            "gemv_fp8w_batch64", "w8a16_gemv_batch64", "w8a16_gemv_e8m0_batch64", "x64_fits", "X64_KERNELS",
@@ -543,7 +544,8 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
     INVARIANT_MAX_M rows in launches of up to STREAM_MAX_M, all under one k-split (ks, kb), `invariant_tune`'s:
     a launch of 9-64 rows runs the 64-row x-staged kernel of bf16 and the fp8 formats where it holds the split
     and pays (bf16 in clusters: >= X64_FOLD_ROUNDS units a slice), else 9-16 rows two 8-row passes and 17-64
-    rows 32-row passes where that kernel holds the split (else 8-row passes); up to 8 rows the 8-row kernel.
+    rows 32-row passes where that kernel holds the split (else 8-row passes); up to 8 rows the 8-row kernel. On a
+    9.0 device the fp8 block formats' 33-64-row launches run on wgmma where `wg_pays` (ops/gemv_wg.py).
     Otherwise each m takes the fastest kernel: the register-round ones for bf16 m = 1 and NVFP4 m <= 8, the tiled
     GEMM for bf16 m > 32. Streaming launches take up to STREAM_MAX_M rows, their passes sharing each weight tile
     through L2 (W read from DRAM about once)."""
@@ -567,7 +569,10 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         mm = min(STREAM_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
         kern = narrow if mm <= QUANT_MAX_M else kinds[(mm > 16) + (mm > 32)]
-        if kern == X64:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
+        if invariant and mm > 32 and W.fmt in WG_KERNELS and wg_pays(W.k, tune.ks, tune.kb) and wg_runs(gpu):
+            _wg(gpu, W.fmt, W.weight, W.scale, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream, tune.ks, tune.kb,
+                None, None)
+        elif kern == X64:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
             _x64(gpu, W.fmt, _lead(W)[:2] + [("ptr", NULL)] * (W.fmt == "bf16"), xr, yr, mm, W.n, W.k, xs, ys,
                  out_dtype, stream, tune.ks, tune.kb)
         else:

@@ -22,9 +22,13 @@ from .ptr import DevicePtr
 # -default-device: unannotated functions (lambdas in kernels) are device code. No fast-math: the twins
 # assume IEEE expf / sincosf / division.
 NVRTC_OPTIONS = ("-std=c++17", "-default-device")
+# Modules built for the architecture-specific target on a 9.0 device (their wgmma kernels need sm_90a; they are
+# launched nowhere else).
+SM90A_MODULES = frozenset({"gemv_wg"})
 # CUfunction handle -> dynamic shared bytes opted in. Process-wide: CuPy shares a compiled module's functions
 # between backends, so one backend's smaller opt-in must never lower what another one relies on.
 _SMEM_OPTIN: dict[int, int] = {}
+_LARGE_CLUSTERS: set[int] = set()   # CUfunctions allowed clusters past 8 blocks (process-wide, as above)
 
 _SCALAR = {"ptr": np.uint64, "u32": np.uint32, "i32": np.int32, "u64": np.uint64, "i64": np.int64,
            "f32": np.float32}
@@ -84,7 +88,9 @@ class CupyBackend(Backend):
             path = cuda_source(module)
             if not path.exists():
                 raise KernelError(f"kernel module {module!r} not found ({path} does not exist)")
-            m = self.cp.RawModule(code=module_source(module), options=NVRTC_OPTIONS)
+            opts = NVRTC_OPTIONS + (("-arch=sm_90a",) if module in SM90A_MODULES and self.compute_capability == 90
+                                    else ())
+            m = self.cp.RawModule(code=module_source(module), options=opts)
             try:
                 m.compile()
             except Exception as e:
@@ -120,6 +126,10 @@ class CupyBackend(Backend):
                 f = self._cufunc.get(id(handle.fn))
                 if f is None:
                     f = self._cufunc[id(handle.fn)] = int(handle.fn.kernel.ptr)
+                if cluster[0] * cluster[1] * cluster[2] > 8 and f not in _LARGE_CLUSTERS:
+                    from .pdl import allow_large_clusters
+                    allow_large_clusters(f)
+                    _LARGE_CLUSTERS.add(f)
                 ex.launch(f, grid, block, shared, args, self._stream(stream).ptr, cluster)
             else:
                 handle.fn(grid, block, tuple(_SCALAR[k](v) for k, v in args), shared_mem=shared,

@@ -27,6 +27,17 @@ class _Config(ctypes.Structure):
                 ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)), ("n_attrs", ctypes.c_uint)]
 
 
+_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+
+
+def allow_large_clusters(function_ptr: int) -> None:
+    """Let a CUfunction launch thread block clusters past the portable 8 blocks (up to 16 on H100 / H200)."""
+    rc = ctypes.CDLL("libcuda.so.1").cuFuncSetAttribute(ctypes.c_void_p(function_ptr),
+                                                        _NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+    if rc:
+        raise KernelError(f"cuFuncSetAttribute(non-portable cluster size) returned CUresult {rc}")
+
+
 _CTYPE = {"ptr": ctypes.c_uint64, "u32": ctypes.c_uint32, "i32": ctypes.c_int32, "u64": ctypes.c_uint64,
           "i64": ctypes.c_int64, "f32": ctypes.c_float}
 

@@ -135,3 +135,14 @@ def w8a16_gemv_batch64(dev, W, scale, fks, x, y, M, N, K, x_stride, y_stride, ou
 @twin("gemv", "w8a16_gemv_e8m0_batch64")
 def w8a16_gemv_e8m0_batch64(dev, W, scale, fks, x, y, M, N, K, x_stride, y_stride, out_f32):
     w8a16_gemv_e8m0(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32)
+
+
+# The wgmma kernels (gemv_wg.cu): the same per-row math; fks and kw (the 8-row plan's slices) only order the sums.
+@twin("gemv_wg", "w8a16_gemv_wg")
+def w8a16_gemv_wg(dev, W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32):
+    w8a16_gemv(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32)
+
+
+@twin("gemv_wg", "w8a16_gemv_e8m0_wg")
+def w8a16_gemv_e8m0_wg(dev, W, scale, fks, kw, x, y, M, N, K, x_stride, y_stride, out_f32):
+    w8a16_gemv_e8m0(dev, W, scale, x, y, M, N, K, x_stride, y_stride, out_f32)
