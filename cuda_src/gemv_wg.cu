@@ -29,15 +29,16 @@ __device__ __forceinline__ u64 wg_desc(u32 addr) {  // no swizzle: K-adjacent co
     return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(128 >> 4) << 16) | ((u64)(256 >> 4) << 32);
 }
 
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-
 // d (+)= A B: m64 n NX k16, A = this warp's mma.sync A fragment a, B = the k16 block at desc; acc: d += (else d =).
 template <int NX> __device__ __forceinline__ void wg_mma(float (&d)[NX / 8][4], const u32 a[4], u64 desc, bool acc);
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+// shared-memory writes made visible to wgmma, which reads through the async proxy
+__device__ __forceinline__ void wg_proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 #define WG_ASM(N, DL, AL, DESC, P)                                                                           \
     "{\n.reg .pred p;\nsetp.ne.b32 p, " P ", 0;\nwgmma.mma_async.sync.aligned.m64n" N "k16.f32.bf16.bf16 {" DL \
     "}, {" AL "}, " DESC ", p, 1, 1, 0;\n}\n"
@@ -67,8 +68,11 @@ template <> __device__ __forceinline__ void wg_mma<64>(float (&d)[8][4], const u
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"((u32)acc));
 }
 #undef WG_ASM
-#else   // other targets: never launched there (ops/gemv.py routes these kernels to sm_90 only)
+#else   // other targets: never launched there (ops/gemv_wg.py wg_runs: sm_90 only); the module still compiles
 template <int NX> __device__ __forceinline__ void wg_mma(float (&)[NX / 8][4], const u32*, u64, bool) { __trap(); }
+__device__ __forceinline__ void wg_fence() {}
+__device__ __forceinline__ void wg_wait() {}
+__device__ __forceinline__ void wg_proxy_fence() {}
 #endif
 
 // cp_async_stream on a shared-space address (the callers keep their destinations as such: no conversion a copy).
@@ -185,7 +189,7 @@ __device__ __forceinline__ void wg_body(const u8* W, const void* S, u32 fks, u32
                         }
                     }
             }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // wgmma reads xw through the async proxy
+            wg_proxy_fence();
             __syncthreads();
 #pragma unroll
             for (u32 s = 0; s < 2; ++s) {
