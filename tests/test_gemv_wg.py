@@ -156,7 +156,7 @@ def test_wg_plan_and_errors(dev, rng):
     assert plan_wg(dev, 4096, 64, ks=14, kb=2).cb == 14 and plan_wg(dev, 4096, 64, ks=5, kb=4).cb == 10
     assert plan_wg(dev, 128 * sms, 12).nx == 16 and plan_wg(dev, 128 * sms, 30).nx == 32
     assert plan_wg(dev, 4096, 64, nx=64, stages=2).smem == wg_smem(64, 2, 1)
-    for bad in ({"nx": 8}, {"stages": 1}, {"stages": 9}, {"nx": 64, "ks": 7, "kb": 8}):
+    for bad in ({"nx": 8}, {"stages": 1}, {"stages": 9}, {"nx": 64, "ks": 7, "kb": 8}, {"max_cb": 0}, {"max_cb": 17}):
         with pytest.raises(KernelError, match="plan_wg"):
             plan_wg(dev, 4096, 64, **bad)
     with pytest.raises(KernelError, match="m=65"):

@@ -1,11 +1,11 @@
 """Launchers for cuda_src/gemv_wg.cu: the fp8 block-scale GEMVs of 9-64 x rows on wgmma (sm_90a only).
 
 Each row sums as the 8-row streaming kernel sums it under a k-split (ks, kb) (gemv.cu, `plan_gemv`), so
-linear(invariant) runs them under `invariant_tune`'s split and a row's bits do not depend on m. A block is two
-warpgroups of 64 weight rows sharing NX x rows (16, 32 or 64: the plan's); the ks * kb slices of the split are shared
-by the CB blocks of a cluster (CB the largest divisor <= 8), each walking its slices' units and keeping each
-slice's sums, which the cluster then folds in the 8-row kernel's order. Grid (ceil(n / 128) tiles, CB,
-ceil(m / NX) passes)."""
+linear(invariant) runs them under `invariant_tune`'s split (for launches of 33-64 rows where `wg_pays`) and a row's
+bits do not depend on m. A block is two warpgroups of 64 weight rows sharing NX x rows (16, 32 or 64: the plan's);
+the ks * kb slices of the split are shared by the CB blocks of a cluster (CB the largest divisor <= 16), each
+walking its slices' units and keeping each slice's sums, which the cluster then folds in the 8-row kernel's order.
+Grid (ceil(n / 128) tiles, CB, ceil(m / NX) passes)."""
 from __future__ import annotations
 
 import functools
@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from ..runtime.backend import Backend
 from ._util import launch, need
 
-__all__ = ["WG_KERNELS", "WG_MAX_M", "WgPlan", "plan_wg", "wg_pays", "wg_runs", "w8a16_gemv_wg", "w8a16_gemv_e8m0_wg"]
+__all__ = ["WG_KERNELS", "WG_MAX_M", "WgPlan", "plan_wg", "wg_pays", "wg_runs", "w8a16_gemv_wg",
+           "w8a16_gemv_e8m0_wg"]
 
 WG_KERNELS = {"fp8_block": "w8a16_gemv_wg", "fp8_block_e8m0": "w8a16_gemv_e8m0_wg"}
 WG_MAX_M = 64             # x rows a launch takes
@@ -81,11 +82,12 @@ def _plan_wg(n: int, m: int, kw: int, sms: int, max_kb: int, nx: int | None, sta
 def plan_wg(gpu: Backend, n: int, m: int, ks: int = 1, kb: int = 1, nx: int | None = None,
             stages: int | None = None, max_cb: int = WG_MAX_CB) -> WgPlan:
     """The launch plan of the wgmma GEMV for n weight rows, m x rows and the 8-row plan's k-split (ks, kb); `nx`
-    (16, 32 or 64) and `stages` (2..8) fix its choices (benchmarks)."""
+    (16, 32 or 64), `stages` (2..8) and `max_cb` (the largest cluster, 1..16) fix its choices (benchmarks)."""
     from .gemv import _max_kb, _sms
     need(nx in (None, 16, 32, 64), f"plan_wg: nx {nx!r} must be 16, 32 or 64 (None: the planner's)")
     need(stages is None or (isinstance(stages, int) and 2 <= stages <= 8),
          f"plan_wg: stages {stages!r} must be an int in 2..8 (None: the planner's)")
+    need(isinstance(max_cb, int) and 1 <= max_cb <= WG_MAX_CB, f"plan_wg: max_cb {max_cb!r} outside 1..{WG_MAX_CB}")
     need(1 <= int(m) <= WG_MAX_M, f"plan_wg: m={m} outside 1..{WG_MAX_M}")
     return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages, max_cb)
 
