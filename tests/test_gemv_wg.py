@@ -39,7 +39,7 @@ PLANS = [(1, 1), (4, 1), (1, 4), (3, 2), (16, 1), (7, 8)]
 @pytest.mark.parametrize("m", [1, 9, 17, 40, 64])
 @pytest.mark.parametrize("fmt", FMTS)
 def test_wg_vs_float64(dev, rng, fmt, m, plan, out_dtype):
-    """Partial tiles (n not a multiple of 64), partial units and steps (k not a multiple of 128), slices without
+    """Partial tiles (n not a multiple of 128), partial units and steps (k not a multiple of 128), slices without
     units, partial passes (m % nx), 128-row scale blocks, strides."""
     ks, kb = plan
     n = int(rng.integers(1, 300)) * 2 + 1
