@@ -226,6 +226,7 @@ def plan_gemv(gpu: Backend, name: str, n: int, k: int, tune: Tune | None = None,
 
 # The 64-row x-staged kernels (gemv.cu x64_body) per format, and k per 16-byte weight chunk.
 X64 = "x64"   # linear's route: the format's 64-row kernel (X64_KERNELS)
+WG = "wg"     # linear's route: the format's wgmma kernel (ops/gemv_wg.py WG_KERNELS)
 X64_KERNELS = {"bf16": "dense_gemv_bf16_batch64", "fp8_row": "gemv_fp8w_batch64",
                "fp8_block": "w8a16_gemv_batch64", "fp8_block_e8m0": "w8a16_gemv_e8m0_batch64"}
 X64_PART = 16 * 32 * 4    # a cluster's fold area bytes per warp (kernel XG_PE floats x 32 lanes)
@@ -283,8 +284,7 @@ def plan_batch64(gpu: Backend, n: int, k: int, ks: int = 1, kb: int = 1, fmt: st
     need(stages is None or (isinstance(stages, int) and stages >= 2),
          f"plan_batch64: stages {stages!r} must be an int >= 2 (None: the planner's)")
     need(fmt in X64_KERNELS, f"plan_batch64: format {fmt!r} has no 64-row kernel (one of {sorted(X64_KERNELS)})")
-    for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
-        need(isinstance(v, int) and 1 <= v <= hi, f"{X64_KERNELS[fmt]}: {what} {v!r} outside 1..{hi}")
+    check_split(X64_KERNELS[fmt], ks, kb)
     return _plan_x64(fmt, int(n), int(k), ks, kb, _sms(gpu), _regs(gpu, X64_KERNELS[fmt]), _max_kb(gpu), slices,
                      stages)
 
@@ -310,6 +310,12 @@ def _x64_fits(fmt: str, n: int, k: int, ks: int, kb: int, sms: int, regs: int, m
         return True
     except KernelError:
         return False
+
+
+def check_split(name: str, ks, kb) -> None:
+    """An 8-row plan's k-split as the wide kernels take it: ks (warps a block) 1..16, kb (cluster blocks) 1..MAX_KB."""
+    for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
+        need(isinstance(v, int) and 1 <= v <= hi, f"{name}: {what} {v!r} outside 1..{hi}")
 
 
 def _out_f32(out_dtype: str) -> int:
@@ -569,7 +575,7 @@ def linear(gpu: Backend, x, W: Linear, y, m: int = 1, out_dtype: str = "bf16", x
         mm = min(STREAM_MAX_M, m - r0)
         xr, yr = DevicePtr(int(x) + r0 * xs * 2), DevicePtr(int(y) + r0 * ys * ybytes)
         kern = narrow if mm <= QUANT_MAX_M else kinds[(mm > 16) + (mm > 32)]
-        if invariant and mm > 32 and W.fmt in WG_KERNELS and wg_pays(W.k, tune.ks, tune.kb) and wg_runs(gpu):
+        if kern == WG:
             _wg(gpu, W.fmt, W.weight, W.scale, xr, yr, mm, W.n, W.k, xs, ys, out_dtype, stream, tune.ks, tune.kb,
                 None, None)
         elif kern == X64:    # the 64-row kernels take a scale pointer in every format (bf16: NULL)
@@ -602,9 +608,9 @@ def invariant_tune(gpu: Backend, fmt: str, n: int, k: int) -> Tune:
 
 def _invariant_route(gpu: Backend, fmt: str, n: int, k: int) -> tuple[Tune, tuple[str, str, str]]:
     """(invariant_tune's split, the kernel that runs launches of 9-16, 17-32 and 33-64 rows under it: the 8-row or
-    32-row streaming kernel's name, or X64): what linear routes by."""
+    32-row streaming kernel's name, X64 or WG): what linear routes by."""
     return _route(fmt, n, k, _sms(gpu), _regs(gpu, _STREAM[fmt][0]), _regs(gpu, _STREAM[fmt][1]),
-                  _regs(gpu, X64_KERNELS[fmt]) if fmt in X64_KERNELS else 0, _max_kb(gpu))
+                  _regs(gpu, X64_KERNELS[fmt]) if fmt in X64_KERNELS else 0, _max_kb(gpu), wg_runs(gpu))
 
 
 def _holds(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: int) -> bool:
@@ -616,19 +622,21 @@ def _holds(name: str, n: int, k: int, sms: int, regs: int, tune: Tune, max_kb: i
 
 
 @functools.lru_cache(maxsize=1024)
-def _route(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int):
-    # cached: linear asks on every invariant call, and a refused plan is an exception lru_cache does not keep
+def _route(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int, wg: bool):
+    # cached: linear asks on every invariant call, and a refused plan is an exception lru_cache does not keep.
+    # wg: the device runs the wgmma kernels, which take 33-64-row launches where they pay (wg_pays)
     t = _split(fmt, n, k, sms, regs8, regs32, regs64, max_kb)
     narrow, wide = _STREAM[fmt]
+    wide64 = WG if wg and fmt in WG_KERNELS and wg_pays(k, t.ks, t.kb) else None
     if fmt in X64_KERNELS and _x64_fits(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb):
         q = _plan_x64(fmt, n, k, t.ks, t.kb, sms, regs64, max_kb, None, None)
         units = -(-(k // 8) // 8)    # bf16: 8-chunk units of 8 k
         if fmt != "bf16" or q.kb == 1 or -(-units // (t.ks * t.kb)) >= X64_FOLD_ROUNDS:
-            return t, (X64,) * 3
+            return t, (X64, X64, wide64 or X64)
     # 9-16 rows: two 8-row passes beat one half-empty 32-row pass (H100, every such real shape: V4 wkv 12.1 vs
     # 15.8 us, wo_b 26.4 vs 29.0, Qwen o_proj 17.4 vs 20.5 and 22.9 on the 64-row kernel)
     w = wide if _holds(wide, n, k, sms, regs32, t, max_kb) else narrow
-    return t, (narrow, w, w)
+    return t, (narrow, w, wide64 or w)
 
 
 def _split(fmt: str, n: int, k: int, sms: int, regs8: int, regs32: int, regs64: int, max_kb: int) -> Tune:

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 
 from ..runtime.backend import Backend
+from . import gemv as _gemv   # gemv imports this module at its top: attributes are read at call time
 from ._util import launch, need
 
 __all__ = ["WG_KERNELS", "WG_MAX_M", "WgPlan", "plan_wg", "wg_pays", "wg_runs", "w8a16_gemv_wg",
@@ -83,25 +84,22 @@ def plan_wg(gpu: Backend, n: int, m: int, ks: int = 1, kb: int = 1, nx: int | No
             stages: int | None = None, max_cb: int = WG_MAX_CB) -> WgPlan:
     """The launch plan of the wgmma GEMV for n weight rows, m x rows and the 8-row plan's k-split (ks, kb); `nx`
     (16, 32 or 64), `stages` (2..8) and `max_cb` (the largest cluster, 1..16) fix its choices (benchmarks)."""
-    from .gemv import _max_kb, _sms
     need(nx in (None, 16, 32, 64), f"plan_wg: nx {nx!r} must be 16, 32 or 64 (None: the planner's)")
     need(stages is None or (isinstance(stages, int) and 2 <= stages <= 8),
          f"plan_wg: stages {stages!r} must be an int in 2..8 (None: the planner's)")
     need(isinstance(max_cb, int) and 1 <= max_cb <= WG_MAX_CB, f"plan_wg: max_cb {max_cb!r} outside 1..{WG_MAX_CB}")
     need(1 <= int(m) <= WG_MAX_M, f"plan_wg: m={m} outside 1..{WG_MAX_M}")
-    return _plan_wg(int(n), int(m), int(ks) * int(kb), _sms(gpu), _max_kb(gpu), nx, stages, max_cb)
+    return _plan_wg(int(n), int(m), int(ks) * int(kb), _gemv._sms(gpu), _gemv._max_kb(gpu), nx, stages, max_cb)
 
 
 def _wg(gpu, fmt, w, scale, x, y, m, n, k, x_stride, y_stride, out_dtype, stream, ks, kb, nx, stages,
         max_cb=WG_MAX_CB):
-    from .gemv import MAX_KB, _check, _out_f32
     name = WG_KERNELS[fmt]
-    f32 = _out_f32(out_dtype)
+    f32 = _gemv._out_f32(out_dtype)
     need(wg_runs(gpu), f"{name}: needs a compute capability 9.0 GPU (wgmma), this device is {gpu.name}")
-    _check(name, 16, w, x, m, n, k, x_stride, y_stride, WG_MAX_M)
+    _gemv._check(name, 16, w, x, m, n, k, x_stride, y_stride, WG_MAX_M)
     need(int(scale) != 0, f"{name}: scale pointer is NULL")
-    for what, v, hi in (("ks", ks, 16), ("kb", kb, MAX_KB)):
-        need(isinstance(v, int) and 1 <= v <= hi, f"{name}: {what} {v!r} outside 1..{hi}")
+    _gemv.check_split(name, ks, kb)
     p = plan_wg(gpu, n, m, ks, kb, nx, stages, max_cb)
     l = launch(gpu, "gemv_wg", name).arg_ptr(w).arg_ptr(scale).arg_u32(ks).arg_u32(ks * kb).arg_ptr(x).arg_ptr(y) \
         .arg_u32(m).arg_u32(n).arg_u32(k).arg_u32(x_stride).arg_u32(y_stride).arg_u32(f32)
