@@ -466,6 +466,39 @@ def test_walk_is_chosen_for_large_invariant_batches(ref, rng, monkeypatch):
     assert names == walk + split
 
 
+@pytest.mark.parametrize("case", ["window128", "window40", "dsa"])
+def test_bounded_splits_keep_the_bits(dev, rng, monkeypatch, case):
+    """A window or DSA row bounds the positions a sequence walks, so the launcher launches only the splits such a
+    sequence can fill (V4's 128-row window: 4, not 66). Every sequence keeps its chunk, so its bits are those of
+    the uncapped split count, in both modes, and near the float64 reference."""
+    heads, rw, window, sel_w = {"window128": (40, 64, 128, 0), "window40": (40, 64, 40, 0),
+                                "dsa": (40, 64, 0, 320)}[case]
+    seqs = [1, 33, 127, 128, 129, 300]
+    pg = Paged(rng, seqs, rw)
+    q = rand_bf16(rng, (len(seqs), heads, rw))
+    sink = rng.standard_normal(heads).astype(np.float32)
+    sel = None
+    if sel_w:
+        sel = np.full((len(seqs), sel_w), -1, np.int32)
+        for s, n in enumerate(seqs):
+            k = min(n, sel_w)
+            sel[s, rng.choice(sel_w, k, replace=False)] = rng.choice(n, k, replace=False)
+    span, mc = sel_w or window, pa._min_chunk(window)
+    capped = pa._splits(1, 2, True, span, mc)
+    assert capped == -(-span // mc) < pa._splits(1, 2, True), (capped, span, mc)
+    assert pa.attention_workspace_bytes(1, heads, rw, 2, True, span, mc) < pa.attention_workspace_bytes(1, heads, rw,
+                                                                                                        2, True)
+    got = {w: run_mla(dev, pg, q, heads, rw, rw, 0.11, window, sink, sel, poison_ws=True, invariant=True, walk=w,
+                      bits=True) for w in (False, True)}
+    orig = pa._splits
+    monkeypatch.setattr(pa, "_splits", lambda n, hb, inv=False, span=0, min_chunk=0: orig(n, hb, inv))
+    for w in (False, True):
+        want = run_mla(dev, pg, q, heads, rw, rw, 0.11, window, sink, sel, poison_ws=True, invariant=True, walk=w,
+                       bits=True)
+        _same(want, got[w], f"{case}, walk={w}, {capped} splits against {orig(1, 2, True)}")
+    check(f32(got[False].view(BF16)), mla_ref(pg, q, rw, 0.11, window, sink, sel))
+
+
 @pytest.mark.parametrize("walk", ["auto", 1, 0, "yes"])
 @pytest.mark.parametrize("num_seqs", [0, 1])
 def test_walk_must_be_none_or_a_bool(ref, walk, num_seqs):

@@ -27,10 +27,11 @@ _MAX_SPLITS = 64       # kernel MAX_SPLITS
 # Positions per split at least (whole 32-row tiles). A split block's fixed costs (Q, the ring's fill, its
 # partials) are about a tile's work, so 4-tile chunks beat 2-tile ones from 8 sequences up and cost at most
 # 1.4 µs for one (H100, ctx 2049: DeepSeek-V3 split mode at B = 8 105 -> 74 µs, B = 1 24.9 -> 24.7, GLM-5 B = 1
-# 27.0 -> 28.4; the walk at B = 64 331 -> 322). A window (DeepSeek-V4's 128 rows) keeps 2-tile chunks: 4-tile
-# ones leave it one split (B = 1 24.4 -> 31.1 µs).
+# 27.0 -> 28.4; the walk at B = 64 331 -> 322). A window (DeepSeek-V4's 128 rows) takes 1-tile chunks: its four
+# splits' blocks run side by side (H100, split mode with the splits uncapped: B = 1 23.1 -> 20.4 µs, B = 2 20.7 ->
+# 17.5 against 2-tile chunks; 4-tile ones, one split, 31.1).
 _MIN_CHUNK = 128
-_MIN_CHUNK_WINDOW = 64
+_MIN_CHUNK_WINDOW = 32
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
 _COMBINE_THREADS = 128
 # walk=None's cost model (`_walks`), in units of one split block, for sequences of _REF_ROWS rows (the benchmarks'
@@ -79,34 +80,44 @@ def chunk_rows(n: int, splits: int, min_chunk: int) -> int:
     return -(-max(min_chunk, -(-n // splits)) // _TILE) * _TILE
 
 
-def _splits(num_seqs: int, head_blocks: int, invariant: bool = False) -> int:
+def _splits(num_seqs: int, head_blocks: int, invariant: bool = False, span: int = 0,
+            min_chunk: int = _MIN_CHUNK) -> int:
     """Row chunks per sequence. Batch-invariant: chosen as for one sequence, so a sequence's chunking (and
-    the combine order of its partials) does not depend on how many others run beside it."""
+    the combine order of its partials) does not depend on how many others run beside it. span > 0: no sequence
+    walks more than span positions (a window, or DSA's selection row); where min_chunk sets the chunk of a
+    span-long sequence, the count drops to the splits such a sequence fills, which leaves every sequence's chunk
+    (min_chunk) and so its bits as they were, and launches no split block that could only be empty (V4's window:
+    4 splits, not 66)."""
     seqs = 1 if invariant else num_seqs
-    return max(1, min(_MAX_SPLITS, -(-_TARGET_BLOCKS // (seqs * head_blocks))))
+    s = max(1, min(_MAX_SPLITS, -(-_TARGET_BLOCKS // (seqs * head_blocks))))
+    if span > 0 and -(-span // s) <= min_chunk:
+        s = -(-span // min_chunk)
+    return s
 
 
-def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: int, invariant: bool = False) -> int:
+def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: int, invariant: bool = False,
+                              span: int = 0, min_chunk: int = _MIN_CHUNK) -> int:
     """Split mode's partials of `num_seqs` sequences: f32 [seqs, splits, heads, dv] + (m, l) [seqs, splits,
     heads, 2]. head_blocks: ceil(heads / 32) for mla_decode, q_heads / min(32, q_heads // kv_heads) for
-    gqa_decode. Walk mode uses none (a `workspace=` passed to a call that walks is left untouched)."""
-    return 4 * num_seqs * _splits(num_seqs, head_blocks, invariant) * heads * (dv + 2)
+    gqa_decode; span, min_chunk: as `_splits` (0: unbounded; the bytes without them cover any call). Walk mode
+    uses none (a `workspace=` passed to a call that walks is left untouched)."""
+    return 4 * num_seqs * _splits(num_seqs, head_blocks, invariant, span, min_chunk) * heads * (dv + 2)
 
 
 def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bound: int = 0,
-           min_chunk: int = _MIN_CHUNK) -> bool:
+           min_chunk: int = _MIN_CHUNK, span: int = 0) -> bool:
     """The mode: `walk` if given, else (batch-invariant calls only: the non-invariant split count already shrinks
     as the batch grows) whichever the cost model says is faster for sequences of _REF_ROWS rows. Split mode:
     waves of the blocks with rows, plus the empty ones; walk mode: waves of (head block, sequence) blocks, each
     walking every split with rows. `bound` > 0: no sequence attends more positions than that (the window, or
-    DSA's selection). Splits with rows follow the kernels' chunk rule (V3: 16 of 33; V4's 128-row window: 2 of
-    64)."""
+    DSA's selection); `span`: as `_splits`. Splits with rows follow the kernels' chunk rule (V3: 16 of 33; V4's
+    128-row window: 4 of 4)."""
     need(walk is None or isinstance(walk, bool), f"{name}: walk {walk!r} must be None, True or False")
     if walk is not None:
         return walk
     if not invariant or num_seqs == 0:
         return False
-    splits = _splits(num_seqs, head_blocks, True)
+    splits = _splits(num_seqs, head_blocks, True, span, min_chunk)
     n = min(bound, _REF_ROWS) if bound > 0 else _REF_ROWS
     used = min(splits, -(-n // chunk_rows(n, splits, min_chunk)))
     blocks = num_seqs * head_blocks
@@ -115,21 +126,22 @@ def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bo
 
 
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
-             invariant: bool):
+             invariant: bool, span: int = 0, min_chunk: int = _MIN_CHUNK):
     """The partial-pass launch with its geometry set, and where its partials go."""
-    splits = _splits(num_seqs, head_blocks, invariant)
-    ws = DevicePtr(int(workspace)) if workspace else \
-        kept_workspace(gpu, "attention", attention_workspace_bytes(num_seqs, heads, dv, head_blocks, invariant))
+    splits = _splits(num_seqs, head_blocks, invariant, span, min_chunk)
+    ws = DevicePtr(int(workspace)) if workspace else kept_workspace(
+        gpu, "attention", attention_workspace_bytes(num_seqs, heads, dv, head_blocks, invariant, span, min_chunk))
     k = launch(gpu, "paged_attention", name)
     k.grid(splits, head_blocks, num_seqs).block(_THREADS).shared(smem)
     return k, ws, ws.offset(4 * num_seqs * splits * heads * dv), splits
 
 
-def _prepare_walk(gpu, name: str, num_seqs: int, head_blocks: int, smem: int, invariant: bool):
+def _prepare_walk(gpu, name: str, num_seqs: int, head_blocks: int, smem: int, invariant: bool, span: int = 0,
+                  min_chunk: int = _MIN_CHUNK):
     """The walk launch with its geometry set, and the split count it walks (split mode's)."""
     k = launch(gpu, "paged_attention", name)
     k.grid(1, head_blocks, num_seqs).block(_THREADS).shared(smem)
-    return k, _splits(num_seqs, head_blocks, invariant)
+    return k, _splits(num_seqs, head_blocks, invariant, span, min_chunk)
 
 
 def _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, dv, splits, stream, out_gate=None):
@@ -243,14 +255,15 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     need(int(q) % 4 == 0 and int(cache) % 16 == 0, f"{name}: q must be 4-byte and the cache 16-byte aligned")
     blocks = -(-heads // _HEADS)
     bound = min((b for b in (window, sel_stride if sel else 0) if b > 0), default=0)   # positions attended, at most
+    span = sel_stride if sel else window   # positions walked, at most (DSA walks its whole selection row)
     mc = _min_chunk(window)
-    walks = _walks(name, walk, invariant, num_seqs, blocks, bound, min_chunk=mc)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, bound, min_chunk=mc, span=span)
     if num_seqs == 0:
         return
     stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
     smem = _smem_bytes(row_width, v_width, False, fp8, stage, walks)
     if walks:
-        k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
+        k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant, span, mc)
         k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(sink).arg_ptr(out) \
             .arg_u32(num_seqs).arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window) \
             .arg_ptr(sel).arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(mc)
@@ -258,7 +271,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
             k.arg_u32(nope)
         k.launch(stream)
         return
-    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, invariant)
+    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, invariant, span, mc)
     k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs) \
         .arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window).arg_ptr(sel) \
         .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(mc)
