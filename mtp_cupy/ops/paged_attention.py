@@ -28,8 +28,8 @@ _MAX_SPLITS = 64       # kernel MAX_SPLITS
 # partials) are about a tile's work, so 4-tile chunks beat 2-tile ones from 8 sequences up and cost at most
 # 1.4 µs for one (H100, ctx 2049: DeepSeek-V3 split mode at B = 8 105 -> 74 µs, B = 1 24.9 -> 24.7, GLM-5 B = 1
 # 27.0 -> 28.4; the walk at B = 64 331 -> 322). A window (DeepSeek-V4's 128 rows) takes 1-tile chunks: its four
-# splits' blocks run side by side (H100, split mode with the splits uncapped: B = 1 23.1 -> 20.4 µs, B = 2 20.7 ->
-# 17.5 against 2-tile chunks; 4-tile ones, one split, 31.1).
+# splits' blocks run side by side (H100, split mode: 2-tile chunks over 66 splits 24.0 µs at B = 1 and 26.1 at
+# B = 8; 1-tile chunks over the four splits `_splits` keeps 13.6 and 15.8; 4-tile chunks, one split, 31.1).
 _MIN_CHUNK = 128
 _MIN_CHUNK_WINDOW = 32
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
@@ -237,7 +237,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
     walk : None (choose for invariant calls by the cost model of `_walks`: walk from 20 DeepSeek-V3 sequences,
-        32 GLM-5 ones and 6 windowed V4 ones up), True (one block per (head block, sequence) walks
+        46 GLM-5 ones and 34 windowed V4 ones up), True (one block per (head block, sequence) walks
         the splits; no workspace) or False (split mode). The same bits either way.
     """
     fp8 = kv_dtype == "fp8"
