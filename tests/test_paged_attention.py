@@ -192,6 +192,9 @@ def test_launchers_reject_bad_shapes(ref):
         ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 40, 0.1, kv_dtype="fp8")
     with pytest.raises(KernelError, match="out_gate needs a gate"):
         ops.gqa_decode(ref, 256, 512, 256, 256, 256, META_STRIDE, 256, 1, 8, 2, 64, 0.1, out_gate=(NULL, 128, 64))
+    for span, mc in ((-1, 32), (128, 0)):
+        with pytest.raises(KernelError, match="span"):
+            ops.attention_workspace_bytes(1, 64, 512, 2, True, span, mc)
 
 
 def test_every_kernel_has_a_twin():

@@ -101,6 +101,8 @@ def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: i
     heads, 2]. head_blocks: ceil(heads / 32) for mla_decode, q_heads / min(32, q_heads // kv_heads) for
     gqa_decode; span, min_chunk: as `_splits` (0: unbounded; the bytes without them cover any call). Walk mode
     uses none (a `workspace=` passed to a call that walks is left untouched)."""
+    need(span >= 0 and min_chunk >= 1, f"attention_workspace_bytes: span {span} must be >= 0 and min_chunk "
+         f"{min_chunk} >= 1")
     return 4 * num_seqs * _splits(num_seqs, head_blocks, invariant, span, min_chunk) * heads * (dv + 2)
 
 
