@@ -68,6 +68,9 @@ def spread(module, g) -> None:
 
 
 def trained(fam: str, seed: int, steps: int = 3, depth: int = 3):
+    # torch's CPU reductions split by thread count, so a seed replays the same weights only with the same count
+    # (OMP_NUM_THREADS): one seed's V3 depth-0 error is 6.29e-3 on 1 thread and 4.97e-3 on 2
+    print(f"[torch threads {torch.get_num_threads()}]")
     torch.manual_seed(seed)
     mod = family_module(fam)
     target, head = mod.build("cpu")
