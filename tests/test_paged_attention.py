@@ -528,9 +528,11 @@ def test_split_groups_move_no_bit(cuda, rng, case):
 
 def test_split_group_choice(ref, monkeypatch):
     """group=None puts the blocks with rows in one wave (V3's 4 head blocks at 2,048 rows: 1 split a block up to 2
-    sequences, 4 at 8, 8 at 16); an explicit group is taken (capped at the split count) and a bad one is a
-    KernelError before any launch. The grid's first dimension is ceil(splits / group)."""
-    assert [pa._group("t", None, n, 4, 33, 0, 128) for n in (1, 2, 3, 8, 16)] == [1, 1, 2, 4, 8]
+    sequences, 4 from 8, never more than _MAX_GROUP); an explicit group is taken (capped at the split count) and a
+    bad one is a KernelError before any launch. The grid's first dimension is ceil(splits / group), for GQA too,
+    whatever its q heads per KV head."""
+    assert pa._MAX_GROUP == 4
+    assert [pa._group("t", None, n, 4, 33, 0, 128) for n in (1, 2, 3, 8, 16, 64)] == [1, 1, 2, 4, 4, 4]
     assert pa._group("t", 5, 1, 4, 33, 0, 128) == 5 and pa._group("t", 99, 1, 4, 33, 0, 128) == 33
     for bad in (0, -1, 2.0, True, "2"):
         with pytest.raises(KernelError, match="group"):
@@ -545,6 +547,11 @@ def test_split_group_choice(ref, monkeypatch):
     pg = Paged(rng, [300] * 8, 64)
     run_mla(ref, pg, rand_bf16(rng, (8, 128, 64)), 128, 64, 64, 0.1, invariant=True, walk=False)
     assert grids[:2] == ["mla_decode_partial", (9, 4, 8)], grids   # 33 splits, 4 a block at 8 sequences
+    grids.clear()   # Qwen3-Next's 16 q heads over 2 KV heads of 256, one sequence: 64 splits, one a block
+    kc, vc = (Paged(rng, [300], 2 * 256) for _ in range(2))
+    run_gqa(ref, kc, vc, rand_bf16(rng, (1, 16, 256)), 16 * 256, 16, 2, 256, 0.1, "bf16", 1.0, invariant=True,
+            walk=False)
+    assert grids[:2] == ["gqa_decode_partial", (64, 2, 1)], grids
 
 
 @pytest.mark.parametrize("walk", ["auto", 1, 0, "yes"])

@@ -33,6 +33,10 @@ _MAX_SPLITS = 64       # kernel MAX_SPLITS
 _MIN_CHUNK = 128
 _MIN_CHUNK_WINDOW = 32
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
+# Splits a split-mode block takes at most (`_group`). A partial block's tiles run about twice as long as the walk's
+# (Q in registers beside the ring, not in shared memory), so long chains of them lose: on an H200, DeepSeek-V3 at
+# 16 sequences took 125 µs with one split a block and 166 with 8; 2 and 4 won wherever they were chosen.
+_MAX_GROUP = 4
 _COMBINE_THREADS = 128
 # walk=None's cost model (`_walks`), in units of one split block, for sequences of _REF_ROWS rows (the benchmarks'
 # ctx; seq_len lives on the device): a walk block pays 0.69 of a split block for each split it walks, an empty
@@ -135,14 +139,15 @@ def _used(splits: int, bound: int, min_chunk: int) -> int:
 def _group(name: str, group, num_seqs: int, head_blocks: int, splits: int, bound: int, min_chunk: int) -> int:
     """Splits a split-mode block takes in turn (each partial is the same whichever block computes it, so this
     moves no bit): `group` if given, else the fewest that fit the blocks with rows, for sequences of _REF_ROWS
-    rows, in one wave (V3's 4 head blocks: 1 up to 2 sequences, 4 at 8, 8 at 16), not one block a split over
-    several waves."""
+    rows, in one wave (V3's 4 head blocks: 1 up to 2 sequences, 4 at 8), at most _MAX_GROUP, not one block a
+    split over several waves."""
     need(group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 1),
          f"{name}: group {group!r} must be None or an int >= 1")
     if group is not None:
         return min(group, splits)
     used, blocks = _used(splits, bound, min_chunk), max(1, num_seqs * head_blocks)
-    return next((g for g in range(1, used) if blocks * -(-used // g) <= _TARGET_BLOCKS), used)
+    cap = min(used, _MAX_GROUP)
+    return next((g for g in range(1, cap) if blocks * -(-used // g) <= _TARGET_BLOCKS), cap)
 
 
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
@@ -207,9 +212,9 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     need(kv_dtype in ("bf16", "fp8"), f"{name}: kv_dtype {kv_dtype!r} is not bf16/fp8")
     need(kv_heads >= 1 and q_heads >= kv_heads and q_heads % kv_heads == 0,
          f"{name}: q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-    group = q_heads // kv_heads
-    hpb = min(group, _HEADS)
-    need(group % hpb == 0, f"{name}: a GQA group of {group} heads must be <= 32 or a multiple of 32")
+    per_kv = q_heads // kv_heads   # q heads per KV head (not `group`: that is the splits a block takes)
+    hpb = min(per_kv, _HEADS)
+    need(per_kv % hpb == 0, f"{name}: a GQA group of {per_kv} heads must be <= 32 or a multiple of 32")
     step = 16 if kv_dtype == "fp8" else 8
     need(head_dim % step == 0 and step <= head_dim <= MAX_HEAD_DIM,
          f"{name}: head_dim {head_dim} must be a multiple of {step} in [{step}, {MAX_HEAD_DIM}]")
