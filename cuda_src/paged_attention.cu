@@ -6,9 +6,11 @@
 // and the partials of a (sequence, head) are merged in split order (merge_ml / merge_o / merge_finish: an
 // online merge, the optional attention sink, 1 / L). Two modes, the same bits for the same `splits` and
 // `min_chunk` (the launcher picks both):
-//   split: `mla_decode_partial[_fp8]`, `gqa_decode_partial[_fp8]`, grid (splits, head blocks, sequences), one
-//     split a block, writing ws_o[s][c][h][0:dv] = O_c and ws_ml[s][c][h][0:2] = (m, l) (f32); then
-//     `attn_combine`, grid (heads, sequences), merges them into out.
+//   split: `mla_decode_partial[_fp8]`, `gqa_decode_partial[_fp8]`, grid (ceil(splits / G), head blocks,
+//     sequences), a block taking G consecutive splits in turn (G = 1: one split a block), writing
+//     ws_o[s][c][h][0:dv] = O_c and ws_ml[s][c][h][0:2] = (m, l) (f32) at each one's last tile; then
+//     `attn_combine`, grid (heads, sequences), merges them into out. A partial is the same whichever block
+//     computes it, so G (the launcher's, for the batch) moves no bit.
 //   walk: `mla_decode_walk[_fp8]`, `gqa_decode_walk[_fp8]`, grid (1, head blocks, sequences): a block walks
 //     all the splits of its sequence in order with the same per-split code, merges each into a running
 //     (M, L, O) in registers and writes out itself. No workspace, and one set of fixed costs (Q fragments,
@@ -174,15 +176,18 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     const SeqSpan sp = seq_span(a.meta, a.meta_stride, s, a.window, a.sel != nullptr, a.sel_stride);
     const u32 per = (u32)((sp.n + (i32)a.splits - 1) / (i32)a.splits);
     const u32 chunk = (max(per, a.min_chunk) + TILE - 1) / TILE * TILE;
-    // split mode: split blockIdx.x alone; walk: every split, i.e. all n positions
-    const i32 p_begin = WALK ? 0 : (i32)(blockIdx.x * chunk);
-    const i32 p_end = WALK ? sp.n : min(sp.n, p_begin + (i32)chunk);
-    const u64 part = ((u64)s * a.splits + blockIdx.x) * a.heads;  // split mode: (s, c, head 0) partial index
+    // split mode: the G = ceil(splits / gridDim.x) consecutive splits c0 .. c0 + G - 1 (G = 1: one split a
+    // block), each partial written at its last tile; walk: every split, i.e. all n positions
+    const u32 G = WALK ? a.splits : (a.splits + gridDim.x - 1) / gridDim.x, c0 = WALK ? 0u : blockIdx.x * G;
+    const i32 p_begin = WALK ? 0 : (i32)min((u64)c0 * chunk, (u64)sp.n);
+    const i32 p_end = WALK ? sp.n : (i32)min((u64)p_begin + (u64)G * chunk, (u64)sp.n);
+    const u64 part0 = (u64)s * a.splits * a.heads;  // split mode: (s, split 0, head 0) partial index
 
-    if (!WALK && p_begin >= p_end) {  // empty split: the combine skips it
-        if (tid < HEADS && a.h0 + tid < a.h_end)
-            *(float2*)(a.ws_ml + (part + a.h0 + tid) * 2) = make_float2(-INFINITY, 0.f);
-        return;
+    if (!WALK) {  // this block's splits past the sequence's positions are empty: the combine skips them
+        for (u32 c = c0 + (u32)(p_end - p_begin + (i32)chunk - 1) / chunk; c < min(c0 + G, a.splits); ++c)
+            if (tid < HEADS && a.h0 + tid < a.h_end)
+                *(float2*)(a.ws_ml + (part0 + (u64)c * a.heads + a.h0 + tid) * 2) = make_float2(-INFINITY, 0.f);
+        if (p_begin >= p_end) return;
     }
 
     constexpr bool RAW = KVF != KV_BF16;   // rows land raw in `stage` and are converted into K / V
@@ -333,6 +338,7 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
     i32 e_next = entry_of(r_next);
     const u32 split_tiles = chunk / TILE;
     u32 tin = 0;   // tile t's index inside its split (p_begin is a split's first position)
+    u32 cur = c0;  // split mode: the split tile t belongs to
     u32 buf = 0, buf2 = 2;   // t % 3 and (t + 2) % 3
     for (u32 t = 0; t < ntiles; ++t, buf = buf == 2 ? 0 : buf + 1, buf2 = buf2 == 2 ? 0 : buf2 + 1) {
         const u32 bb = RAW ? 0 : buf;
@@ -519,12 +525,30 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
                         O[nt][3] = merge_o(O[nt][3], w, vscale(o[nt][3]));
                     }
                 }
-                // the next split's partial starts as the split pass's does
-#pragma unroll
-                for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
-                m_run = -INFINITY;
-                l_run = 0.f;
             }
+        } else if (split_end) {   // split cur's partial O_c = o * vmul and (m, l)
+            const u64 part = part0 + (u64)cur * a.heads;
+#pragma unroll
+            for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
+                const u32 col = qt * VW + nt * 8 + 2 * t4;
+                if (nt < NTV && col < dv) {   // the padded value columns are not stored
+                    if (hA < a.h_end)
+                        *(float2*)(a.ws_o + (part + hA) * dv + col) =
+                            make_float2(vscale(o[nt][0]), vscale(o[nt][1]));
+                    if (hB < a.h_end)
+                        *(float2*)(a.ws_o + (part + hB) * dv + col) =
+                            make_float2(vscale(o[nt][2]), vscale(o[nt][3]));
+                }
+            }
+            if (sq == 0 && a.h0 + sh < a.h_end)
+                *(float2*)(a.ws_ml + (part + a.h0 + sh) * 2) = make_float2(m_run, l_run);
+            ++cur;
+        }
+        if (split_end) {   // the next split's partial starts from zero, in both modes
+#pragma unroll
+            for (u32 nt = 0; nt < MAX_NTILES; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+            m_run = -INFINITY;
+            l_run = 0.f;
         }
     }
 
@@ -547,27 +571,12 @@ __device__ __forceinline__ void attend(const AttnArgs& a) {
                 }
             }
         }
-    } else {
-#pragma unroll
-        for (u32 nt = 0; nt < MAX_NTILES; ++nt) {
-            const u32 col = qt * VW + nt * 8 + 2 * t4;
-            if (nt < NTV && col < dv) {   // the padded value columns are not stored
-                if (hA < a.h_end)
-                    *(float2*)(a.ws_o + (part + hA) * dv + col) =
-                        make_float2(vscale(o[nt][0]), vscale(o[nt][1]));
-                if (hB < a.h_end)
-                    *(float2*)(a.ws_o + (part + hB) * dv + col) =
-                        make_float2(vscale(o[nt][2]), vscale(o[nt][3]));
-            }
-        }
-        if (sq == 0 && a.h0 + sh < a.h_end)
-            *(float2*)(a.ws_ml + (part + a.h0 + sh) * 2) = make_float2(m_run, l_run);
     }
 }
 
 // MLA / V4 / DSA: one KV head; V = the first v_width columns of each row. q bf16 [num_seqs, heads, row_width];
-// grid (splits, ceil(heads / 32), num_seqs) for the partial kernels, (1, ceil(heads / 32), num_seqs) for the
-// walk kernels. `_partial` / `_walk`: rows of row_width bf16; `_fp8`: blocked fp8 rows of
+// grid (ceil(splits / G), ceil(heads / 32), num_seqs) for the partial kernels, (1, ceil(heads / 32), num_seqs)
+// for the walk kernels. `_partial` / `_walk`: rows of row_width bf16; `_fp8`: blocked fp8 rows of
 // kv_fp8_block_row_bytes(nope, row_width) bytes.
 template <int KVF, bool WALK>
 __device__ __forceinline__ void mla_entry(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32 meta_stride,
@@ -628,8 +637,8 @@ mla_decode_walk_fp8(const __nv_bfloat16* q, const u8* cache, const u8* meta, u32
 }
 
 // Gated-GQA: K and V caches with rows of kv_heads * head_dim; q head h reads KV head h / (q_heads / kv_heads).
-// A block takes min(32, group) q heads of one KV head; grid (splits, q_heads / that, num_seqs) for the partial
-// kernels, (1, q_heads / that, num_seqs) for the walk kernels. No sink.
+// A block takes min(32, group) q heads of one KV head; grid (ceil(splits / G), q_heads / that, num_seqs) for the
+// partial kernels, (1, q_heads / that, num_seqs) for the walk kernels. No sink.
 template <int KVF, bool WALK>
 __device__ __forceinline__ void gqa_entry(const __nv_bfloat16* q, u32 q_row_stride, const u8* k_cache,
                                           const u8* v_cache, const u8* meta, u32 meta_stride, float* ws_o,

@@ -63,7 +63,7 @@ def softmax_attend(q, k, v, scale, sink=None):
 
 
 def run_mla(dev, pg, q, heads, row_width, v_width, scale, window=0, sink=None, sel=None, poison_ws=False, *,
-            kv_dtype="bf16", nope=0, invariant=False, walk=None, bits=False):
+            kv_dtype="bf16", nope=0, invariant=False, walk=None, bits=False, group=None):
     """float32 of the bf16 output, or (bits) its raw uint16 bits. pg.pool is uploaded as is (the blocked fp8
     rows' bytes for kv_dtype "fp8")."""
     n = len(pg.seq_lens)
@@ -76,7 +76,7 @@ def run_mla(dev, pg, q, heads, row_width, v_width, scale, window=0, sink=None, s
     ops.mla_decode(dev, qb.ptr, cb.ptr, mb.ptr, META_STRIDE, ob.ptr, n, heads, row_width, v_width, scale,
                    window=window, sink=sk.ptr if sk else NULL, sel=sb.ptr if sb else NULL,
                    sel_stride=sel.shape[1] if sel is not None else 0, kv_dtype=kv_dtype, nope=nope,
-                   workspace=ws.ptr if ws else None, invariant=invariant, walk=walk)
+                   workspace=ws.ptr if ws else None, invariant=invariant, walk=walk, group=group)
     got = get(dev, ob, "bf16", (n, heads, v_width))
     return np.asarray(got).view(np.uint16) if bits else f32(got)
 
@@ -139,7 +139,7 @@ def test_mla_selection(dev, rng):
 
 
 def run_gqa(dev, kc, vc, q, q_row_stride, q_heads, kv_heads, hd, scale, kv_dtype, kv_scale, *, invariant=False,
-            walk=None, bits=False, poison_ws=False):
+            walk=None, bits=False, poison_ws=False, group=None):
     n = len(kc.seq_lens)
     qb, kb, vb = up(dev, q), up(dev, kc.pool), up(dev, vc.pool)
     mb = up(dev, kc.meta())
@@ -148,7 +148,7 @@ def run_gqa(dev, kc, vc, q, q_row_stride, q_heads, kv_heads, hd, scale, kv_dtype
     ws = out(dev, "u8", ops.attention_workspace_bytes(n, q_heads, hd, blocks, invariant)) if poison_ws else None
     ops.gqa_decode(dev, qb.ptr, q_row_stride, kb.ptr, vb.ptr, mb.ptr, META_STRIDE, ob.ptr, n, q_heads, kv_heads,
                    hd, scale, kv_dtype=kv_dtype, kv_scale=kv_scale, workspace=ws.ptr if ws else None,
-                   invariant=invariant, walk=walk)
+                   invariant=invariant, walk=walk, group=group)
     got = get(dev, ob, "bf16", (n, q_heads, hd))
     return np.asarray(got).view(np.uint16) if bits else f32(got)
 
@@ -500,6 +500,58 @@ def test_bounded_splits_keep_the_bits(dev, rng, monkeypatch, case):
                        bits=True)
         _same(want, got[w], f"{case}, walk={w}, {capped} splits against {orig(1, 2, True)}")
     check(f32(got[False].view(BF16)), mla_ref(pg, q, rw, 0.11, window, sink, sel))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(WALK_MLA) + ["qwen3_next_bf16", "qwen3_next_fp8"])
+def test_split_groups_move_no_bit(cuda, rng, case):
+    """A split-mode block may take several consecutive splits in turn (`group`; the NumPy twin computes every
+    split alike, so only CUDA can tell): every group, and the launcher's own choice, gives the bits of one split a
+    block, for ragged sequences (a block's range ending inside a sequence, past it, or holding none of it)."""
+    if case.startswith("qwen3_next"):
+        kv_dtype = case.rsplit("_", 1)[1]
+        kc, vc, q, args = _gqa_walk_inputs(rng, kv_dtype, RAGGED)
+        def run(g):
+            return run_gqa(cuda, kc, vc, q, *args, 0.37 if kv_dtype == "fp8" else 1.0, invariant=True, walk=False,
+                           bits=True, poison_ws=True, group=g)
+    else:
+        pg, _, q, sink, sel, kw = _mla_walk_inputs(rng, case, RAGGED)
+        def run(g):
+            return run_mla(cuda, pg, q, sink=sink, sel=sel, poison_ws=True, invariant=True, walk=False, bits=True,
+                           group=g, **kw)
+    one = run(1)
+    assert np.all(np.isfinite(f32(one.view(BF16))))
+    for g in (2, 3, 5, 16, 64, None):
+        got = run(g)
+        assert np.array_equal(got, one), f"{case}: group {g} differs on {np.count_nonzero(got != one)} elements"
+
+
+def test_split_group_choice(ref, monkeypatch):
+    """group=None puts the blocks with rows in one wave (V3's 4 head blocks at 2,048 rows: 1 split a block up to 2
+    sequences, 4 from 8, never more than _MAX_GROUP); an explicit group is taken (capped at the split count) and a
+    bad one is a KernelError before any launch. The grid's first dimension is ceil(splits / group), for GQA too,
+    whatever its q heads per KV head."""
+    assert pa._MAX_GROUP == 4
+    assert [pa._group("t", None, n, 4, 33, 0, 128) for n in (1, 2, 3, 8, 16, 64)] == [1, 1, 2, 4, 4, 4]
+    assert pa._group("t", 5, 1, 4, 33, 0, 128) == 5 and pa._group("t", 99, 1, 4, 33, 0, 128) == 33
+    for bad in (0, -1, 2.0, True, "2"):
+        with pytest.raises(KernelError, match="group"):
+            pa._group("t", bad, 1, 4, 33, 0, 128)
+    grids = []
+    real = pa.launch
+    monkeypatch.setattr(pa, "launch", lambda gpu, mod, name: grids.append(name) or real(gpu, mod, name))
+    from mtp_cupy.runtime.backend import KernelLaunch
+    orig = KernelLaunch.grid
+    monkeypatch.setattr(KernelLaunch, "grid", lambda self, *g: grids.append(g) or orig(self, *g))
+    rng = np.random.default_rng(0)
+    pg = Paged(rng, [300] * 8, 64)
+    run_mla(ref, pg, rand_bf16(rng, (8, 128, 64)), 128, 64, 64, 0.1, invariant=True, walk=False)
+    assert grids[:2] == ["mla_decode_partial", (9, 4, 8)], grids   # 33 splits, 4 a block at 8 sequences
+    grids.clear()   # Qwen3-Next's 16 q heads over 2 KV heads of 256, one sequence: 64 splits, one a block
+    kc, vc = (Paged(rng, [300], 2 * 256) for _ in range(2))
+    run_gqa(ref, kc, vc, rand_bf16(rng, (1, 16, 256)), 16 * 256, 16, 2, 256, 0.1, "bf16", 1.0, invariant=True,
+            walk=False)
+    assert grids[:2] == ["gqa_decode_partial", (64, 2, 1)], grids
 
 
 @pytest.mark.parametrize("walk", ["auto", 1, 0, "yes"])

@@ -33,6 +33,10 @@ _MAX_SPLITS = 64       # kernel MAX_SPLITS
 _MIN_CHUNK = 128
 _MIN_CHUNK_WINDOW = 32
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
+# Splits a split-mode block takes at most (`_group`). A partial block's tiles run about twice as long as the walk's
+# (Q in registers beside the ring, not in shared memory), so long chains of them lose: on an H200, DeepSeek-V3 at
+# 16 sequences took 125 µs with one split a block and 166 with 8; 2 and 4 won wherever they were chosen.
+_MAX_GROUP = 4
 _COMBINE_THREADS = 128
 # walk=None's cost model (`_walks`), in units of one split block, for sequences of _REF_ROWS rows (the benchmarks'
 # ctx; seq_len lives on the device): a walk block pays 0.69 of a split block for each split it walks, an empty
@@ -120,21 +124,40 @@ def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bo
     if not invariant or num_seqs == 0:
         return False
     splits = _splits(num_seqs, head_blocks, True, span, min_chunk)
-    n = min(bound, _REF_ROWS) if bound > 0 else _REF_ROWS
-    used = min(splits, -(-n // chunk_rows(n, splits, min_chunk)))
+    used = _used(splits, bound, min_chunk)
     blocks = num_seqs * head_blocks
     split_waves = math.ceil((blocks * used + _EMPTY_SPLIT_COST * blocks * (splits - used)) / _TARGET_BLOCKS)
     return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_waves
 
 
+def _used(splits: int, bound: int, min_chunk: int) -> int:
+    """Splits with rows of a sequence of _REF_ROWS rows (fewer under a bound of attended positions)."""
+    n = min(bound, _REF_ROWS) if bound > 0 else _REF_ROWS
+    return min(splits, -(-n // chunk_rows(n, splits, min_chunk)))
+
+
+def _group(name: str, group, num_seqs: int, head_blocks: int, splits: int, bound: int, min_chunk: int) -> int:
+    """Splits a split-mode block takes in turn (each partial is the same whichever block computes it, so this
+    moves no bit): `group` if given, else the fewest that fit the blocks with rows, for sequences of _REF_ROWS
+    rows, in one wave (V3's 4 head blocks: 1 up to 2 sequences, 4 at 8), at most _MAX_GROUP, not one block a
+    split over several waves."""
+    need(group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 1),
+         f"{name}: group {group!r} must be None or an int >= 1")
+    if group is not None:
+        return min(group, splits)
+    used, blocks = _used(splits, bound, min_chunk), max(1, num_seqs * head_blocks)
+    cap = min(used, _MAX_GROUP)
+    return next((g for g in range(1, cap) if blocks * -(-used // g) <= _TARGET_BLOCKS), cap)
+
+
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
-             invariant: bool, span: int = 0, min_chunk: int = _MIN_CHUNK):
-    """The partial-pass launch with its geometry set, and where its partials go."""
+             invariant: bool, span: int = 0, min_chunk: int = _MIN_CHUNK, group: int = 1):
+    """The partial-pass launch with its geometry set (`group` splits a block), and where its partials go."""
     splits = _splits(num_seqs, head_blocks, invariant, span, min_chunk)
     ws = DevicePtr(int(workspace)) if workspace else kept_workspace(
         gpu, "attention", attention_workspace_bytes(num_seqs, heads, dv, head_blocks, invariant, span, min_chunk))
     k = launch(gpu, "paged_attention", name)
-    k.grid(splits, head_blocks, num_seqs).block(_THREADS).shared(smem)
+    k.grid(-(-splits // group), head_blocks, num_seqs).block(_THREADS).shared(smem)
     return k, ws, ws.offset(4 * num_seqs * splits * heads * dv), splits
 
 
@@ -163,7 +186,7 @@ def _check_common(name: str, meta, meta_stride: int, num_seqs: int, scale: float
 
 def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, num_seqs, q_heads, kv_heads,
                head_dim, scale, kv_dtype="bf16", kv_scale=1.0, stream=None, *, workspace=None, invariant=False,
-               walk=None, out_gate=None):
+               walk=None, out_gate=None, group=None):
     """Decode attention for num_seqs sequences, one query row each.
 
     Parameters
@@ -181,15 +204,17 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
         sigmoid(gate[s * gate_row_stride + h * gate_head_stride + d]) (bf16 gate, strides in elements), inside the
         combine in split mode, by a sigmoid_gate_mul launch after the walk: the bits of the call without it then
         `sigmoid_gate_mul`.
+    group : None (the fewest splits a split-mode block takes in turn that put the blocks with rows in one wave,
+        `_group`) or an int >= 1. Each split's partial is the same whichever block computes it: no bit moves.
     """
     name = "gqa_decode_partial" + ("_fp8" if kv_dtype == "fp8" else "")
     _check_common(name, meta, meta_stride, num_seqs, scale)
     need(kv_dtype in ("bf16", "fp8"), f"{name}: kv_dtype {kv_dtype!r} is not bf16/fp8")
     need(kv_heads >= 1 and q_heads >= kv_heads and q_heads % kv_heads == 0,
          f"{name}: q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-    group = q_heads // kv_heads
-    hpb = min(group, _HEADS)
-    need(group % hpb == 0, f"{name}: a GQA group of {group} heads must be <= 32 or a multiple of 32")
+    per_kv = q_heads // kv_heads   # q heads per KV head (not `group`: that is the splits a block takes)
+    hpb = min(per_kv, _HEADS)
+    need(per_kv % hpb == 0, f"{name}: a GQA group of {per_kv} heads must be <= 32 or a multiple of 32")
     step = 16 if kv_dtype == "fp8" else 8
     need(head_dim % step == 0 and step <= head_dim <= MAX_HEAD_DIM,
          f"{name}: head_dim {head_dim} must be a multiple of {step} in [{step}, {MAX_HEAD_DIM}]")
@@ -198,6 +223,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     blocks = q_heads // hpb
     mc = _min_chunk(0)
     walks = _walks(name, walk, invariant, num_seqs, blocks, min_chunk=mc)
+    g = _group(name, group, num_seqs, blocks, _splits(num_seqs, blocks, invariant), 0, mc)
     if num_seqs == 0:
         return
     smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
@@ -212,7 +238,8 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
             sigmoid_gate_mul(gpu, out, out_gate[0], out, num_seqs, q_heads, head_dim, out_gate[1], out_gate[2],
                              stream=stream)
         return
-    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, invariant)
+    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, invariant,
+                                    group=g)
     k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim) \
         .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(mc).launch(stream)
@@ -221,7 +248,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
 
 def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width, v_width, scale, window=0,
                sink=NULL, sel=NULL, sel_stride=0, kv_dtype="bf16", nope=0, stream=None, *, workspace=None,
-               invariant=False, walk=None):
+               invariant=False, walk=None, group=None):
     """Single-KV-head decode attention (MLA latent 576 / V4 512).
 
     Parameters
@@ -241,6 +268,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     walk : None (choose for invariant calls by the cost model of `_walks`: walk from 20 DeepSeek-V3 sequences,
         46 GLM-5 ones and 34 windowed V4 ones up), True (one block per (head block, sequence) walks
         the splits; no workspace) or False (split mode). The same bits either way.
+    group : None or an int >= 1, as in `gqa_decode`.
     """
     fp8 = kv_dtype == "fp8"
     name = "mla_decode_partial" + ("_fp8" if fp8 else "")
@@ -260,6 +288,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     span = sel_stride if sel else window   # positions walked, at most (DSA walks its whole selection row)
     mc = _min_chunk(window)
     walks = _walks(name, walk, invariant, num_seqs, blocks, bound, min_chunk=mc, span=span)
+    g = _group(name, group, num_seqs, blocks, _splits(num_seqs, blocks, invariant, span, mc), bound, mc)
     if num_seqs == 0:
         return
     stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
@@ -273,7 +302,8 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
             k.arg_u32(nope)
         k.launch(stream)
         return
-    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, invariant, span, mc)
+    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, invariant, span, mc,
+                                    g)
     k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs) \
         .arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window).arg_ptr(sel) \
         .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(mc)
