@@ -2,13 +2,16 @@
 sequence's chunks and merges them itself), batch-invariant, per family shape and batch width, cold L2.
 
     python scripts/bench_attention.py [--batches 1,2,4,8,16,32,64] [--ctx 2048] [--iters N] [--json PATH]
+                                      [--groups 1,2,4,8]
 
 Shapes (each family's decode attention at its real dims): DeepSeek-V3 MLA (128 heads, 576 / 512 bf16 latent
 rows), GLM-5 (64 heads, the same rows, DSA selecting every row), DeepSeek-V4 (64 heads, 512-wide blocked fp8
 rows, a 128-row window and a sink), Qwen3-Next gated GQA (16 q heads over 2 KV heads of 256, bf16). Every
 sequence holds --ctx rows in a randomly permuted block pool. The floor is the KV bytes every sequence reads
 (+ q and the output) at the measured copy bandwidth; the peer is torch (bf16 matmul, softmax, matmul on dense
-copies of the same rows, batched over the sequences), in the same process when torch sees the GPU."""
+copies of the same rows, batched over the sequences), in the same process when torch sees the GPU. `--groups`
+adds split mode at each given number of splits a block (`group=`; the split column is the launcher's choice), the
+data behind `_MAX_GROUP` and the walk's cost model."""
 from __future__ import annotations
 
 import json
@@ -36,7 +39,7 @@ def _ptr(a) -> DevicePtr:
 
 
 def _case(gpu, shape, b: int, ctx: int):
-    """(run(walk), bytes read, torch peer or None) for b sequences of ctx rows."""
+    """(run(walk, group=None), bytes read, torch peer or None) for b sequences of ctx rows."""
     import cupy as cp
     fam, kind, hq, hkv, dk, dv, kvd, nope, window, sink, dsa = shape
     rng = np.random.default_rng(0)
@@ -55,9 +58,9 @@ def _case(gpu, shape, b: int, ctx: int):
         vc = kc.copy()
         kv_bytes = 2 * b * ctx * hkv * dk * 2
 
-        def run(walk):
+        def run(walk, group=None):
             ops.gqa_decode(gpu, _ptr(q), hq * dk, _ptr(kc), _ptr(vc), _ptr(meta), META_STRIDE, _ptr(out), b, hq,
-                           hkv, dk, dk ** -0.5, invariant=True, walk=walk)
+                           hkv, dk, dk ** -0.5, invariant=True, walk=walk, group=group)
     else:
         if kvd == "fp8":
             row_bytes = ops.fp8_block_layout(dk, nope)[2]
@@ -70,11 +73,11 @@ def _case(gpu, shape, b: int, ctx: int):
         sk = cp.zeros(hq, cp.float32) if sink else None
         sel = cp.asarray(np.tile(np.arange(ctx, dtype=np.int32), (b, 1))) if dsa else None
 
-        def run(walk):
+        def run(walk, group=None):
             ops.mla_decode(gpu, _ptr(q), _ptr(cache), _ptr(meta), META_STRIDE, _ptr(out), b, hq, dk, dv,
                            dk ** -0.5, window=window, sink=_ptr(sk) if sk is not None else NULL,
                            sel=_ptr(sel) if sel is not None else NULL, sel_stride=ctx if dsa else 0, kv_dtype=kvd,
-                           nope=nope, invariant=True, walk=walk)
+                           nope=nope, invariant=True, walk=walk, group=group)
     total = kv_bytes + q.nbytes + out.nbytes
     return run, total, _torch_peer(b, hq, hkv, dk, dv, min(ctx, window) if window else ctx)
 
@@ -101,6 +104,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=positive_int, default=2048, help="rows per sequence")
     ap.add_argument("--iters", type=positive_int, default=20, help="timed calls per point")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: none)")
+    ap.add_argument("--groups", type=int_list, default=[], help="also time split mode at these splits a block "
+                    "(default: none)")
     a = ap.parse_args()
     gpu = mtp_cupy.device("cuda")   # a one-line ConfigError without CUDA, before cupy is imported
     import cupy as cp
@@ -108,9 +113,10 @@ def main() -> None:
     copy_gbs = copy_bandwidth(gpu) / 1e9
     print(f"# Decode attention on {device_name(gpu)}: ctx {a.ctx}, batch-invariant, D2D copy {copy_gbs:.0f} GB/s, "
           f"cold L2, median of {timer.iters}\n")
+    by_g = " | split µs at G = " + " / ".join(map(str, a.groups)) if a.groups else ""
     print("| family | B | head blocks | MB read | floor µs | split µs | walk µs | auto | best, % of copy | "
-          "torch µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          f"torch µs{by_g} |")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.groups else ""))
     res = []
     for shape in SHAPES:
         hq, hkv = shape[2], shape[3]
@@ -120,13 +126,16 @@ def main() -> None:
             t_split, t_walk = timer.us(lambda: run(False)), timer.us(lambda: run(True))
             t_auto = timer.us(lambda: run(None))
             t_peer = timer.us(peer) if peer else float("nan")
+            t_g = [timer.us(lambda g=g: run(False, g)) for g in a.groups]
             floor = nbytes / copy_gbs / 1e3
             best = min(t_split, t_walk)
             res.append(dict(family=shape[0], batch=b, head_blocks=hb, mb=nbytes / 1e6, floor_us=floor,
-                            split_us=t_split, walk_us=t_walk, auto_us=t_auto, torch_us=t_peer))
+                            split_us=t_split, walk_us=t_walk, auto_us=t_auto, torch_us=t_peer,
+                            split_us_by_group=dict(zip(a.groups, t_g))))
+            cells = " | " + " / ".join(f"{t:.1f}" for t in t_g) if a.groups else ""
             print(f"| {shape[0]} | {b} | {hb} | {nbytes / 1e6:.1f} | {floor:.1f} | {t_split:.1f} | {t_walk:.1f} | "
                   f"{t_auto:.1f} | {'walk' if t_walk < t_split else 'split'}, {100 * floor / best:.0f}% | "
-                  f"{t_peer:.1f} |", flush=True)
+                  f"{t_peer:.1f}{cells} |", flush=True)
             cp.get_default_memory_pool().free_all_blocks()
     if a.json:
         with open(a.json, "w") as f:
