@@ -34,8 +34,8 @@ _MIN_CHUNK = 128
 _MIN_CHUNK_WINDOW = 32
 _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives on the device, so this is fixed
 # Splits a split-mode block takes at most (`_group`). A partial block's tiles run about twice as long as the walk's
-# (Q in registers beside the ring, not in shared memory), so long chains of them lose: on an H200, DeepSeek-V3 at
-# 16 sequences took 125 µs with one split a block and 166 with 8; 2 and 4 won wherever they were chosen.
+# (not yet known why; Q in registers rather than shared memory is the lead), so long chains of them lose: DeepSeek-V3
+# at 16 sequences took 125 µs with one split a block and 166 with 8 (H200 under ncu); 2 and 4 won wherever chosen.
 _MAX_GROUP = 4
 _COMBINE_THREADS = 128
 # walk=None's cost model (`_walks`), in units of one split block, for sequences of _REF_ROWS rows (the benchmarks'
@@ -107,7 +107,12 @@ def attention_workspace_bytes(num_seqs: int, heads: int, dv: int, head_blocks: i
     uses none (a `workspace=` passed to a call that walks is left untouched)."""
     need(span >= 0 and min_chunk >= 1, f"attention_workspace_bytes: span {span} must be >= 0 and min_chunk "
          f"{min_chunk} >= 1")
-    return 4 * num_seqs * _splits(num_seqs, head_blocks, invariant, span, min_chunk) * heads * (dv + 2)
+    return _partials_bytes(num_seqs, _splits(num_seqs, head_blocks, invariant, span, min_chunk), heads, dv)
+
+
+def _partials_bytes(num_seqs: int, splits: int, heads: int, dv: int) -> int:
+    """f32 O partials [seqs, splits, heads, dv], then their (m, l) [seqs, splits, heads, 2]."""
+    return 4 * num_seqs * splits * heads * (dv + 2)
 
 
 def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bound: int = 0,
@@ -151,22 +156,21 @@ def _group(name: str, group, num_seqs: int, head_blocks: int, splits: int, bound
 
 
 def _prepare(gpu, name: str, num_seqs: int, heads: int, dv: int, head_blocks: int, smem: int, workspace,
-             invariant: bool, span: int = 0, min_chunk: int = _MIN_CHUNK, group: int = 1):
-    """The partial-pass launch with its geometry set (`group` splits a block), and where its partials go."""
-    splits = _splits(num_seqs, head_blocks, invariant, span, min_chunk)
-    ws = DevicePtr(int(workspace)) if workspace else kept_workspace(
-        gpu, "attention", attention_workspace_bytes(num_seqs, heads, dv, head_blocks, invariant, span, min_chunk))
+             splits: int, group: int):
+    """The partial-pass launch of `splits` splits, `group` a block, with its geometry set, and where its
+    partials go (`_partials_bytes`)."""
+    ws = DevicePtr(int(workspace)) if workspace else \
+        kept_workspace(gpu, "attention", _partials_bytes(num_seqs, splits, heads, dv))
     k = launch(gpu, "paged_attention", name)
     k.grid(-(-splits // group), head_blocks, num_seqs).block(_THREADS).shared(smem)
-    return k, ws, ws.offset(4 * num_seqs * splits * heads * dv), splits
+    return k, ws, ws.offset(4 * num_seqs * splits * heads * dv)
 
 
-def _prepare_walk(gpu, name: str, num_seqs: int, head_blocks: int, smem: int, invariant: bool, span: int = 0,
-                  min_chunk: int = _MIN_CHUNK):
-    """The walk launch with its geometry set, and the split count it walks (split mode's)."""
+def _prepare_walk(gpu, name: str, num_seqs: int, head_blocks: int, smem: int):
+    """The walk launch with its geometry set."""
     k = launch(gpu, "paged_attention", name)
     k.grid(1, head_blocks, num_seqs).block(_THREADS).shared(smem)
-    return k, _splits(num_seqs, head_blocks, invariant, span, min_chunk)
+    return k
 
 
 def _combine(gpu, ws, ws_ml, sink, out, num_seqs, heads, dv, splits, stream, out_gate=None):
@@ -223,14 +227,15 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     blocks = q_heads // hpb
     mc = _min_chunk(0)
     walks = _walks(name, walk, invariant, num_seqs, blocks, min_chunk=mc)
-    g = _group(name, group, num_seqs, blocks, _splits(num_seqs, blocks, invariant), 0, mc)
+    splits = _splits(num_seqs, blocks, invariant)
+    g = _group(name, group, num_seqs, blocks, splits, 0, mc)
     if num_seqs == 0:
         return
     smem = _smem_bytes(head_dim, head_dim, True, kv_dtype == "fp8", walk=walks)
     if out_gate is not None:
         need(int(out_gate[0]) != 0, f"{name}: out_gate needs a gate pointer")
     if walks:
-        k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant)
+        k = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem)
         k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
             .arg_ptr(out).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim).arg_f32(scale) \
             .arg_f32(kv_scale).arg_u32(splits).arg_u32(mc).launch(stream)
@@ -238,8 +243,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
             sigmoid_gate_mul(gpu, out, out_gate[0], out, num_seqs, q_heads, head_dim, out_gate[1], out_gate[2],
                              stream=stream)
         return
-    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, invariant,
-                                    group=g)
+    k, ws, ws_ml = _prepare(gpu, name, num_seqs, q_heads, head_dim, blocks, smem, workspace, splits, g)
     k.arg_ptr(q).arg_u32(q_row_stride).arg_ptr(k_cache).arg_ptr(v_cache).arg_ptr(meta).arg_u32(meta_stride) \
         .arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs).arg_u32(q_heads).arg_u32(kv_heads).arg_u32(head_dim) \
         .arg_f32(scale).arg_f32(kv_scale).arg_u32(splits).arg_u32(mc).launch(stream)
@@ -288,13 +292,14 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     span = sel_stride if sel else window   # positions walked, at most (DSA walks its whole selection row)
     mc = _min_chunk(window)
     walks = _walks(name, walk, invariant, num_seqs, blocks, bound, min_chunk=mc, span=span)
-    g = _group(name, group, num_seqs, blocks, _splits(num_seqs, blocks, invariant, span, mc), bound, mc)
+    splits = _splits(num_seqs, blocks, invariant, span, mc)
+    g = _group(name, group, num_seqs, blocks, splits, bound, mc)
     if num_seqs == 0:
         return
     stage = fp8_block_layout(row_width, nope)[2] if fp8 else None
     smem = _smem_bytes(row_width, v_width, False, fp8, stage, walks)
     if walks:
-        k, splits = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem, invariant, span, mc)
+        k = _prepare_walk(gpu, name.replace("_partial", "_walk"), num_seqs, blocks, smem)
         k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(sink).arg_ptr(out) \
             .arg_u32(num_seqs).arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window) \
             .arg_ptr(sel).arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(mc)
@@ -302,8 +307,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
             k.arg_u32(nope)
         k.launch(stream)
         return
-    k, ws, ws_ml, splits = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, invariant, span, mc,
-                                    g)
+    k, ws, ws_ml = _prepare(gpu, name, num_seqs, heads, v_width, blocks, smem, workspace, splits, g)
     k.arg_ptr(q).arg_ptr(cache).arg_ptr(meta).arg_u32(meta_stride).arg_ptr(ws).arg_ptr(ws_ml).arg_u32(num_seqs) \
         .arg_u32(heads).arg_u32(row_width).arg_u32(v_width).arg_f32(scale).arg_u32(window).arg_ptr(sel) \
         .arg_u32(sel_stride if sel else 0).arg_u32(splits).arg_u32(mc)
