@@ -38,10 +38,12 @@ _TARGET_BLOCKS = 132   # one wave of one block per SM on an H200; seq_len lives 
 # at 16 sequences took 125 µs with one split a block and 166 with 8 (H200 under ncu); 2 and 4 won wherever chosen.
 _MAX_GROUP = 4
 _COMBINE_THREADS = 128
-# walk=None's cost model (`_walks`), in units of one split block, for sequences of _REF_ROWS rows (the benchmarks'
-# ctx; seq_len lives on the device): a walk block pays 0.69 of a split block for each split it walks, an empty
-# split block ~0.15 of a block's slot. Fitted to where the modes cross on an H100 with 4-tile chunks (ctx 2049:
-# DeepSeek-V3 between 16 and 32 sequences, GLM-5 with its 2048-row selection and Qwen3-Next at ~32).
+# walk=None's cost model (`_walks`), in units of one split's work, for sequences of _REF_ROWS rows (the benchmarks'
+# ctx; seq_len lives on the device): a walk block pays 0.69 of a split for each split it walks; split mode pays G
+# for each wave of its blocks with rows (G splits a block, `_group`) and ~0.15 of a split for each empty block. A
+# grouped split-mode block's tiles run at one split's pace per split (H100, ctx 2048: DeepSeek-V3 ~14.5 µs a unit
+# at G = 1, 2 and 4), so the waves of grouped blocks, not of splits, set the count. The constants were fitted at
+# G = 1 (4-tile chunks); the H100 points the model must order are `_MEASURED` in tests/test_paged_attention.py.
 _REF_ROWS = 2048
 _WALK_SPLIT_COST = 0.69
 _EMPTY_SPLIT_COST = 0.15
@@ -116,13 +118,13 @@ def _partials_bytes(num_seqs: int, splits: int, heads: int, dv: int) -> int:
 
 
 def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bound: int = 0,
-           min_chunk: int = _MIN_CHUNK, span: int = 0) -> bool:
+           min_chunk: int = _MIN_CHUNK, span: int = 0, group=None) -> bool:
     """The mode: `walk` if given, else (batch-invariant calls only: the non-invariant split count already shrinks
     as the batch grows) whichever the cost model says is faster for sequences of _REF_ROWS rows. Split mode:
-    waves of the blocks with rows, plus the empty ones; walk mode: waves of (head block, sequence) blocks, each
-    walking every split with rows. `bound` > 0: no sequence attends more positions than that (the window, or
-    DSA's selection); `span`: as `_splits`. Splits with rows follow the kernels' chunk rule (V3: 16 of 33; V4's
-    128-row window: 4 of 4)."""
+    waves of the blocks with rows, G splits each (`_group`; `group` as the launchers take it), plus the empty
+    blocks; walk mode: waves of (head block, sequence) blocks, each walking every split with rows. `bound` > 0: no
+    sequence attends more positions than that (the window, or DSA's selection); `span`: as `_splits`. Splits with
+    rows follow the kernels' chunk rule (V3: 16 of 33; V4's 128-row window: 4 of 4)."""
     need(walk is None or isinstance(walk, bool), f"{name}: walk {walk!r} must be None, True or False")
     if walk is not None:
         return walk
@@ -130,9 +132,10 @@ def _walks(name: str, walk, invariant: bool, num_seqs: int, head_blocks: int, bo
         return False
     splits = _splits(num_seqs, head_blocks, True, span, min_chunk)
     used = _used(splits, bound, min_chunk)
-    blocks = num_seqs * head_blocks
-    split_waves = math.ceil((blocks * used + _EMPTY_SPLIT_COST * blocks * (splits - used)) / _TARGET_BLOCKS)
-    return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_waves
+    g = _group(name, group, num_seqs, head_blocks, splits, bound, min_chunk)
+    blocks, full, grid = num_seqs * head_blocks, -(-used // g), -(-splits // g)
+    split_cost = -(-blocks * full // _TARGET_BLOCKS) * g + _EMPTY_SPLIT_COST * blocks * (grid - full) / _TARGET_BLOCKS
+    return -(-blocks // _TARGET_BLOCKS) * used * _WALK_SPLIT_COST < split_cost
 
 
 def _used(splits: int, bound: int, min_chunk: int) -> int:
@@ -201,9 +204,9 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     out : bf16 [num_seqs, q_heads, head_dim].
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 32 Qwen3-Next sequences
-        up), True (one block per (head block, sequence) walks the splits; no workspace) or False (split mode).
-        The same bits either way.
+    walk : None (choose for invariant calls by the cost model of `_walks`: walk 34 to 66 Qwen3-Next
+        sequences and from 77), True (one block per (head block, sequence) walks the splits; no workspace) or
+        False (split mode). The same bits either way.
     out_gate : (gate, gate_row_stride, gate_head_stride) or None. Qwen3-Next's output gate: out[s, h, d] *=
         sigmoid(gate[s * gate_row_stride + h * gate_head_stride + d]) (bf16 gate, strides in elements), inside the
         combine in split mode, by a sigmoid_gate_mul launch after the walk: the bits of the call without it then
@@ -226,7 +229,7 @@ def gqa_decode(gpu, q, q_row_stride, k_cache, v_cache, meta, meta_stride, out, n
     need(int(k_cache) % 16 == 0 and int(v_cache) % 16 == 0, f"{name}: k/v caches must be 16-byte aligned")
     blocks = q_heads // hpb
     mc = _min_chunk(0)
-    walks = _walks(name, walk, invariant, num_seqs, blocks, min_chunk=mc)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, min_chunk=mc, group=group)
     splits = _splits(num_seqs, blocks, invariant)
     g = _group(name, group, num_seqs, blocks, splits, 0, mc)
     if num_seqs == 0:
@@ -269,9 +272,9 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     out : bf16 [num_seqs, heads, v_width]; a sequence that attends nothing gets zeros.
     workspace : split mode's partials (`attention_workspace_bytes`); None = one kept by the launcher.
     invariant : choose the split count as for one sequence, so a sequence's bits do not depend on the batch.
-    walk : None (choose for invariant calls by the cost model of `_walks`: walk from 20 DeepSeek-V3 sequences,
-        46 GLM-5 ones and 34 windowed V4 ones up), True (one block per (head block, sequence) walks
-        the splits; no workspace) or False (split mode). The same bits either way.
+    walk : None (choose for invariant calls by the cost model of `_walks`: DeepSeek-V3 walks 17 to 33
+        sequences and from 42, GLM-5 34 to 66 and from 83, the windowed V4 from 34), True (one block per (head
+        block, sequence) walks the splits; no workspace) or False (split mode). The same bits either way.
     group : None or an int >= 1, as in `gqa_decode`.
     """
     fp8 = kv_dtype == "fp8"
@@ -291,7 +294,7 @@ def mla_decode(gpu, q, cache, meta, meta_stride, out, num_seqs, heads, row_width
     bound = min((b for b in (window, sel_stride if sel else 0) if b > 0), default=0)   # positions attended, at most
     span = sel_stride if sel else window   # positions walked, at most (DSA walks its whole selection row)
     mc = _min_chunk(window)
-    walks = _walks(name, walk, invariant, num_seqs, blocks, bound, min_chunk=mc, span=span)
+    walks = _walks(name, walk, invariant, num_seqs, blocks, bound, min_chunk=mc, span=span, group=group)
     splits = _splits(num_seqs, blocks, invariant, span, mc)
     g = _group(name, group, num_seqs, blocks, splits, bound, mc)
     if num_seqs == 0:
