@@ -1,8 +1,10 @@
 """Decode attention on one CUDA GPU: split mode (partials + attn_combine) against walk mode (one block walks a
 sequence's chunks and merges them itself), batch-invariant, per family shape and batch width, cold L2.
 
-    python scripts/bench_attention.py [--batches 1,2,4,8,16,32,64] [--ctx 2048] [--iters N] [--json PATH]
-                                      [--groups 1,2,4,8]
+    python scripts/bench_attention.py [--family all] [--batches 1,2,4,8,16,32,64] [--ctx 2048] [--iters N]
+                                      [--json PATH] [--groups 1,2,4,8]
+    ncu --profile-from-start off -k regex:decode_walk --section WarpStateStats \
+        python scripts/bench_attention.py --family deepseek_v3 --batches 64 --profile walk
 
 Shapes (each family's decode attention at its real dims): DeepSeek-V3 MLA (128 heads, 576 / 512 bf16 latent
 rows), GLM-5 (64 heads, the same rows, DSA selecting every row), DeepSeek-V4 (64 heads, 512-wide blocked fp8
@@ -100,15 +102,32 @@ def _torch_peer(b, hq, hkv, dk, dv, n):
 
 def main() -> None:
     ap = Parser(__doc__)
+    ap.add_argument("--family", choices=[sh[0] for sh in SHAPES] + ["all"], default="all",
+                    help="the family shape to time, or all")
     ap.add_argument("--batches", type=int_list, default=[1, 2, 4, 8, 16, 32, 64], help="batch widths")
     ap.add_argument("--ctx", type=positive_int, default=2048, help="rows per sequence")
     ap.add_argument("--iters", type=positive_int, default=20, help="timed calls per point")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON (default: none)")
     ap.add_argument("--groups", type=int_list, default=[], help="also time split mode at these splits a block "
                     "(default: none)")
+    ap.add_argument("--profile", choices=["split", "walk", "auto"], help="time nothing: run each point once in "
+                    "that mode inside a CUDA profiler range, for `ncu --profile-from-start off` (default: time)")
     a = ap.parse_args()
     gpu = mtp_cupy.device("cuda")   # a one-line ConfigError without CUDA, before cupy is imported
     import cupy as cp
+    if a.profile:
+        walk = {"split": False, "walk": True, "auto": None}[a.profile]
+        for shape in (sh for sh in SHAPES if a.family in ("all", sh[0])):
+            for b in a.batches:
+                run = _case(gpu, shape, b, a.ctx)[0]
+                run(walk)                      # compiles and warms up outside the range
+                cp.cuda.Device().synchronize()
+                cp.cuda.profiler.start()
+                run(walk)
+                cp.cuda.Device().synchronize()
+                cp.cuda.profiler.stop()
+                print(f"{shape[0]} B={b} {a.profile}: one call profiled", flush=True)
+        return
     timer = EventTimer.cupy(iters=a.iters, warmup=3, sync_flush=False)
     copy_gbs = copy_bandwidth(gpu) / 1e9
     print(f"# Decode attention on {device_name(gpu)}: ctx {a.ctx}, batch-invariant, D2D copy {copy_gbs:.0f} GB/s, "
@@ -118,7 +137,7 @@ def main() -> None:
           f"torch µs{by_g} |")
     print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if a.groups else ""))
     res = []
-    for shape in SHAPES:
+    for shape in (sh for sh in SHAPES if a.family in ("all", sh[0])):
         hq, hkv = shape[2], shape[3]
         hb = -(-hq // _HEADS) if shape[1] == "mla" else hq // min(hq // hkv, _HEADS)
         for b in a.batches:
