@@ -552,6 +552,19 @@ def test_split_groups_move_no_bit(cuda, rng, case):
         assert np.array_equal(got, one), f"{case}: group {g} differs on {np.count_nonzero(got != one)} elements"
 
 
+@pytest.mark.parametrize("invariant", [False, True])
+def test_no_sequences_launch_nothing(ref, monkeypatch, invariant):
+    """num_seqs = 0 is a call that launches nothing (and needs no workspace), in both ops, invariant or not (the
+    batch's own split count once divided by the sequences)."""
+    names = launched(monkeypatch)
+    buf = ref.alloc(1 << 12)
+    p = buf.ptr
+    ops.mla_decode(ref, p, p, p, META_STRIDE, p, 0, 8, 64, 64, 0.1, invariant=invariant)
+    ops.gqa_decode(ref, p, 64, p, p, p, META_STRIDE, p, 0, 8, 2, 32, 0.1, invariant=invariant)
+    assert names == []
+    assert ops.attention_workspace_bytes(0, 8, 64, 1, invariant) == 0
+
+
 def test_split_group_choice(ref, monkeypatch):
     """group=None puts the blocks with rows in one wave (V3's 4 head blocks at 2,048 rows: 1 split a block up to 2
     sequences, 4 from 8, never more than _MAX_GROUP); an explicit group is taken (capped at the split count) and a

@@ -94,7 +94,7 @@ def _splits(num_seqs: int, head_blocks: int, invariant: bool = False, span: int 
     span-long sequence, the count drops to the splits such a sequence fills, which leaves every sequence's chunk
     (min_chunk) and so its bits as they were, and launches no split block that could only be empty (V4's window:
     4 splits, not 66)."""
-    seqs = 1 if invariant else num_seqs
+    seqs = 1 if invariant else max(1, num_seqs)   # no sequences: a call that launches nothing
     s = max(1, min(_MAX_SPLITS, -(-_TARGET_BLOCKS // (seqs * head_blocks))))
     if span > 0 and -(-span // s) <= min_chunk:
         s = -(-span // min_chunk)
