@@ -719,6 +719,7 @@ attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bflo
     __shared__ float2 ad[MAX_SPLITS];   // L's step: (a, l_c b) of a live split, (1, 0) of an empty one
     __shared__ bool live[MAX_SPLITS];
     __shared__ float2 fin;
+    __shared__ u32 nsp;                 // 1 + the last live split: the loops below stop there
     const u32 h = blockIdx.x, s = blockIdx.y, tid = threadIdx.x;
     const u64 base = (u64)s * splits * heads + h;  // partial index of split 0; split c adds c * heads
     for (u32 c = tid; c < splits; c += blockDim.x) ml[c] = *(const float2*)(ws_ml + (base + (u64)c * heads) * 2);
@@ -749,30 +750,34 @@ attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bflo
             }
         }
         const float M = __shfl_sync(0xffffffffu, i1, 31);
+        const u32 b0 = __ballot_sync(0xffffffffu, m0 != -INFINITY), b1 = __ballot_sync(0xffffffffu, m1 != -INFINITY);
+        const u32 n = b1 ? 64 - __clz(b1) : 32 - __clz(b0);   // splits past the last live one add nothing
         __syncwarp();
         if (tid == 0) {  // merge_l's chain; an empty split's (1, 0) leaves L exactly as it is (L >= 0)
             float L = 0.f;
 #pragma unroll 8
-            for (u32 c = 0; c < splits; ++c) L = __fmaf_rn(L, ad[c].x, ad[c].y);
+            for (u32 c = 0; c < n; ++c) L = __fmaf_rn(L, ad[c].x, ad[c].y);
             fin = merge_finish(M, L, sink, h);
+            nsp = n;
         }
     }
     __syncthreads();
     const float2 f = fin;
+    const u32 n = nsp;
     for (u32 d = 4 * tid; d < dv; d += 4 * blockDim.x) {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (u32 c0 = 0; c0 < splits; c0 += 8) {  // 8 loads in flight, merged in split order
+        for (u32 c0 = 0; c0 < n; c0 += 8) {  // 8 loads in flight, merged in split order
             float4 v[8];
 #pragma unroll
             for (u32 k = 0; k < 8; ++k) {
                 const u32 c = c0 + k;
-                v[k] = c < splits && live[c] ? *(const float4*)(ws_o + (base + (u64)c * heads) * dv + d)
+                v[k] = c < n && live[c] ? *(const float4*)(ws_o + (base + (u64)c * heads) * dv + d)
                                              : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
             for (u32 k = 0; k < 8; ++k) {
                 const u32 c = c0 + k;
-                if (c < splits && live[c]) {
+                if (c < n && live[c]) {
                     const MergeAB w = ab[c];
                     acc.x = merge_o(acc.x, w, v[k].x); acc.y = merge_o(acc.y, w, v[k].y);
                     acc.z = merge_o(acc.z, w, v[k].z); acc.w = merge_o(acc.w, w, v[k].w);
