@@ -772,7 +772,7 @@ attn_combine(const float* ws_o, const float* ws_ml, const float* sink, __nv_bflo
             for (u32 k = 0; k < 8; ++k) {
                 const u32 c = c0 + k;
                 v[k] = c < n && live[c] ? *(const float4*)(ws_o + (base + (u64)c * heads) * dv + d)
-                                             : make_float4(0.f, 0.f, 0.f, 0.f);
+                                        : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
             for (u32 k = 0; k < 8; ++k) {
