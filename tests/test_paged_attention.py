@@ -249,6 +249,51 @@ def test_gqa_cuda_vs_twin_qwen_dims(rng, kv_dtype):
         check(b, a.astype(np.float64))
 
 
+
+# -- attn_combine: which splits it reads -------------------------------------------------------------------
+COMBINE_LIVE = {"first16": range(16), "scattered": [3, 17, 31, 32, 40, 63], "only33": [33], "none": [],
+                "all64": range(64), "ends": [0, 63]}
+
+
+def combine_ref(ml, o, sink):
+    """float64 [S, H, dv]: sum_c e^(m_c - M) O_c / (sum_c e^(m_c - M) l_c (+ e^(sink - M))) over the live splits
+    (m_c > -inf) of partials ml [S, C, H, 2], o [S, C, H, dv]; 0 where nothing was attended."""
+    m, lv, o = ml[..., 0].astype(np.float64), ml[..., 1].astype(np.float64), o.astype(np.float64)
+    on = m > -np.inf
+    M = np.where(on, m, -np.inf).max(axis=1)                                        # [S, H]
+    if sink is not None:
+        M = np.maximum(M, sink[None].astype(np.float64))
+    e = np.where(on, np.exp(np.where(on, m, 0.0) - np.where(np.isfinite(M), M, 0.0)[:, None]), 0.0)   # [S, C, H]
+    num = np.einsum("sch,schd->shd", e, np.where(on[..., None], o, 0.0))
+    den = (e * np.where(on, lv, 0.0)).sum(axis=1)
+    if sink is not None:
+        den = den + np.where(np.isfinite(M), np.exp(sink[None] - M), 0.0)
+    return np.where(den[..., None] > 0, num / np.where(den > 0, den, 1.0)[..., None], 0.0)
+
+
+@pytest.mark.parametrize("with_sink", [False, True])
+@pytest.mark.parametrize("live", sorted(COMBINE_LIVE))
+def test_combine_reads_every_live_split_and_no_dead_one(dev, rng, live, with_sink):
+    """attn_combine over hand-made partials of 64 splits (both 32-split words of its ballot; gaps between live
+    splits): a dead split (m = -inf) holds NaN in its l and O, which must never reach the output; every live one,
+    the last included, must be merged."""
+    S, C, H, dv = 3, 64, 4, 64
+    on = np.zeros(C, bool)
+    on[list(COMBINE_LIVE[live])] = True
+    m = (rng.standard_normal((S, C, H)) * 3).astype(np.float32)
+    lv = rng.uniform(0.5, 4.0, (S, C, H)).astype(np.float32)
+    o = rng.standard_normal((S, C, H, dv)).astype(np.float32)
+    m[:, ~on], lv[:, ~on], o[:, ~on] = -np.inf, np.nan, np.nan
+    ml = np.stack([m, lv], axis=-1)
+    sink = rng.standard_normal(H).astype(np.float32) if with_sink else None
+    wb, mb, ob = up(dev, o), up(dev, ml), out(dev, "bf16", (S, H, dv))
+    sb = up(dev, sink) if with_sink else None
+    pa._combine(dev, wb.ptr, mb.ptr, sb.ptr if sb else NULL, ob.ptr, S, H, dv, C, None)
+    got = f32(get(dev, ob, "bf16", (S, H, dv)))
+    check(got, combine_ref(ml, o, sink))
+    if not on.any():
+        assert np.all(got == 0)
+
 # -- walk mode: split mode's bits --------------------------------------------------------------------------
 # With invariant=True the split count is fixed per head-block count (33 splits for 4 head blocks, 64 for 2,
 # chunks of at least 64 rows), so these lengths leave empty splits (all but 2100), a sequence of one row and
