@@ -249,7 +249,6 @@ def test_gqa_cuda_vs_twin_qwen_dims(rng, kv_dtype):
         check(b, a.astype(np.float64))
 
 
-
 # -- attn_combine: which splits it reads -------------------------------------------------------------------
 COMBINE_LIVE = {"first16": range(16), "scattered": [3, 17, 31, 32, 40, 63], "only33": [33], "none": [],
                 "all64": range(64), "ends": [0, 63]}
@@ -260,7 +259,7 @@ def combine_ref(ml, o, sink):
     (m_c > -inf) of partials ml [S, C, H, 2], o [S, C, H, dv]; 0 where nothing was attended."""
     m, lv, o = ml[..., 0].astype(np.float64), ml[..., 1].astype(np.float64), o.astype(np.float64)
     on = m > -np.inf
-    M = np.where(on, m, -np.inf).max(axis=1)                                        # [S, H]
+    M = m.max(axis=1)                                                                # [S, H] (dead: -inf)
     if sink is not None:
         M = np.maximum(M, sink[None].astype(np.float64))
     e = np.where(on, np.exp(np.where(on, m, 0.0) - np.where(np.isfinite(M), M, 0.0)[:, None]), 0.0)   # [S, C, H]
@@ -293,6 +292,7 @@ def test_combine_reads_every_live_split_and_no_dead_one(dev, rng, live, with_sin
     check(got, combine_ref(ml, o, sink))
     if not on.any():
         assert np.all(got == 0)
+
 
 # -- walk mode: split mode's bits --------------------------------------------------------------------------
 # With invariant=True the split count is fixed per head-block count (33 splits for 4 head blocks, 64 for 2,
