@@ -922,7 +922,9 @@ def test_moe_real_dims_cuda_vs_twin(rng, model, m):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule,E,top_k,n_group,topk_group", [
-    ("softmax", 512, 10, 1, 1), ("sigmoid_grouped", 256, 8, 8, 4), ("sqrtsoftplus", 256, 6, 1, 1)])
+    ("softmax", 512, 10, 1, 1), ("sigmoid_grouped", 256, 8, 8, 4), ("sqrtsoftplus", 256, 6, 1, 1),
+    ("sqrtsoftplus", 384, 10, 1, 1),   # registers for 16 keys a lane, half of them past E
+    ("softmax", 640, 8, 1, 1)])        # past 512 experts: the rounds rescan shared memory
 def test_routing_real_dims_cuda_vs_twin(rng, rule, E, top_k, n_group, topk_group):
     m = 32
     z, bias = tied_inputs(rng, m, E, 24, 2.0)
