@@ -135,9 +135,26 @@ __device__ void mask_groups(float* sel, u32 E, u32 n_group, u32 topk_group, u32 
     __syncwarp();
 }
 
-// The top-k rounds with a lane's keys in registers (E <= 32 * J): lane_best's selection, ids in the same order.
-// A round costs the two reductions and the winner's rescan of J registers (unrolled, predicated: no local
-// memory); rescanning shared memory cost ~0.4 us a round (H100, E = 512: 4.2 of the kernel's 8.5 us).
+// The top-k rounds. Each lane holds the best (key, index) of its own entries (i % 32 == lane); a round is two
+// warp reductions (the largest key, then the lowest index holding it: ties to the lower id, as `beats`), and only
+// the winner's lane calls take(t, win, bk, bi), which removes win (round t's pick) from its entries and re-finds
+// its best. A lane touches only its own entries, so the rounds need no warp sync. Returns slot `lane`'s id (-1 past
+// top_k).
+template <class Take>
+__device__ __forceinline__ i32 topk_rounds(u32 top_k, u32 lane, u32 bk, u32 bi, Take take) {
+    i32 id = -1;
+    for (u32 t = 0; t < top_k; ++t) {
+        const u32 mk = __reduce_max_sync(0xffffffffu, bk);
+        const u32 win = __reduce_min_sync(0xffffffffu, bk == mk ? bi : 0xffffffffu);
+        if (lane == t) id = (i32)win;
+        if (lane == (win & 31)) take(t, win, bk, bi);
+    }
+    return id;
+}
+
+// The rounds with a lane's keys in registers (E <= 32 * J): the winner zeroes the taken key and rescans J
+// registers (unrolled, predicated: no local memory); rescanning shared memory cost ~0.4 us a round (H100,
+// E = 512: 4.2 of the kernel's 8.5 us).
 template <int J>
 __device__ __forceinline__ i32 topk_rounds_regs(const float* sel, u32 E, u32 top_k, u32 lane) {
     u32 key[J];
@@ -151,19 +168,12 @@ __device__ __forceinline__ i32 topk_rounds_regs(const float* sel, u32 E, u32 top
     };
     u32 bk, bi;
     rescan(bk, bi);
-    i32 id = -1;
-    for (u32 t = 0; t < top_k; ++t) {
-        const u32 mk = __reduce_max_sync(0xffffffffu, bk);
-        const u32 win = __reduce_min_sync(0xffffffffu, bk == mk ? bi : 0xffffffffu);
-        if (lane == t) id = (i32)win;
-        if (lane == (win & 31)) {
+    return topk_rounds(top_k, lane, bk, bi, [&](u32, u32 win, u32& bk, u32& bi) {
 #pragma unroll
-            for (int j = 0; j < J; ++j)
-                if ((u32)j == win >> 5) key[j] = 0u;   // taken: below every real value
-            rescan(bk, bi);
-        }
-    }
-    return id;
+        for (int j = 0; j < J; ++j)
+            if ((u32)j == win >> 5) key[j] = 0u;   // taken: below every real value
+        rescan(bk, bi);
+    });
 }
 
 // Top-k of one row (or the fixed hash ids), then weights = score of the chosen / (sum + eps) when norm
@@ -175,21 +185,13 @@ __device__ void finish_row(const float* sc, float* sel, u32 E, u32 top_k, i32 fi
         id = topk_rounds_regs<8>(sel, E, top_k, lane);
     } else if (!hashed && E <= 512) {
         id = topk_rounds_regs<16>(sel, E, top_k, lane);
-    } else if (!hashed) {
-        // Each lane keeps the best of its own entries; a round is two warp reductions (the largest key, then the
-        // lowest index holding it: ties to the lower id, as `beats`), and only the winner's lane rescans. A lane
-        // reads and writes only its own entries (i % 32 == lane), so no warp sync is needed between rounds.
+    } else if (!hashed) {   // past 512 experts the winner rescans its shared entries (taken: NaN)
         u32 bk, bi;
         lane_best(sel, E, lane, bk, bi);
-        for (u32 t = 0; t < top_k; ++t) {
-            const u32 mk = __reduce_max_sync(0xffffffffu, bk);
-            const u32 win = __reduce_min_sync(0xffffffffu, bk == mk ? bi : 0xffffffffu);
-            if (lane == t) id = (i32)win;
-            if (lane == (win & 31)) {
-                sel[win] = __int_as_float(0x7fc00000);
-                lane_best(sel, E, lane, bk, bi);
-            }
-        }
+        id = topk_rounds(top_k, lane, bk, bi, [&](u32, u32 win, u32& bk, u32& bi) {
+            sel[win] = __int_as_float(0x7fc00000);
+            lane_best(sel, E, lane, bk, bi);
+        });
         __syncwarp();
     }
     const bool mine = lane < top_k;
