@@ -19,7 +19,8 @@
 #include "common.cuh"
 
 // ---------------------------------------------------------------------------------------------------
-// Routing. One warp per row; the row's scores live in shared memory (2 * n_experts floats).
+// Routing. One warp per row; up to 512 experts a lane holds its entries in registers (topk_row_regs), past
+// that the row's scores live in shared memory (2 * n_experts floats, which the register path uses for its slots).
 
 enum { SCORE_SOFTMAX = 0, SCORE_SIGMOID = 1, SCORE_SQRTSOFTPLUS = 2 };
 constexpr int STAGE_U = 8;   // loads a lane issues before it uses them (routing rows: global, then shared memory)
@@ -152,28 +153,12 @@ __device__ __forceinline__ i32 topk_rounds(u32 top_k, u32 lane, u32 bk, u32 bi, 
     return id;
 }
 
-// The rounds with a lane's keys in registers (E <= 32 * J): the winner zeroes the taken key and rescans J
-// registers (unrolled, predicated: no local memory); rescanning shared memory cost ~0.4 us a round (H100,
-// E = 512: 4.2 of the kernel's 8.5 us).
-template <int J>
-__device__ __forceinline__ i32 topk_rounds_regs(const float* sel, u32 E, u32 top_k, u32 lane) {
-    u32 key[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j) key[j] = lane + 32 * j < E ? order_key(sel[lane + 32 * j]) : 0u;
-    auto rescan = [&](u32& bk, u32& bi) {   // lane_best over the registers: index order, strict compare
-        bk = 0u, bi = E;
-#pragma unroll
-        for (int j = 0; j < J; ++j)
-            if (key[j] > bk) bk = key[j], bi = lane + 32 * j;
-    };
-    u32 bk, bi;
-    rescan(bk, bi);
-    return topk_rounds(top_k, lane, bk, bi, [&](u32, u32 win, u32& bk, u32& bi) {
-#pragma unroll
-        for (int j = 0; j < J; ++j)
-            if ((u32)j == win >> 5) key[j] = 0u;   // taken: below every real value
-        rescan(bk, bi);
-    });
+// Lane t < top_k (mine) holds slot t's id and score v: weights = v / (sum + eps) when norm (and sum > 0), times scale.
+__device__ __forceinline__ void write_slot(bool mine, i32 id, float v, u32 norm, float eps, float scale, i32* ids,
+                                           float* w, u32 lane) {
+    const float sum = warp_sum(v);
+    if (norm && sum > 0.f) v /= sum + eps;  // nothing chosen (a bad hash token): weights stay 0
+    if (mine) ids[lane] = id, w[lane] = v * scale;
 }
 
 // Top-k of one row (or the fixed hash ids), then weights = score of the chosen / (sum + eps) when norm
@@ -181,24 +166,98 @@ __device__ __forceinline__ i32 topk_rounds_regs(const float* sel, u32 E, u32 top
 __device__ void finish_row(const float* sc, float* sel, u32 E, u32 top_k, i32 fixed_id, bool hashed, u32 norm,
                            float eps, float scale, i32* ids, float* w, u32 lane) {
     i32 id = hashed ? fixed_id : -1;
-    if (!hashed && E <= 256) {
-        id = topk_rounds_regs<8>(sel, E, top_k, lane);
-    } else if (!hashed && E <= 512) {
-        id = topk_rounds_regs<16>(sel, E, top_k, lane);
-    } else if (!hashed) {   // past 512 experts the winner rescans its shared entries (taken: NaN)
+    if (!hashed) {   // past 512 experts (topk_row_regs below them): the winner rescans its shared entries
         u32 bk, bi;
         lane_best(sel, E, lane, bk, bi);
         id = topk_rounds(top_k, lane, bk, bi, [&](u32, u32 win, u32& bk, u32& bi) {
-            sel[win] = __int_as_float(0x7fc00000);
+            sel[win] = __int_as_float(0x7fc00000);   // taken: NaN, below every real value
             lane_best(sel, E, lane, bk, bi);
         });
         __syncwarp();
     }
     const bool mine = lane < top_k;
-    float v = mine && id >= 0 && (u32)id < E ? sc[id] : 0.f;
-    const float sum = warp_sum(v);
-    if (norm && sum > 0.f) v /= sum + eps;  // nothing chosen (a bad hash token): weights stay 0
-    if (mine) ids[lane] = id, w[lane] = v * scale;
+    write_slot(mine, id, mine && id >= 0 && (u32)id < E ? sc[id] : 0.f, norm, eps, scale, ids, w, lane);
+}
+
+// A lane's best unselected key among its J registers (entry lane + 32 j) as (key, index), (0, E) when it has none:
+// a tree over adjacent pairs, whose left side always holds the lower indices, so the strict compare keeps ties
+// to the lower id as lane_best does, in log2(J) dependent steps instead of J.
+template <int J>
+__device__ __forceinline__ void lane_best_regs(const u32 (&key)[J], u32 E, u32 lane, u32& bk, u32& bi) {
+    u32 k[J], i[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) k[j] = key[j], i[j] = lane + 32 * j;
+#pragma unroll
+    for (int s = 1; s < J; s *= 2)
+#pragma unroll
+        for (int p = 0; p < J / (2 * s); ++p)
+            if (k[2 * s * p + s] > k[2 * s * p]) k[2 * s * p] = k[2 * s * p + s], i[2 * s * p] = i[2 * s * p + s];
+    bk = k[0], bi = k[0] ? i[0] : E;
+}
+
+// topk_row for E <= 32 * J experts: a lane holds its entries (lane + 32 j) in registers from the load to the
+// selection, so no pass goes through shared memory but the group limit's. Each step computes what score_row and
+// finish_row compute, in the same order (the per-lane sums over j ascending, then the same warp reductions),
+// so ids and weights are theirs bit for bit. A round's winner writes its id and score to slot t of `slot`
+// (2 * top_k words); lane t reads them back after the rounds.
+template <int J, int FN>
+__device__ __forceinline__ void topk_row_regs(const float* __restrict__ z, const float* __restrict__ bias,
+                                              float* sel, u32* slot, u32 E, u32 top_k, u32 n_group,
+                                              u32 topk_group, u32 norm, float eps, float scale, i32* ids, float* w,
+                                              u32 lane) {
+    float s[J], b[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const u32 i = lane + 32 * j;
+        s[j] = i < E ? __ldg(z + i) : 0.f;
+        b[j] = bias && i < E ? __ldg(bias + i) : 0.f;
+    }
+    if (FN == SCORE_SOFTMAX) {
+        float mx = -INFINITY, sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            if (lane + 32 * j < E) mx = fmaxf(mx, s[j]);
+        mx = warp_max(mx);
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            if (lane + 32 * j < E) s[j] = expf(s[j] - mx), sum += s[j];
+        sum = warp_sum(sum);
+#pragma unroll
+        for (int j = 0; j < J; ++j) s[j] /= sum;
+    } else {
+#pragma unroll
+        for (int j = 0; j < J; ++j) s[j] = score_of(FN, s[j]);
+    }
+    u32 key[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+        float v = s[j] + (bias ? b[j] : 0.f);
+        v = v != v ? -INFINITY : v;
+        key[j] = lane + 32 * j < E ? order_key(v) : 0u;
+        if (n_group > 1 && lane + 32 * j < E) sel[lane + 32 * j] = v;
+    }
+    if (n_group > 1) {   // the group limit reads other lanes' entries: through shared memory
+        __syncwarp();
+        mask_groups(sel, E, n_group, topk_group, lane);
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            if (lane + 32 * j < E) key[j] = order_key(sel[lane + 32 * j]);
+        __syncwarp();   // the slots below may reach into sel (2 * top_k > E)
+    }
+    u32 bk, bi;
+    lane_best_regs(key, E, lane, bk, bi);
+    topk_rounds(top_k, lane, bk, bi, [&](u32 t, u32 win, u32& bk, u32& bi) {
+        float v = 0.f;   // win == E: nothing left to choose (not reached: every real entry has a key > 0)
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+            if (lane + 32 * j == win && win < E) v = s[j], key[j] = 0u;   // taken: below every real value
+        slot[t] = win, slot[top_k + t] = __float_as_uint(v);
+        lane_best_regs(key, E, lane, bk, bi);
+    });
+    __syncwarp();
+    const bool mine = lane < top_k;
+    const i32 id = mine ? (i32)slot[lane] : -1;
+    write_slot(mine, id, mine ? __uint_as_float(slot[top_k + lane]) : 0.f, norm, eps, scale, ids, w, lane);
 }
 
 extern __shared__ float moe_smem[];  // routing: sc[E] then sel[E]
@@ -210,6 +269,12 @@ __device__ void topk_row(const float* logits, const float* bias, i32* ids, float
     float *sc = moe_smem, *sel = moe_smem + E;
     const u32 r = blockIdx.x, lane = threadIdx.x;
     if (r >= m) return;
+    if (E <= 256)
+        return topk_row_regs<8, FN>(logits + (u64)r * E, bias, sel, (u32*)sc, E, top_k, n_group, topk_group,
+                                    norm, eps, scale, ids + r * top_k, w + r * top_k, lane);
+    if (E <= 512)
+        return topk_row_regs<16, FN>(logits + (u64)r * E, bias, sel, (u32*)sc, E, top_k, n_group, topk_group,
+                                     norm, eps, scale, ids + r * top_k, w + r * top_k, lane);
     score_row(FN, logits + (u64)r * E, bias, sc, sel, E, lane);
     if (n_group > 1) mask_groups(sel, E, n_group, topk_group, lane);
     finish_row(sc, sel, E, top_k, -1, false, norm, eps, scale, ids + r * top_k, w + r * top_k, lane);

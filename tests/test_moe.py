@@ -923,8 +923,10 @@ def test_moe_real_dims_cuda_vs_twin(rng, model, m):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rule,E,top_k,n_group,topk_group", [
     ("softmax", 512, 10, 1, 1), ("sigmoid_grouped", 256, 8, 8, 4), ("sqrtsoftplus", 256, 6, 1, 1),
-    ("sqrtsoftplus", 384, 10, 1, 1),   # registers for 16 keys a lane, half of them past E
-    ("softmax", 640, 8, 1, 1)])        # past 512 experts: the rounds rescan shared memory
+    ("sqrtsoftplus", 384, 10, 1, 1),   # registers for 16 entries a lane, half of them past E
+    ("sigmoid_grouped", 384, 8, 8, 4),  # the group limit between the register passes
+    ("sigmoid_grouped", 16, 6, 8, 2),   # fewer unmasked experts than top_k; most lanes hold nothing
+    ("softmax", 640, 8, 1, 1)])        # past 512 experts: score_row and the shared-memory rounds
 def test_routing_real_dims_cuda_vs_twin(rng, rule, E, top_k, n_group, topk_group):
     m = 32
     z, bias = tied_inputs(rng, m, E, 24, 2.0)
