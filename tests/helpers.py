@@ -158,7 +158,9 @@ def matches_oracle(prop, ref, hf, inputs, k: int, tol0: float, tol: float, label
 class BranchLog(RefBackend):
     """A NumPy device whose fork / join (Backend.fork, docs/architecture.md "Branches") can be watched: its
     streams are objects, so the side stream is told apart, and `log` lists every launch as (kernel, on the side)
-    and every event record / stream wait as ("record" | "wait", on the side). Launches run as on the NumPy device."""
+    and every event record / stream wait as ("record" | "wait", on the side): the fork's and join's events, or
+    ("mark" | "wait_mark", on the side) for any other event (a caller's point on the side stream that main waits
+    for). Launches run as on the NumPy device."""
 
     def __init__(self):
         super().__init__()
@@ -173,15 +175,46 @@ class BranchLog(RefBackend):
     def _side(self, stream):
         return stream is not None and stream is getattr(self._branch, "side", None)
 
+    def _branch_event(self, event):
+        return any(event is getattr(self._branch, e, None) for e in ("forked", "done"))
+
     def record(self, event, stream=None):
-        self.log.append(("record", self._side(stream)))
+        self.log.append(("record" if self._branch_event(event) else "mark", self._side(stream)))
 
     def wait_event(self, stream, event):
-        self.log.append(("wait", self._side(stream)))
+        self.log.append(("wait" if self._branch_event(event) else "wait_mark", self._side(stream)))
 
     def launch(self, handle, grid, block, shared, args, stream, cluster=(1, 1, 1), early=True):
         self.log.append((handle.name, self._side(stream)))
         super().launch(handle, grid, block, shared, args, stream, cluster, early)
+
+
+EVENTS = ("record", "wait", "mark", "wait_mark")   # BranchLog's entries that are not launches
+
+
+def launches(log, side: bool | None = None) -> list[str]:
+    """The kernels of a BranchLog's `log` in order: all, or those on the side stream (side=True) or main (False)."""
+    return [n for n, s in log if n not in EVENTS and (side is None or s == side)]
+
+
+def mark_sites(log):
+    """[(side kernels queued before the mark, the first main kernel after main waits for it)] for each mark (an
+    event recorded on the side stream that main waits for) in a BranchLog's `log`."""
+    sites, side, marks = [], [], []
+    for name, on_side in log:
+        if name == "mark" and on_side:
+            marks.append(list(side))
+        elif name == "wait_mark" and not on_side:
+            sites.append([marks.pop(0), None])
+        elif name not in EVENTS:
+            if on_side:
+                side.append(name)
+            else:
+                for s in sites:
+                    if s[1] is None:
+                        s[1] = name
+    assert not marks and all(r is not None for _, r in sites), "a mark no main kernel waits for"
+    return [tuple(s) for s in sites]
 
 
 def branch_sites(log):
@@ -194,7 +227,7 @@ def branch_sites(log):
             open_ = True
         elif name == "wait" and open_:
             open_, joined = False, True
-        elif name not in ("record", "wait"):
+        elif name not in EVENTS:
             if on_side:
                 assert open_, f"{name} on the side stream outside a branch"
                 side.append(name)

@@ -142,7 +142,7 @@ def test_hc_post_reads_a_finished_collapse(B):
     and the hc_post that reads its coefficients: by the time hc_post may launch, hc_pre_norm has finished. Checked
     on the embedded V4 model's launches (k = 2)."""
     import mtp_cupy
-    from helpers import BranchLog
+    from helpers import BranchLog, launches
     gpu = BranchLog()
     prop = mtp_cupy.load_proposer(mtp_cupy.EMBEDDED["deepseek_v4"], gpu=gpu)
     rng = np.random.default_rng(0)
@@ -153,7 +153,7 @@ def test_hc_post_reads_a_finished_collapse(B):
     gpu.log.clear()
     prop.propose_batch(sts, [int(t) for t in rng.integers(0, 200, B)], rng.standard_normal((B,) + shape).astype(
         np.float32), [T - 1] * B, 2)
-    main = [n for n, side in gpu.log if not side and n not in ("record", "wait")]
+    main = launches(gpu.log, side=False)
     waits = wait_first_kernels()
     posts = [i for i, n in enumerate(main) if n == "hc_post"]
     assert len(posts) == 2 * 2, main            # two sites' folds a step (the attention's, the FFN's), two steps

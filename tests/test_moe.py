@@ -380,30 +380,34 @@ def test_moe_layer(dev, rng, case, fmt):
 
 
 def test_moe_shared_expert_branch(rng):
-    """The shared expert's own launches (an unfused one: V4's FP8 beside MXFP4 experts) and its gate run on a
-    branch beside the router and the routed experts, joined right before the weighted sum; a fused shared expert
-    without a gate takes no branch. The outputs stay the reference's."""
-    from helpers import BranchLog, branch_sites
-    for shared_inter, gate, branched in ((64, False, True), (64, True, True), (128, False, False)):
-        b = _built(rng, "deepseek_v3", "fp8_block", shared_inter=shared_inter, shared_gate=gate)
+    """What needs only x runs on a branch beside the router and the routed experts: first the routed gate/up's f16 x
+    (fp8 and MXFP4 experts), which that GEMM alone waits for (a mark), then the shared expert's own launches (an
+    unfused one: V4's FP8 beside MXFP4 experts) and its gate, joined right before the weighted sum. bf16 experts
+    with a fused shared expert and no gate take no branch. The outputs stay the reference's."""
+    from helpers import BranchLog, branch_sites, launches, mark_sites
+    for fmt, shared_inter, gate, fused in (("fp8_block", 64, False, False), ("fp8_block", 64, True, False),
+                                           ("fp8_block", 128, False, True), ("bf16", 128, False, True)):
+        b = _built(rng, "deepseek_v3", fmt, shared_inter=shared_inter, shared_gate=gate)
         dev = BranchLog()
         moe = b.build(dev)
-        assert moe.fuse_shared == (not branched)
+        assert moe.fuse_shared == fused
         x = grid_x(rng, 3, b.cfg.hidden)
         dev.log.clear()
         got = forward(dev, moe, x, 3)
-        sites = branch_sites(dev.log)
-        if not branched:
-            assert sites == [], sites
+        assert_close(got, b.reference(x), 1e-2, f"{fmt} shared {shared_inter} gate {gate}")
+        sites, marks, main = branch_sites(dev.log), mark_sites(dev.log), launches(dev.log, side=False)
+        assert main[0].startswith("dense_gemv") and "moe_route_plan" in main, main   # the router on main
+        if fmt == "bf16":
+            assert sites == [] and marks == [], (sites, marks)
             continue
         (side, reader), = sites
         assert reader == "moe_weighted_sum", (reader, dev.log)
+        assert marks == [(["moe_stage_f16"], f"moe_gate_up_mma8_{fmt}")], marks   # x staged first, gate/up waits
+        assert main.index("moe_route_plan") < main.index(f"moe_gate_up_mma8_{fmt}")
+        assert main.count("moe_stage_f16") == 1, main   # down's h stays on main, after gate/up
         shared = [n for n in side if n.startswith(("moe_gate_up", "moe_gemv"))]
-        assert len(shared) == 2 and all(n.startswith("moe_") for n in side[:len(side) - gate]), side
+        assert len(shared) == (0 if fused else 2) and all(n.startswith("moe_") for n in side[:len(side) - gate]), side
         assert not gate or side[-1].startswith("dense_gemv"), side    # the gate's GEMV
-        main = [n for n, s in dev.log if not s and n not in ("record", "wait")]
-        assert main[0].startswith("dense_gemv") and "moe_route_plan" in main, main   # the router on main
-        assert_close(got, b.reference(x), 1e-2, f"shared {shared_inter} gate {gate}")
 
 
 def test_moe_shared_expert_items_by_width(rng):
@@ -616,6 +620,52 @@ def test_moe_gate_up_mma_formats(dev, rng, fmt, chunks, rows):
         assert_close(got[q], swiglu(host[e][0][1]() @ xr, host[e][1][1]() @ xr, limit), 1e-2, f"pair {q}")
         if limit:
             assert np.abs(got[q]).max() <= limit * limit + 1e-6
+
+
+@pytest.mark.parametrize("fmt", ["fp8_block", "mxfp4", "bf16"])
+def test_moe_mma_staged_ahead(dev, rng, fmt):
+    """moe_stage_x ahead of the GEMMs (what MoE.forward runs on its side stream), then the GEMMs with staged=True:
+    the bits of the calls that stage for themselves. For the f16-reading formats x is NaN-poisoned after the staging,
+    so a GEMM that read x (or staged again) would differ; gate/up's x one vector a row, down's one a pair."""
+    n_experts, m, n_slots, n = 5, 9, 3, 72
+    k, _, _, tabs = _mma_case(dev, rng, fmt, 75, n, n_experts, True)
+    ids = rng.choice([0, 1, 1, 2, 3, 4, 9], (m, n_slots)).astype(np.int32)
+    n_pairs, rows = m * n_slots, ops.MMA8_ROWS
+    ib = up(dev, ids)
+    plan = out(dev, "u8", ops.moe_plan_bytes(n_pairs, n_experts, rows))
+    ops.moe_route_plan(dev, tabs[0].ptr, ib.ptr, n_pairs, n_experts, plan.ptr, rows=rows)
+    x_row = bf16(rng.standard_normal((m, k)) * 3)
+    x_pair = bf16(rng.standard_normal((m, n_slots, k)))
+    ws = out(dev, "u8", ops.mma_x_bytes(fmt, n_pairs, k))
+    poison = fmt in ops.X16_FORMATS
+
+    def gate_up(xp, staged):
+        h = out(dev, "bf16", (n_pairs, n))
+        ops.moe_gate_up_mma(dev, tabs[0].ptr, tabs[1].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xp, k, 0,
+                            h.ptr, n, k, rows=rows, workspace=ws.ptr, staged=staged)
+        return get(dev, h, "bf16", (n_pairs, n))
+
+    def down(xp, staged):
+        y = out(dev, "f32", (n_pairs, n))
+        ops.moe_gemv_mma(dev, tabs[0].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, xp, n_slots * k, k, y.ptr,
+                         n, k, rows=rows, workspace=ws.ptr, staged=staged)
+        return get(dev, y, "f32", (n_pairs, n))
+
+    for call, x, xss in ((gate_up, x_row, 0), (down, x_pair, k)):
+        xb = up(dev, x)
+        want = call(xb.ptr, False)
+        ops.moe_stage_x(dev, fmt, xb.ptr, n_slots * k if xss else k, xss, n_pairs, n_slots, k, ws.ptr)
+        if poison:
+            dev.fill(xb.ptr, 2 * x.size, 0xFF)   # every bf16 0xffff: NaN
+        got = call(xb.ptr, True)
+        assert np.isfinite(want).all() and np.array_equal(want.tobytes(), got.tobytes()), call.__name__
+    if poison:   # the staged x lives in a workspace the GEMM is told of
+        x = up(dev, x_row)
+        with pytest.raises(KernelError, match="workspace"):
+            ops.moe_stage_x(dev, fmt, x.ptr, k, 0, n_pairs, n_slots, k, NULL)
+        with pytest.raises(KernelError, match="staged=True"):
+            ops.moe_gate_up_mma(dev, tabs[0].ptr, tabs[1].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, x.ptr,
+                                k, 0, x.ptr, n, k, rows=rows, staged=True)
 
 
 @pytest.mark.parametrize("rows", [ops.PLAN_ROWS, ops.MMA8_ROWS])

@@ -163,6 +163,7 @@ class MoE:
                    "ys": 4 * R * D if shared else 0,
                    "glogit": 4 * R if shared_gate is not None else 0,
                    "plan": ops.moe_plan_bytes(min(R * S, ops.MAX_PLAN_PAIRS), E + 1, ops.MMA8_ROWS)}
+        self._x_staged = gpu.new_event(timing=False)   # the routed gate/up's x staged on the side stream (forward)
         self._scratch, ptrs = carve(gpu, regions)
         gpu.fill(self._scratch.ptr, self._scratch.nbytes, 0)  # `zeros` (the expert id of single-weight launches) stays 0
         for name, ptr in ptrs.items():
@@ -178,14 +179,20 @@ class MoE:
             raise InputError(f"MoE forward: m {m} outside [1, max_rows={self.max_rows}]")
         grouped = self.grouped(m)
         fused = add_shared and self.fuse_shared and grouped
+        S = K + 1 if fused else K   # y slots a row: the routed experts' (and the fused shared expert's)
         # what needs only x runs on a branch beside the router and the routed experts (latency-bound launches at
-        # small m) and joins before the weighted sum: the shared expert's own launches and its gate
-        branch = add_shared and self.shared is not None and (not fused or self.shared_gate is not None)
+        # small m): first the routed gate/up's f16 x (X16 formats), which that GEMM alone waits for, then the
+        # shared expert's own launches and its gate, which join before the weighted sum
+        early = grouped and self.fmt_gu in ops.X16_FORMATS
+        branch = early or add_shared and self.shared is not None and (not fused or self.shared_gate is not None)
         if branch:
             side = gpu.fork(stream)
-            if not fused:
+            if early:
+                ops.moe_stage_x(gpu, self.fmt_gu, x, D, 0, m * S, S, D, self.xw, stream=side)
+                gpu.record(self._x_staged, side)
+            if add_shared and self.shared is not None and not fused:
                 self._shared_expert(x, m, side)
-            if self.shared_gate is not None:
+            if add_shared and self.shared_gate is not None:
                 ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=side,
                            invariant=self.inv)
         if self.router.fmt == "f32":
@@ -193,14 +200,16 @@ class MoE:
         else:
             ops.linear(gpu, x, self.router, self.logits, m, out_dtype="f32", stream=stream, invariant=self.inv)
         self._route(m, token_ids, token_ids_stride, stream)
-        S = K + 1 if fused else K   # y slots a row: the routed experts' (and the fused shared expert's)
         if grouped:
             rows = ops.MMA8_ROWS    # 16 warps an SM (the 32-pair kernels: 8); an expert rarely has 8 pairs
             En, sid = (E + 1, E) if fused else (E, -1)
             ops.moe_route_plan(gpu, self.tab_gate, self.ids, m * S, En, self.plan, stream=stream, rows=rows,
                                top_k=K, shared_id=sid)
+            if early:
+                gpu.wait_event(stream, self._x_staged)
             ops.moe_gate_up_mma(gpu, self.tab_gate, self.tab_up, self.fmt_gu, self.plan, m * S, S, En, x, D, 0,
-                                self.h, I, D, c.swiglu_limit, stream=stream, rows=rows, workspace=self.xw)
+                                self.h, I, D, c.swiglu_limit, stream=stream, rows=rows, workspace=self.xw,
+                                staged=early)
             ops.moe_gemv_mma(gpu, self.tab_down, self.fmt_down, self.plan, m * S, S, En, self.h, S * I, I, self.y, D,
                              I, stream=stream, rows=rows, workspace=self.xw)
         else:

@@ -20,7 +20,7 @@ __all__ = ["EXPERT_FORMATS", "ROUTER_SCORES", "MMA_FORMATS", "PLAN_ROWS", "MMA8_
            "MAX_PLAN_PAIRS", "expert_table", "moe_gemv",
            "moe_gate_up", "moe_topk_softmax", "moe_topk_sigmoid_grouped", "moe_topk_sqrtsoftplus", "moe_topk_hash",
            "moe_weighted_sum", "plan_max_items", "moe_plan_bytes", "moe_route_plan", "moe_gate_up_mma",
-           "moe_gemv_mma", "X16_FORMATS", "mma_x_bytes", "moe_stage_f16"]
+           "moe_gemv_mma", "X16_FORMATS", "mma_x_bytes", "moe_stage_f16", "moe_stage_x"]
 
 EXPERT_FORMATS = ("bf16", "f32", "fp8_row", "fp8_block", "fp8_block_e8m0", "nvfp4", "mxfp4")
 ROUTER_SCORES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
@@ -370,24 +370,44 @@ def moe_stage_f16(gpu, x, x_row_stride: int, x_slot_stride: int, n_slots: int, y
         .arg_u32(n_slots).arg_ptr(y).arg_ptr(scale).arg_u32(n_vec).arg_u32(k).arg_u32(int(pairs02)).launch(stream)
 
 
-def _staged_x(gpu, fmt: str, x, xrs: int, xss: int, n_pairs: int, n_slots: int, k: int, workspace, stream):
+def _staged_x(gpu, fmt: str, x, xrs: int, xss: int, n_pairs: int, n_slots: int, k: int, workspace, stream,
+              launch_stage: bool = True):
     """(x, row stride, slot stride, x_scale, scale row stride, scale slot stride) as the GEMM of `fmt` reads them:
     x itself for the bf16-reading formats; for X16_FORMATS its f16 copy in `workspace` (None: one the launcher
-    keeps), one vector per row when the slot stride is 0 (every slot reads the row), else one per pair."""
+    keeps), one vector per row when the slot stride is 0 (every slot reads the row), else one per pair, staged
+    here unless `launch_stage` is False (moe_stage_x ran already)."""
     if fmt not in X16_FORMATS:
         return x, xrs, xss, NULL, 0, 0
     per_row = xss == 0
     n_vec = -(-n_pairs // n_slots) if per_row else n_pairs
     ws = DevicePtr(int(workspace)) if workspace else kept_workspace(gpu, "moe_mma_x", mma_x_bytes(fmt, n_vec, k))
     y, sc = ws, ws.offset(_x16_scales_at(n_vec, k))
-    moe_stage_f16(gpu, x, xrs, 0 if per_row else xss, 1 if per_row else n_slots, y, sc, n_vec, k, stream,
-                  pairs02=fmt == "mxfp4")
+    if launch_stage:
+        moe_stage_f16(gpu, x, xrs, 0 if per_row else xss, 1 if per_row else n_slots, y, sc, n_vec, k, stream,
+                      pairs02=fmt == "mxfp4")
     return (y, k, 0, sc, 1, 0) if per_row else (y, n_slots * k, k, sc, n_slots, 1)
+
+
+def _check_staged(name: str, fmt: str, staged: bool, workspace) -> None:
+    need(not staged or (workspace is not None and int(workspace) != 0) or fmt not in X16_FORMATS,
+         f"{name}: staged=True reads the x that moe_stage_x wrote to a workspace; none was given")
+
+
+def moe_stage_x(gpu, fmt: str, x, x_row_stride: int, x_slot_stride: int, n_pairs: int, n_slots: int, k: int,
+                workspace, stream=None) -> None:
+    """Stage x for a later grouped GEMM call of `fmt` (moe_gate_up_mma / moe_gemv_mma with the same x, strides,
+    n_pairs, n_slots, k and `workspace`, and staged=True), so the staging can run earlier, or on another stream,
+    than the GEMM: as that GEMM would stage it (moe_stage_f16) for X16_FORMATS, nothing for the others.
+    `workspace`: a device pointer of mma_x_bytes bytes, which the GEMM then reads."""
+    need(fmt in MMA_FORMATS, f"moe_stage_x: unknown format {fmt!r}; one of {MMA_FORMATS}")
+    need((workspace is not None and int(workspace) != 0) or fmt not in X16_FORMATS,
+         "moe_stage_x: a workspace is needed (the GEMM reads it)")
+    _staged_x(gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream)
 
 
 def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x, x_row_stride: int,
                  x_slot_stride: int, y, n: int, k: int, stream=None, rows: int = PLAN_ROWS,
-                 blocks: int | None = None, workspace=None) -> None:
+                 blocks: int | None = None, workspace=None, staged: bool = False) -> None:
     """y f32 [n_pairs, n] = W[e] x_q for every pair q, e its expert by `plan` (moe_route_plan of the same
     n_pairs / n_experts and `rows`); zeros for a pair of no local expert. plan NULL: every pair uses table entry
     0 (a single weight, such as the shared expert's). Tensor cores, each (expert, 32-row tile) read once per
@@ -395,11 +415,13 @@ def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_exper
     warps an SM; MoE's choice at every width). Always batch-invariant: a pair's result does not depend on the
     other pairs, nor on `rows`. `blocks` caps the persistent grid (each block then walks more work units; the
     result does not change). x bf16; the fp8 and MXFP4 formats (X16_FORMATS) first stage it as f16 (moe_stage_f16) in
-    `workspace`, a device pointer of mma_x_bytes(fmt, vectors, k) bytes (None: one the launcher keeps)."""
+    `workspace`, a device pointer of mma_x_bytes(fmt, vectors, k) bytes (None: one the launcher keeps), unless
+    `staged`: moe_stage_x of the same arguments staged it there already (ordered before this call)."""
     name = _mma_name("moe_gemv_mma", fmt, rows)
     items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)
+    _check_staged(name, fmt, staged, workspace)
     x, x_row_stride, x_slot_stride, x_scale, s_row_stride, s_slot_stride = _staged_x(
-        gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream)
+        gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream, not staged)
     _mma_launch(gpu, name, fmt, n, k, 32, items, rows, blocks).arg_ptr(plan).arg_ptr(table).arg_u32(n_pairs) \
         .arg_u32(n_slots).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride).arg_ptr(x_scale) \
         .arg_u32(s_row_stride).arg_u32(s_slot_stride).arg_ptr(y).arg_u32(n).arg_u32(k).launch(stream)
@@ -407,15 +429,17 @@ def moe_gemv_mma(gpu, table, fmt: str, plan, n_pairs: int, n_slots: int, n_exper
 
 def moe_gate_up_mma(gpu, table_gate, table_up, fmt: str, plan, n_pairs: int, n_slots: int, n_experts: int, x,
                     x_row_stride: int, x_slot_stride: int, h, n: int, k: int, limit: float = 0.0,
-                    stream=None, rows: int = PLAN_ROWS, blocks: int | None = None, workspace=None) -> None:
+                    stream=None, rows: int = PLAN_ROWS, blocks: int | None = None, workspace=None,
+                    staged: bool = False) -> None:
     """h bf16 [n_pairs, n] = silu(g) * u, g = Wg[e] x_q, u = Wu[e] x_q (with limit > 0, g = min(g, limit) and
-    u = clamp(u, -limit, limit) first), e by `plan` as in moe_gemv_mma (`rows`, `blocks`, `workspace` too); 16
-    gate rows and the same 16 up rows per tile."""
+    u = clamp(u, -limit, limit) first), e by `plan` as in moe_gemv_mma (`rows`, `blocks`, `workspace`, `staged`
+    too); 16 gate rows and the same 16 up rows per tile."""
     name = _mma_name("moe_gate_up_mma", fmt, rows)
     items = _check_mma(name, fmt, plan, n_pairs, n_slots, n_experts, x, x_row_stride, x_slot_stride, n, k, rows)
     need(limit >= 0, f"{name}: negative swiglu limit {limit}")
+    _check_staged(name, fmt, staged, workspace)
     x, x_row_stride, x_slot_stride, x_scale, s_row_stride, s_slot_stride = _staged_x(
-        gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream)
+        gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream, not staged)
     _mma_launch(gpu, name, fmt, n, k, 16, items, rows, blocks).arg_ptr(plan).arg_ptr(table_gate).arg_ptr(table_up) \
         .arg_u32(n_pairs).arg_u32(n_slots).arg_ptr(x).arg_u32(x_row_stride).arg_u32(x_slot_stride) \
         .arg_ptr(x_scale).arg_u32(s_row_stride).arg_u32(s_slot_stride).arg_ptr(h).arg_u32(n).arg_u32(k) \
