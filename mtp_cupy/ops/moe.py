@@ -389,8 +389,9 @@ def _staged_x(gpu, fmt: str, x, xrs: int, xss: int, n_pairs: int, n_slots: int, 
 
 
 def _check_staged(name: str, fmt: str, staged: bool, workspace) -> None:
-    need(not staged or (workspace is not None and int(workspace) != 0) or fmt not in X16_FORMATS,
-         f"{name}: staged=True reads the x that moe_stage_x wrote to a workspace; none was given")
+    """A staged call of an f16-reading format reads a workspace: it must be given (None takes the launcher's own)."""
+    need(not staged or fmt not in X16_FORMATS or (workspace is not None and int(workspace) != 0),
+         f"{name}: the staged x lives in a workspace (moe_stage_x writes it, the GEMM reads it); none was given")
 
 
 def moe_stage_x(gpu, fmt: str, x, x_row_stride: int, x_slot_stride: int, n_pairs: int, n_slots: int, k: int,
@@ -400,8 +401,7 @@ def moe_stage_x(gpu, fmt: str, x, x_row_stride: int, x_slot_stride: int, n_pairs
     than the GEMM: as that GEMM would stage it (moe_stage_f16) for X16_FORMATS, nothing for the others.
     `workspace`: a device pointer of mma_x_bytes bytes, which the GEMM then reads."""
     need(fmt in MMA_FORMATS, f"moe_stage_x: unknown format {fmt!r}; one of {MMA_FORMATS}")
-    need((workspace is not None and int(workspace) != 0) or fmt not in X16_FORMATS,
-         "moe_stage_x: a workspace is needed (the GEMM reads it)")
+    _check_staged("moe_stage_x", fmt, True, workspace)
     _staged_x(gpu, fmt, x, x_row_stride, x_slot_stride, n_pairs, n_slots, k, workspace, stream)
 
 
