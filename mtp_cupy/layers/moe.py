@@ -184,15 +184,17 @@ class MoE:
         # small m): first the routed gate/up's f16 x (X16 formats), which that GEMM alone waits for, then the
         # shared expert's own launches and its gate, which join before the weighted sum
         early = grouped and self.fmt_gu in ops.X16_FORMATS
-        branch = early or add_shared and self.shared is not None and (not fused or self.shared_gate is not None)
+        side_expert = add_shared and self.shared is not None and not fused
+        side_gate = add_shared and self.shared_gate is not None
+        branch = early or side_expert or side_gate
         if branch:
             side = gpu.fork(stream)
             if early:
                 ops.moe_stage_x(gpu, self.fmt_gu, x, D, 0, m * S, S, D, self.xw, stream=side)
                 gpu.record(self._x_staged, side)
-            if add_shared and self.shared is not None and not fused:
+            if side_expert:
                 self._shared_expert(x, m, side)
-            if add_shared and self.shared_gate is not None:
+            if side_gate:
                 ops.linear(gpu, x, self.shared_gate, self.glogit, m, out_dtype="f32", stream=side,
                            invariant=self.inv)
         if self.router.fmt == "f32":
