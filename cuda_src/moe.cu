@@ -81,7 +81,13 @@ __device__ __forceinline__ void stage_row(const float* __restrict__ src, float* 
     }
 }
 
-// sc[i] = score(z[i]); sel[i] = sc[i] + bias[i] with NaN mapped to -inf (selection key only). The logits (and
+// An entry's selection value: its score plus its bias (0 without), NaN mapped to -inf.
+__device__ __forceinline__ float sel_value(float score, float bias) {
+    const float v = score + bias;
+    return v != v ? -INFINITY : v;
+}
+
+// sc[i] = score(z[i]); sel[i] = sel_value(sc[i], bias[i]) (selection key only). The logits (and
 // bias) are staged in sc (and sel) first; every later pass reads only the lane's own shared entries.
 __device__ void score_row(int fn, const float* z, const float* bias, float* sc, float* sel, u32 E, u32 lane) {
     stage_row(z, sc, E, lane);
@@ -101,10 +107,7 @@ __device__ void score_row(int fn, const float* z, const float* bias, float* sc, 
         for (u32 i = lane; i < E; i += 32) sc[i] = score_of(fn, sc[i]);
     }
 #pragma unroll (STAGE_U)
-    for (u32 i = lane; i < E; i += 32) {
-        const float v = sc[i] + (bias ? sel[i] : 0.f);
-        sel[i] = v != v ? -INFINITY : v;
-    }
+    for (u32 i = lane; i < E; i += 32) sel[i] = sel_value(sc[i], bias ? sel[i] : 0.f);
     __syncwarp();
 }
 
@@ -231,8 +234,7 @@ __device__ __forceinline__ void topk_row_regs(const float* __restrict__ z, const
     u32 key[J];
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-        float v = s[j] + (bias ? b[j] : 0.f);
-        v = v != v ? -INFINITY : v;
+        const float v = sel_value(s[j], bias ? b[j] : 0.f);
         key[j] = lane + 32 * j < E ? order_key(v) : 0u;
         if (n_group > 1 && lane + 32 * j < E) sel[lane + 32 * j] = v;
     }
