@@ -663,6 +663,8 @@ def test_moe_mma_staged_ahead(dev, rng, fmt):
         x = up(dev, x_row)
         with pytest.raises(KernelError, match="workspace"):
             ops.moe_stage_x(dev, fmt, x.ptr, k, 0, n_pairs, n_slots, k, NULL)
+        with pytest.raises(KernelError, match="unknown format"):
+            ops.moe_stage_x(dev, "fp6", x.ptr, k, 0, n_pairs, n_slots, k, ws.ptr)
         with pytest.raises(KernelError, match="staged x lives in a workspace"):
             ops.moe_gate_up_mma(dev, tabs[0].ptr, tabs[1].ptr, fmt, plan.ptr, n_pairs, n_slots, n_experts, x.ptr,
                                 k, 0, x.ptr, n, k, rows=rows, staged=True)
