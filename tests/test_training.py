@@ -3,8 +3,9 @@ few steps on the CPU is exported, the proposer loads it (NumPy device) and its c
 torch head's own chained rows (training/common.py `MtpHeadMixin.chain`, the rows a chained propose computes)
 at every depth, with the weights rounded to the BF16 the export stores. The drafter's expert choice (read off
 the NumPy device's top-k) must be torch's, unless it is a near tie (router_margin) that the drafter's BF16
-crossed: then that depth and the later ones are printed, not held to the tolerance. A key mapped wrongly, a swapped projection or a carried hidden taken from the wrong
-place fails here; the trained embedded models' acceptance is tests/test_embedded.py."""
+crossed: then that depth and the later ones (whose inputs now differ from torch's) are printed, not held to the
+tolerance. A key mapped wrongly, a swapped projection or a carried hidden taken from the wrong place fails here;
+the trained embedded models' acceptance is tests/test_embedded.py."""
 import numpy as np
 import pytest
 
@@ -138,10 +139,11 @@ def test_export_is_what_the_proposer_computes(fam, tmp_path, rng, monkeypatch):
         row = d * L + L - 1
         margin = router_margin(head.layer.mlp.gate, routed[d], row, scoring)
         same = sorted(picked[d].tolist()) == sorted(routed[d][2][row].tolist())
-        assert same or margin < (TIE if d == 0 else CHAINED_TIE), \
-            f"{fam} depth {d}: routed {sorted(picked[d].tolist())}, torch {sorted(routed[d][2][row].tolist())} " \
-            f"with a router margin of {margin:.2e}"
-        tie = d if tie is None and not same else tie
+        if tie is None:   # past a crossed tie the drafter's inputs differ from torch's: any choice may differ
+            assert same or margin < (TIE if d == 0 else CHAINED_TIE), \
+                f"{fam} depth {d}: routed {sorted(picked[d].tolist())}, torch {sorted(routed[d][2][row].tolist())} " \
+                f"with a router margin of {margin:.2e}"
+            tie = None if same else d
         print(f"{fam} depth {d}: rel err {err:.2e}, router margin {margin:.2e}, same experts {same}")
         assert tie is not None or err < 2e-2, f"{fam} depth {d}: rel err {err:.3g}"
     assert not np.isnan(res.logits).any()
